@@ -1,0 +1,1 @@
+"""Pallas kernels: `portable` (generic Pallas; Triton lowering on GPU, interpret mode on CPU)."""

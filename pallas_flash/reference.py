@@ -1,0 +1,46 @@
+"""Dense attention in float32: the oracle every implementation is tested against.
+
+It materialises the [batch, heads, q_len, kv_len] logits, so its memory grows as N^2; it is also the
+`implementation="xla"` path.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_flash import masks
+
+
+def attention_reference(query, key, value, *, scale: float, is_causal: bool = False):
+    """Exact attention, computed densely in float32.
+
+    Args:
+      query: [batch, q_len, heads, head_dim].
+      key, value: [batch, kv_len, kv_heads, head_dim]; heads % kv_heads == 0 (query head h reads kv head
+        h // (heads // kv_heads), as in `jax.nn.dot_product_attention`).
+    Returns:
+      (out [batch, q_len, heads, head_dim] in query's dtype, lse [batch, heads, q_len] float32, natural log).
+      A query that sees no key gets out = 0 and lse = -inf.
+    """
+    batch, q_len, heads, head_dim = query.shape
+    kv_len, kv_heads = key.shape[1], key.shape[2]
+    group = heads // kv_heads
+    q = query.astype(jnp.float32).reshape(batch, q_len, kv_heads, group, head_dim)
+    k = key.astype(jnp.float32)
+    v = value.astype(jnp.float32)
+    hp = jax.lax.Precision.HIGHEST
+    logits = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, precision=hp) * scale
+    mask = masks.visible(jnp.arange(q_len)[:, None], jnp.arange(kv_len)[None, :], is_causal=is_causal)
+    if mask is not None:
+        logits = jnp.where(mask, logits, -jnp.inf)
+    row_max = jnp.max(logits, axis=-1, keepdims=True)
+    # A fully masked row has max -inf; shifting by 0 instead keeps exp() at exactly 0 rather than NaN.
+    row_max = jnp.where(jnp.isneginf(row_max), 0.0, jax.lax.stop_gradient(row_max))
+    weights = jnp.exp(logits - row_max)
+    denom = jnp.sum(weights, axis=-1, keepdims=True)
+    probs = weights / jnp.where(denom == 0.0, 1.0, denom)
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v, precision=hp)
+    # log(0) = -inf for fully masked rows, taken through a safe log so the gradient stays finite.
+    lse = jnp.where(denom == 0.0, -jnp.inf, jnp.log(jnp.where(denom == 0.0, 1.0, denom)) + row_max)[..., 0]
+    out = out.reshape(batch, q_len, heads, head_dim).astype(query.dtype)
+    return out, lse.reshape(batch, heads, q_len)

@@ -1,0 +1,120 @@
+"""O(seq)-memory attention in plain JAX: `lax.scan` over key blocks with online softmax.
+
+The default off NVIDIA GPUs (Pallas interpret mode is far too slow for real use). The forward keeps a
+running (max, sum, output) per query row; the backward, a `custom_vjp`, rescans the key blocks and
+recomputes the probabilities from the saved log-sum-exp, so neither pass holds more than a
+[batch, heads, q_len, block_kv] slice of the logits.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from pallas_flash import masks
+
+LOG2E = math.log2(math.e)
+
+
+def _blocks(x, block_kv):
+    """[batch, kv_len, kv_heads, dim] -> [num_blocks, batch, block_kv, kv_heads, dim], zero padded."""
+    batch, kv_len, kv_heads, dim = x.shape
+    num_blocks = -(-kv_len // block_kv)
+    x = jnp.pad(x, ((0, 0), (0, num_blocks * block_kv - kv_len), (0, 0), (0, 0)))
+    return x.reshape(batch, num_blocks, block_kv, kv_heads, dim).swapaxes(0, 1)
+
+
+def _block_logits2(q, k_blk, start, *, scale, is_causal, kv_len):
+    """Scaled logits of one key block in the log2 domain, masked to -inf: [batch, kv_heads, group, q_len, block]."""
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", q, k_blk, preferred_element_type=jnp.float32) * (scale * LOG2E)
+    q_pos = jnp.arange(q.shape[1])[:, None]
+    k_pos = start + jnp.arange(k_blk.shape[1])[None, :]
+    mask = masks.visible(q_pos, k_pos, is_causal=is_causal, kv_len=kv_len)
+    return s if mask is None else jnp.where(mask, s, -jnp.inf)
+
+
+def _forward(q, k, v, scale, is_causal, block_kv):
+    batch, q_len, kv_heads, group, dim = q.shape
+    kv_len = k.shape[1]
+    block_kv = min(block_kv, kv_len)
+
+    def step(carry, blk):
+        acc, m, l = carry
+        idx, k_blk, v_blk = blk
+        s = _block_logits2(q, k_blk, idx * block_kv, scale=scale, is_causal=is_causal, kv_len=kv_len)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        # Rows with nothing visible yet keep m = -inf; shift them by 0 so exp2 gives 0, not NaN.
+        shift = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
+        p = jnp.exp2(s - shift[..., None])
+        alpha = jnp.exp2(m - shift)
+        l = alpha * l + jnp.sum(p, axis=-1)
+        pv = jnp.einsum("bhgqk,bkhd->bhgqd", p.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32)
+        return (alpha[..., None] * acc + pv, m_new, l), None
+
+    init = (jnp.zeros((batch, kv_heads, group, q_len, dim), jnp.float32),
+            jnp.full((batch, kv_heads, group, q_len), -jnp.inf, jnp.float32),
+            jnp.zeros((batch, kv_heads, group, q_len), jnp.float32))
+    k_blocks, v_blocks = _blocks(k, block_kv), _blocks(v, block_kv)
+    (acc, m, l), _ = jax.lax.scan(step, init, (jnp.arange(k_blocks.shape[0]), k_blocks, v_blocks))
+    empty = l == 0.0
+    out = acc / jnp.where(empty, 1.0, l)[..., None]
+    lse = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) / LOG2E)
+    return out, lse  # out [b, h, g, q, d] float32, lse [b, h, g, q]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _chunked(q, k, v, scale, is_causal, block_kv):
+    return _forward(q, k, v, scale, is_causal, block_kv)
+
+
+def _chunked_fwd(q, k, v, scale, is_causal, block_kv):
+    out, lse = _forward(q, k, v, scale, is_causal, block_kv)
+    return (out, lse), (q, k, v, out, lse)
+
+
+def _chunked_bwd(scale, is_causal, block_kv, residuals, cotangents):
+    q, k, v, out, lse = residuals
+    d_out, d_lse = cotangents
+    kv_len = k.shape[1]
+    block_kv = min(block_kv, kv_len)
+    # dL/ds = p * (dp - delta) with delta = rowsum(dO * O); a cotangent on lse adds p * d_lse.
+    delta = jnp.sum(d_out * out, axis=-1) - d_lse
+    # A row that saw no key has lse = -inf; +inf there makes every recomputed p exactly 0.
+    lse2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * LOG2E)
+    d_out_lowp = d_out.astype(q.dtype)
+
+    def step(dq, blk):
+        idx, k_blk, v_blk = blk
+        s = _block_logits2(q, k_blk, idx * block_kv, scale=scale, is_causal=is_causal, kv_len=kv_len)
+        p = jnp.exp2(s - lse2[..., None])
+        dv_blk = jnp.einsum("bhgqk,bhgqd->bkhd", p.astype(q.dtype), d_out_lowp, preferred_element_type=jnp.float32)
+        dp = jnp.einsum("bhgqd,bkhd->bhgqk", d_out_lowp, v_blk, preferred_element_type=jnp.float32)
+        ds = (p * (dp - delta[..., None])).astype(q.dtype)
+        dq = dq + jnp.einsum("bhgqk,bkhd->bqhgd", ds, k_blk, preferred_element_type=jnp.float32)
+        dk_blk = jnp.einsum("bhgqk,bqhgd->bkhd", ds, q, preferred_element_type=jnp.float32)
+        return dq, (dk_blk, dv_blk)
+
+    k_blocks, v_blocks = _blocks(k, block_kv), _blocks(v, block_kv)
+    dq, (dk, dv) = jax.lax.scan(step, jnp.zeros(q.shape, jnp.float32),
+                                (jnp.arange(k_blocks.shape[0]), k_blocks, v_blocks))
+
+    def unblock(x):  # [num_blocks, batch, block_kv, kv_heads, dim] -> [batch, kv_len, kv_heads, dim]
+        x = x.swapaxes(0, 1)
+        return x.reshape(x.shape[0], -1, *x.shape[3:])[:, :kv_len]
+
+    return ((dq * scale).astype(q.dtype), (unblock(dk) * scale).astype(k.dtype), unblock(dv).astype(v.dtype))
+
+
+_chunked.defvjp(_chunked_fwd, _chunked_bwd)
+
+
+def attention_chunked(query, key, value, *, scale: float, is_causal: bool, block_kv: int):
+    """Blocked online-softmax attention. Shapes and results as `reference.attention_reference`."""
+    batch, q_len, heads, dim = query.shape
+    kv_heads = key.shape[2]
+    q = query.reshape(batch, q_len, kv_heads, heads // kv_heads, dim)
+    out, lse = _chunked(q, key, value, scale, is_causal, block_kv)
+    out = jnp.moveaxis(out.reshape(batch, heads, q_len, dim), 1, 2).astype(query.dtype)
+    return out, lse.reshape(batch, heads, q_len)
