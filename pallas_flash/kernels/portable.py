@@ -1,7 +1,93 @@
-"""Placeholder until the kernels land: routes to the chunked XLA path."""
-from pallas_flash import xla_chunked
+"""The portable kernels as one differentiable function: padding, block fitting and the custom_vjp.
+
+Lengths are padded up to block multiples and head_dim to a power of two (tensor-core tiles need
+power-of-two shapes); the kernels mask the padded keys, and padded query rows are sliced off. The
+residuals are the unpadded (q, k, v, o, lse): nothing of size seq^2 is saved.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_flash.config import KernelConfig
+from pallas_flash.kernels import portable_bwd, portable_fwd, tiles
+
+MIN_BLOCK = 16  # smallest tile the tensor cores take
 
 
-def flash_attention_portable(query, key, value, *, scale, is_causal, config, interpret):
-    return xla_chunked.attention_chunked(query, key, value, scale=scale, is_causal=is_causal,
-                                         block_kv=config.block_kv)
+def _next_power_of_two(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _fit(block: int, length: int) -> int:
+    """Shrink a block for a short sequence so a length-17 call does not pad to 128."""
+    return min(block, max(MIN_BLOCK, _next_power_of_two(length)))
+
+
+def _pad_to(x, axis: int, size: int, value=0.0):
+    if x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _flash(q, k, v, scale, is_causal, config, interpret):
+    return _flash_fwd(q, k, v, scale, is_causal, config, interpret)[0]
+
+
+def _flash_fwd(q, k, v, scale, is_causal, config, interpret):
+    q_len, kv_len, head_dim = q.shape[1], k.shape[1], q.shape[3]
+    block_q, block_kv = _fit(config.block_q, q_len), _fit(config.block_kv, kv_len)
+    dim_pad = max(MIN_BLOCK, _next_power_of_two(head_dim))
+    q_p = _pad_to(_pad_to(q, 1, _round_up(q_len, block_q)), 3, dim_pad)
+    k_p = _pad_to(_pad_to(k, 1, _round_up(kv_len, block_kv)), 3, dim_pad)
+    v_p = _pad_to(_pad_to(v, 1, _round_up(kv_len, block_kv)), 3, dim_pad)
+    out, lse = portable_fwd.forward(q_p, k_p, v_p, scale=scale, is_causal=is_causal, kv_len=kv_len,
+                                    block_q=block_q, block_kv=block_kv, num_warps=config.num_warps,
+                                    num_stages=config.num_stages, interpret=interpret)
+    out, lse = out[:, :q_len, :, :head_dim], lse[:, :, :q_len]
+    return (out, lse), (q, k, v, out, lse)
+
+
+def _flash_bwd(scale, is_causal, config, interpret, residuals, cotangents):
+    q, k, v, out, lse = residuals
+    d_out, d_lse = cotangents
+    q_len, kv_len, head_dim = q.shape[1], k.shape[1], q.shape[3]
+    # dL/dS = P * (dP - delta); a cotangent on the LSE output adds P * d_lse, i.e. delta -= d_lse.
+    delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32)) - d_lse
+    # +inf makes every recomputed P of a row exactly 0: rows that saw no key, and padded rows.
+    lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * tiles.LOG2E)
+
+    blocks_q = (_fit(config.block_q_dkv, q_len), _fit(config.block_q_dq, q_len))
+    blocks_kv = (_fit(config.block_kv_dkv, kv_len), _fit(config.block_kv_dq, kv_len))
+    q_pad, kv_pad = _round_up(q_len, max(blocks_q)), _round_up(kv_len, max(blocks_kv))
+    dim_pad = max(MIN_BLOCK, _next_power_of_two(head_dim))
+
+    def pad_rows(x, rows):
+        return _pad_to(_pad_to(x, 1, rows), 3, dim_pad)
+
+    dq, dk, dv = portable_bwd.backward(
+        pad_rows(q, q_pad), pad_rows(k, kv_pad), pad_rows(v, kv_pad), pad_rows(d_out.astype(q.dtype), q_pad),
+        _pad_to(lse2, 2, q_pad, jnp.inf), _pad_to(delta, 2, q_pad),
+        scale=scale, is_causal=is_causal, kv_len=kv_len,
+        block_q_dkv=blocks_q[0], block_kv_dkv=blocks_kv[0], block_q_dq=blocks_q[1], block_kv_dq=blocks_kv[1],
+        num_warps=config.num_warps_bwd, num_stages=config.num_stages_bwd, interpret=interpret)
+    return dq[:, :q_len, :, :head_dim], dk[:, :kv_len, :, :head_dim], dv[:, :kv_len, :, :head_dim]
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def flash_attention_portable(query, key, value, *, scale: float, is_causal: bool, config: KernelConfig,
+                             interpret: bool):
+    """Shapes and results as `reference.attention_reference`; differentiable in query, key and value
+    (and through the returned LSE)."""
+    return _flash(query, key, value, scale, is_causal, config, interpret)

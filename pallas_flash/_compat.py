@@ -1,0 +1,23 @@
+"""The few Pallas names that moved between the JAX versions we support (0.10.2 on CPU, 0.11+ on GPU)."""
+from __future__ import annotations
+
+from jax.experimental import pallas as pl
+
+try:  # JAX >= 0.10: an explicit marker for block dimensions squeezed out of the kernel's view.
+    SQUEEZED = pl.squeezed
+except AttributeError:  # older JAX spelled it None
+    SQUEEZED = None
+
+try:
+    from jax.experimental.pallas import triton as _pl_triton
+
+    TritonCompilerParams = _pl_triton.CompilerParams
+except (ImportError, AttributeError):  # the Triton lowering may be removed from a future JAX
+    TritonCompilerParams = None
+
+
+def triton_params(num_warps: int, num_stages: int):
+    """Compiler parameters for the Triton lowering, or None where it is not available."""
+    if TritonCompilerParams is None:
+        return None
+    return TritonCompilerParams(num_warps=num_warps, num_stages=num_stages)
