@@ -6,6 +6,7 @@ residuals are the unpadded (q, k, v, o, lse): nothing of size seq^2 is saved.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -66,9 +67,11 @@ def _flash_bwd(scale, is_causal, config, interpret, residuals, cotangents):
     # +inf makes every recomputed P of a row exactly 0: rows that saw no key, and padded rows.
     lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * tiles.LOG2E)
 
-    blocks_q = (_fit(config.block_q_dkv, q_len), _fit(config.block_q_dq, q_len))
-    blocks_kv = (_fit(config.block_kv_dkv, kv_len), _fit(config.block_kv_dq, kv_len))
-    q_pad, kv_pad = _round_up(q_len, max(blocks_q)), _round_up(kv_len, max(blocks_kv))
+    fitted = dataclasses.replace(
+        config, block_q_dkv=_fit(config.block_q_dkv, q_len), block_q_dq=_fit(config.block_q_dq, q_len),
+        block_kv_dkv=_fit(config.block_kv_dkv, kv_len), block_kv_dq=_fit(config.block_kv_dq, kv_len))
+    q_pad = _round_up(q_len, max(fitted.block_q_dkv, fitted.block_q_dq))
+    kv_pad = _round_up(kv_len, max(fitted.block_kv_dkv, fitted.block_kv_dq))
     dim_pad = max(MIN_BLOCK, _next_power_of_two(head_dim))
 
     def pad_rows(x, rows):
@@ -77,9 +80,7 @@ def _flash_bwd(scale, is_causal, config, interpret, residuals, cotangents):
     dq, dk, dv = portable_bwd.backward(
         pad_rows(q, q_pad), pad_rows(k, kv_pad), pad_rows(v, kv_pad), pad_rows(d_out.astype(q.dtype), q_pad),
         _pad_to(lse2, 2, q_pad, jnp.inf), _pad_to(delta, 2, q_pad),
-        scale=scale, is_causal=is_causal, kv_len=kv_len,
-        block_q_dkv=blocks_q[0], block_kv_dkv=blocks_kv[0], block_q_dq=blocks_q[1], block_kv_dq=blocks_kv[1],
-        num_warps=config.num_warps_bwd, num_stages=config.num_stages_bwd, interpret=interpret)
+        scale=scale, is_causal=is_causal, kv_len=kv_len, config=fitted, interpret=interpret)
     return dq[:, :q_len, :, :head_dim], dk[:, :kv_len, :, :head_dim], dv[:, :kv_len, :, :head_dim]
 
 

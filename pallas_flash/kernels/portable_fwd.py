@@ -22,7 +22,7 @@ from pallas_flash.kernels import tiles
 
 def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, is_causal, kv_len, block_q, block_kv,
                     num_q_blocks, num_kv_blocks):
-    q_block = _q_block_index(pl.program_id(0), num_q_blocks, is_causal)
+    q_block = tiles.launch_order(pl.program_id(0), num_q_blocks, is_causal)
     q = q_ref[...]
     head_dim = q.shape[-1]
     logit_scale = scale * tiles.LOG2E
@@ -58,12 +58,6 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, is_causal, kv
     lse_ref[...] = jnp.where(empty, -jnp.inf, (row_max + jnp.log2(safe_sum)) * tiles.LN2)
 
 
-def _q_block_index(program, num_q_blocks, is_causal):
-    # Causal query blocks near the end visit the most key blocks: launch them first so the longest
-    # programs do not trail behind in the last wave.
-    return num_q_blocks - 1 - program if is_causal else program
-
-
 def forward(q, k, v, *, scale, is_causal, kv_len, block_q, block_kv, num_warps, num_stages, interpret):
     """Padded inputs -> (O, LSE).
 
@@ -77,13 +71,13 @@ def forward(q, k, v, *, scale, is_causal, kv_len, block_q, block_kv, num_warps, 
     num_q_blocks, num_kv_blocks = q_pad // block_q, kv_pad // block_kv
 
     def q_map(i, b, h):
-        return b, _q_block_index(i, num_q_blocks, is_causal), h, 0
+        return b, tiles.launch_order(i, num_q_blocks, is_causal), h, 0
 
     def kv_map(i, b, h):
         return b, 0, h // group, 0
 
     def lse_map(i, b, h):
-        return b, h, _q_block_index(i, num_q_blocks, is_causal)
+        return b, h, tiles.launch_order(i, num_q_blocks, is_causal)
 
     kernel = functools.partial(_forward_kernel, scale=scale, is_causal=is_causal, kv_len=kv_len,
                                block_q=block_q, block_kv=block_kv, num_q_blocks=num_q_blocks,

@@ -22,10 +22,13 @@ def dot(a, b, *, trans_a: bool = False, trans_b: bool = False):
                            precision=precision, preferred_element_type=jnp.float32)
 
 
-def tile_mask(q_start, k_start, block_q: int, block_kv: int, *, is_causal: bool, kv_len: int | None):
-    """Visibility of a [block_q, block_kv] tile whose first query/key positions are q_start/k_start."""
-    q_pos = q_start + lax.broadcasted_iota(jnp.int32, (block_q, block_kv), 0)
-    k_pos = k_start + lax.broadcasted_iota(jnp.int32, (block_q, block_kv), 1)
+def tile_mask(q_start, k_start, block_q: int, block_kv: int, *, is_causal: bool, kv_len: int | None,
+              keys_major: bool = False):
+    """Visibility of the tile whose first query/key positions are q_start/k_start: [block_q, block_kv],
+    or [block_kv, block_q] with `keys_major` (the transposed tiles of the dK/dV kernel)."""
+    shape, q_axis = ((block_kv, block_q), 1) if keys_major else ((block_q, block_kv), 0)
+    q_pos = q_start + lax.broadcasted_iota(jnp.int32, shape, q_axis)
+    k_pos = k_start + lax.broadcasted_iota(jnp.int32, shape, 1 - q_axis)
     return masks.visible(q_pos, k_pos, is_causal=is_causal, kv_len=kv_len)
 
 
@@ -58,3 +61,9 @@ def q_block_range(kv_block, *, block_q: int, block_kv: int, num_q_blocks: int, i
 def safe_exp_shift(row_max):
     """A row whose running max is still -inf saw no key yet: shift by 0 so exp2 gives 0, not NaN."""
     return jnp.where(row_max == -jnp.inf, 0.0, row_max)
+
+
+def launch_order(program, num_q_blocks: int, is_causal: bool):
+    """Query block handled by a program. Causal query blocks near the end visit the most key blocks:
+    launching them first keeps the longest programs from trailing behind in the last wave."""
+    return num_q_blocks - 1 - program if is_causal else program
