@@ -1,0 +1,200 @@
+"""What a run leaves behind: run.json for one attention, report.{md,json} + loss.png for `--attention both`,
+and `python -m train.report OUT_DIR` to gather the GPU experiments into results.{md,json} + PNGs.
+
+Every file is stamped with the date, device, JAX version and the command that made it.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import pathlib
+import shlex
+import sys
+
+import jax
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def stamp(command: list[str] | None = None) -> dict:
+    device = jax.devices()[0]
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": f"{device.platform}: {device.device_kind}", "jax": jax.__version__,
+            "command": shlex.join(command or [sys.executable.rsplit("/", 1)[-1], "-m", "train", *sys.argv[1:]])}
+
+
+def _mib(value) -> str:
+    return "n/a" if value is None else f"{value / 2**20:,.0f} MiB"
+
+
+def _rate(value) -> str:
+    return "n/a" if value is None else f"{value:,.0f}"
+
+
+def _longest(search: dict | None) -> str:
+    if not search:
+        return "not searched"
+    if search["longest"] is None:
+        return f"none (from {search['probes'][0]['seq_len']})" if search["probes"] else "none"
+    return f">= {search['longest']:,} (search limit)" if search["limit_reached"] else f"{search['longest']:,}"
+
+
+def _summary(result) -> dict:
+    summary = dataclasses.asdict(result)
+    summary["final_loss"] = result.losses[-1] if result.losses else None
+    summary["final_eval"] = result.evals[-1] if result.evals else None
+    return summary
+
+
+def write_run(run_dir: pathlib.Path, cfg, result, search: dict | None = None) -> dict:
+    report = {**stamp(), "config": json.loads(json.dumps(dataclasses.asdict(cfg), default=repr)),
+              "result": _summary(result), "max_context": search}
+    (run_dir / "run.json").write_text(json.dumps(report, indent=1))
+    return report
+
+
+def loss_agreement(a, b) -> dict:
+    """How far two loss curves of the same steps are apart: mean and max absolute difference."""
+    common = sorted(set(a.steps) & set(b.steps))
+    loss_a, loss_b = dict(zip(a.steps, a.losses)), dict(zip(b.steps, b.losses))
+    diffs = [abs(loss_a[s] - loss_b[s]) for s in common]
+    tail = diffs[len(diffs) // 2:]
+    return {"steps_compared": len(common), "mean_abs_diff": sum(diffs) / len(diffs), "max_abs_diff": max(diffs),
+            "mean_abs_diff_second_half": sum(tail) / len(tail)}
+
+
+def plot_losses(path: pathlib.Path, curves: dict, title: str, evals: dict | None = None) -> None:
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    for label, (steps, losses) in curves.items():
+        ax.plot(steps, losses, label=f"{label} (train)", linewidth=1.0, alpha=0.85)
+    for label, points in (evals or {}).items():
+        ax.plot([p["step"] for p in points], [p["val_loss"] for p in points], "o--", label=f"{label} (val)",
+                markersize=4)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats / token)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def write_comparison(run_dir: pathlib.Path, cfg, results: dict, searches: dict) -> dict:
+    """report.md, report.json and loss.png for a flash-vs-dense run."""
+    flash, dense = results["flash"], results["dense"]
+    report = {**stamp(), "config": json.loads(json.dumps(dataclasses.asdict(cfg), default=repr)),
+              "runs": {name: _summary(r) for name, r in results.items()}, "max_context": searches,
+              "agreement": loss_agreement(flash, dense)}
+    if flash.tokens_per_s and dense.tokens_per_s:
+        report["speedup"] = flash.tokens_per_s / dense.tokens_per_s
+    if searches.get("flash", {}).get("longest") and searches.get("dense", {}).get("longest"):
+        report["context_ratio"] = searches["flash"]["longest"] / searches["dense"]["longest"]
+    (run_dir / "report.json").write_text(json.dumps(report, indent=1))
+    plot_losses(run_dir / "loss.png", {n: (r.steps, r.losses) for n, r in results.items()},
+                f"flash vs dense, {cfg.data}, context {cfg.seq_len}, batch {cfg.batch_size}\n"
+                f"{report['device']}, jax {report['jax']}", {n: r.evals for n, r in results.items()})
+
+    agree = report["agreement"]
+    lines = [f"# Flash vs dense attention: {cfg.name}", "",
+             f"{report['date']} · {report['device']} · jax {report['jax']}", "",
+             f"Command: `{report['command']}`", "",
+             f"Model: {cfg.model.num_layers} layers, {cfg.model.num_heads} heads, embed {cfg.model.embed_dim}, "
+             f"compute {cfg.model.dtype}, parameters {cfg.model.param_dtype}; data `{cfg.data}`, context "
+             f"{cfg.seq_len}, batch {cfg.batch_size}, {cfg.steps} steps, seed {cfg.seed} (same data order).", "",
+             "| attention | final train loss | final val loss | tokens/s | compile s | step memory (XLA plan) "
+             "| peak device memory | longest context (batch "
+             f"{cfg.search_batch_size}) |", "|---|---|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        lines.append(f"| {name} | {r.losses[-1]:.4f} | {r.evals[-1]['val_loss']:.4f} | {_rate(r.tokens_per_s)} "
+                     f"| {r.compile_s:.1f} | {_mib(r.step_bytes)} | {_mib(r.peak_bytes)} "
+                     f"| {_longest(searches.get(name))} |")
+    lines += ["", f"Loss agreement over {agree['steps_compared']} steps: mean |flash - dense| = "
+              f"{agree['mean_abs_diff']:.4f}, max {agree['max_abs_diff']:.4f} nats.",
+              f"Speed-up (tokens/s, flash / dense): {report.get('speedup', float('nan')):.2f}x.",
+              f"Longest context ratio (flash / dense): {report.get('context_ratio', float('nan')):.1f}x.", "",
+              "Peak device memory is the allocator's peak since the process started (flash runs first, so the "
+              "dense figure is a maximum over both); the XLA plan is per compiled step.", "",
+              "![loss curves](loss.png)", ""]
+    for name, search in searches.items():
+        lines.append(f"Context search, {name}: " + ", ".join(
+            f"{p['seq_len']:,} {'ok' if p['fits'] else 'OOM'}" for p in search["probes"]))
+    (run_dir / "report.md").write_text("\n".join(lines) + "\n")
+    return report
+
+
+def summarize(out_dir: pathlib.Path) -> dict:
+    """Gathers the GPU experiments (see gpu_experiments.sh) into results.md / results.json / PNGs."""
+    both = json.loads((out_dir / "small_both" / "report.json").read_text())
+    long_runs = {name: json.loads((out_dir / name / "run.json").read_text()) for name in ("long_1k", "long_4k")}
+    long_eval = {name: run["result"]["final_eval"] for name, run in long_runs.items()}
+    claims = {
+        "curves_agree": {"mean_abs_diff": both["agreement"]["mean_abs_diff"],
+                         "final_val_loss": {n: r["final_eval"]["val_loss"] for n, r in both["runs"].items()}},
+        "speedup_at_4k": {"value": both.get("speedup"), "target": 2.0, "met": (both.get("speedup") or 0) >= 2.0},
+        "context_ratio": {"value": both.get("context_ratio"), "target": 16.0,
+                          "flash_limit_reached": both["max_context"]["flash"]["limit_reached"],
+                          "met": (both.get("context_ratio") or 0) >= 16.0},
+        "longer_context_lower_val_loss": {
+            "val_loss": {n: e["val_loss"] for n, e in long_eval.items()},
+            "val_answer_accuracy": {n: e.get("val_answer_accuracy") for n, e in long_eval.items()},
+            "met": long_eval["long_4k"]["val_loss"] < long_eval["long_1k"]["val_loss"]},
+    }
+    results = {**stamp(["bash", "train/gpu_experiments.sh", str(out_dir)]), "claims": claims,
+               "flash_vs_dense": both, "long_range": long_runs}
+    (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    for name, run in long_runs.items():
+        evals = run["result"]["evals"]
+        ax.plot([e["step"] for e in evals], [e["val_loss"] for e in evals], "o-",
+                label=f"context {run['config']['seq_len']} (val)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("validation loss (nats / token)")
+    ax.set_title(f"associative recall, same tokens, longer context\n{results['device']}, jax {results['jax']}",
+                 fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / "long_range.png")
+    plt.close(fig)
+
+    def mark(ok):
+        return "yes" if ok else "**no**"
+    c = claims
+    rows = [f"# GPU results: flash vs dense GPT training", "",
+            f"{results['date']} · {results['device']} · jax {results['jax']}", "",
+            f"Command: `{results['command']}` (runs: `{both['command']}`, "
+            f"`{long_runs['long_1k']['command']}`, `{long_runs['long_4k']['command']}`)", "",
+            "| claim | measured | met |", "|---|---|---|",
+            f"| flash and dense loss curves agree | mean abs diff {c['curves_agree']['mean_abs_diff']:.4f} nats; "
+            f"final val loss flash {c['curves_agree']['final_val_loss']['flash']:.4f}, dense "
+            f"{c['curves_agree']['final_val_loss']['dense']:.4f} | see curve |",
+            f"| >= 2x tokens/s at {both['config']['seq_len']} context | {c['speedup_at_4k']['value'] or float('nan'):.2f}x "
+            f"| {mark(c['speedup_at_4k']['met'])} |",
+            f"| flash context >= 16x dense | flash {_longest(both['max_context']['flash'])}, dense "
+            f"{_longest(both['max_context']['dense'])} ({c['context_ratio']['value'] or float('nan'):.0f}x) "
+            f"| {mark(c['context_ratio']['met'])} |",
+            f"| longer context, lower val loss (recall) | 1k: {long_eval['long_1k']['val_loss']:.4f}, "
+            f"4k: {long_eval['long_4k']['val_loss']:.4f} (recall accuracy "
+            f"{long_eval['long_1k'].get('val_answer_accuracy', 0):.1%} vs "
+            f"{long_eval['long_4k'].get('val_answer_accuracy', 0):.1%}) | "
+            f"{mark(c['longer_context_lower_val_loss']['met'])} |", "",
+            "![flash vs dense](small_both/loss.png)", "", "![long range](long_range.png)", "",
+            "Details: [small_both/report.md](small_both/report.md), results.json."]
+    (out_dir / "results.md").write_text("\n".join(rows) + "\n")
+    return results
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m train.report",
+                                     description="Gather the GPU experiments' outputs into results.md/json.")
+    parser.add_argument("out_dir", type=pathlib.Path)
+    summarize(parser.parse_args(argv).out_dir)
+
+
+if __name__ == "__main__":
+    main()
