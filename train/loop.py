@@ -45,28 +45,25 @@ def init_model(cfg: TrainConfig, attention: str, seq_len: int | None = None):
     return nnx.split(model, nnx.Param, ...)
 
 
-def _token_losses(graphdef, params, rest, batch, *, deterministic):
-    model = nnx.merge(graphdef, params, rest)
+def _token_losses(model, batch, *, deterministic):
     logits = model(batch["inputs"], deterministic=deterministic)
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-    return losses, logits, nnx.split(model, nnx.Param, ...)[2]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]), logits
 
 
 def make_steps(graphdef, tx):
     """jit-compiled (train_step, eval_step) for one model structure."""
 
-    def loss_fn(params, rest, batch):
-        losses, _, rest = _token_losses(graphdef, params, rest, batch, deterministic=False)
-        return losses.mean(), rest
-
     def train_step(params, opt_state, rest, batch):
-        (loss, rest), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, batch)
+        # Merged outside the gradient: nnx.value_and_grad carries the dropout RNG's update out of the
+        # differentiated function, which a plain jax.grad over a merge inside it cannot.
+        model = nnx.merge(graphdef, params, rest)
+        loss, grads = nnx.value_and_grad(lambda m: _token_losses(m, batch, deterministic=False)[0].mean())(model)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        return params, opt_state, rest, {"loss": loss, "grad_norm": optax.global_norm(grads)}
+        return params, opt_state, nnx.split(model, nnx.Param, ...)[2], {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
     def eval_step(params, rest, batch):
-        losses, logits, _ = _token_losses(graphdef, params, rest, batch, deterministic=True)
+        losses, logits = _token_losses(nnx.merge(graphdef, params, rest), batch, deterministic=True)
         sums = {"loss": losses.sum(), "tokens": jnp.float32(losses.size)}
         if "answers" in batch:
             answers = batch["answers"].astype(jnp.float32)

@@ -1,0 +1,115 @@
+"""CPU smoke tests of the trainer: config/CLI, data, loss decreases, exact resume, the `both` report."""
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from train import __main__ as train_main
+from train import data as data_lib
+from train import loop
+from train.config import parse_args
+
+# A model small enough for a few CPU steps; every run below compiles in seconds.
+SMALL = ["--model.num_layers", "1", "--model.num_heads", "2", "--model.num_kv_heads", "2",
+         "--model.embed_dim", "64", "--model.mlp_dim", "128", "--seq_len", "64", "--batch_size", "8",
+         "--corpus_bytes", "400000", "--eval_tokens", "1024", "--progress", "false", "--log_every", "5"]
+
+
+def _losses(path):
+    return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines()) if "loss" in r}
+
+
+def test_cli_overrides_every_level():
+    cfg = parse_args(["--steps", "50", "--model.num_layers", "4", "--seq-len", "256", "--attention", "both",
+                      "--model.remat", "--resume", "false", "--model.attention_implementation", "none"])
+    assert (cfg.steps, cfg.model.num_layers, cfg.seq_len, cfg.attention) == (50, 4, 256, "both")
+    assert cfg.model.remat is True and cfg.resume is False and cfg.model.attention_implementation is None
+    assert cfg.model_config("dense").attention == "dense" and cfg.model_config("dense").max_seq_len == 256
+
+
+@pytest.mark.parametrize("args, field", [
+    (["--steps", "0"], "steps"),
+    (["--attention", "sparse"], "attention"),
+    (["--data", "/no/such/file.txt"], "data"),
+    (["--warmup_steps", "500", "--steps", "100"], "warmup_steps"),
+    (["--min_lr_ratio", "1.5"], "min_lr_ratio"),
+    (["--recall_doc_len", "30"], "recall_doc_len"),
+])
+def test_bad_values_name_the_field(args, field, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(args)
+    assert f"{field}=" in capsys.readouterr().err
+
+
+def test_recall_documents_are_answerable_from_earlier_bindings():
+    tokens, answers = data_lib.recall_document(np.random.default_rng(3), 4096)
+    records, is_answer = tokens.reshape(-1, 4), answers.reshape(-1, 4)
+    bound = {}
+    for (k1, k2, op, value), answer in zip(records, is_answer):
+        key = (k1, k2)
+        if op == data_lib.SET_OP:
+            assert key not in bound and not answer.any()
+            bound[key] = value
+        else:
+            assert op == data_lib.GET_OP and answer[3] and bound[key] == value
+    assert 0.4 < is_answer[:, 3].mean() < 0.6
+
+
+def test_recall_batches_do_not_depend_on_the_window_layout():
+    cfg = parse_args(["--data", "recall", "--recall_doc_len", "64", "--seq_len", "32", "--batch_size", "4",
+                      "--eval_tokens", "256"])
+    short = data_lib.make_dataset(cfg)
+    long = data_lib.make_dataset(parse_args(["--data", "recall", "--recall_doc_len", "64", "--seq_len", "128",
+                                             "--batch_size", "1", "--eval_tokens", "256"]))
+    for step in (0, 5):
+        a, b = short.train_batch(step), long.train_batch(step)
+        assert np.array_equal(a["inputs"].reshape(-1), b["inputs"].reshape(-1))
+        assert np.array_equal(a["answers"].reshape(-1), b["answers"].reshape(-1))
+    val_a = np.concatenate([x["targets"].reshape(-1) for x in short.eval_batches()])
+    val_b = np.concatenate([x["targets"].reshape(-1) for x in long.eval_batches()])
+    assert np.array_equal(val_a, val_b) and len(val_a) == 256
+    assert not np.array_equal(short.train_batch(1)["inputs"], short.train_batch(2)["inputs"])
+
+
+def test_stdlib_split_is_deterministic_and_disjoint():
+    train_a, val_a = data_lib.stdlib_files(400_000, 0.1)
+    train_b, val_b = data_lib.stdlib_files(400_000, 0.1)
+    assert train_a == train_b and val_a == val_b and val_a and not set(train_a) & set(val_a)
+    cfg = parse_args(SMALL)
+    batch = data_lib.make_dataset(cfg).train_batch(7)
+    assert np.array_equal(batch["inputs"][:, 1:], batch["targets"][:, :-1])
+    assert np.array_equal(batch["inputs"], data_lib.make_dataset(cfg).train_batch(7)["inputs"])
+
+
+def test_tiny_steps_lower_the_loss(tmp_path):
+    cfg = parse_args(SMALL + ["--steps", "30", "--warmup_steps", "3", "--checkpoint_every", "0",
+                              "--run_dir", str(tmp_path)])
+    result = loop.train(cfg, "flash", tmp_path)
+    assert np.mean(result.losses[-5:]) < result.losses[0] - 1.0
+    assert result.evals[-1]["val_loss"] < np.log(256) - 1.0
+
+
+def test_resume_reproduces_the_next_loss_exactly(tmp_path):
+    args = SMALL + ["--steps", "6", "--warmup_steps", "2", "--checkpoint_every", "3", "--run_dir", str(tmp_path),
+                    "--model.dropout_rate", "0.1"]
+    train_main.main(args)
+    reference = _losses(tmp_path / "metrics.jsonl")
+    (tmp_path / "metrics.jsonl").rename(tmp_path / "first.jsonl")
+    shutil.rmtree(tmp_path / "checkpoints" / "6")
+    train_main.main(args + ["--resume"])
+    resumed = _losses(tmp_path / "metrics.jsonl")
+    assert sorted(resumed) == [4, 5, 6]
+    assert all(resumed[s] == reference[s] for s in resumed), (resumed, reference)
+    assert reference[4] != reference[3]
+
+
+def test_both_writes_the_report(tmp_path):
+    train_main.main(SMALL + ["--attention", "both", "--steps", "4", "--warmup_steps", "1", "--checkpoint_every",
+                             "0", "--max_context", "128", "--run_dir", str(tmp_path)])
+    for name in ("report.md", "report.json", "loss.png", "flash/metrics.jsonl", "dense/metrics.jsonl"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert [p["seq_len"] for p in report["max_context"]["flash"]["probes"]] == [64, 128]
+    assert report["agreement"]["max_abs_diff"] < 1e-2
+    assert set(report["runs"]) == {"flash", "dense"} and report["runs"]["dense"]["tokens_per_s"] > 0
