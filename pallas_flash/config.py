@@ -29,12 +29,12 @@ class KernelConfig:
     num_warps: int = 8
     num_stages: int = 3
     block_q_dkv: int = 64
-    block_kv_dkv: int = 64
-    num_warps_dkv: int = 4
+    block_kv_dkv: int = 128
+    num_warps_dkv: int = 8
     num_stages_dkv: int = 3
-    block_q_dq: int = 64
+    block_q_dq: int = 128
     block_kv_dq: int = 64
-    num_warps_dq: int = 4
+    num_warps_dq: int = 8
     num_stages_dq: int = 3
     xla_block_kv: int = 512
 
@@ -50,11 +50,14 @@ class KernelConfig:
 
     @classmethod
     def default(cls, head_dim: int) -> "KernelConfig":
-        """Defaults per head_dim, measured on H100 (pallas_flash/kernels/NOTES.md)."""
+        """Defaults per head_dim, the fastest variants measured on H100 (pallas_flash/kernels/NOTES.md)."""
         if head_dim <= 64:
-            return cls(block_q=64, block_kv=64, num_warps=4, num_stages=3)
+            return cls(block_q=64, block_kv=64, num_warps=4, num_stages=3,
+                       block_q_dkv=64, block_kv_dkv=64, num_warps_dkv=4, num_stages_dkv=3,
+                       block_q_dq=64, block_kv_dq=64, num_warps_dq=4, num_stages_dq=3)
         if head_dim <= 128:
             return cls()
+        # head_dim 256: halve the tiles so the accumulators fit in registers (not yet tuned on H100).
         return cls(block_q=64, block_kv=32, num_warps=4, num_stages=2,
                    block_q_dkv=32, block_kv_dkv=32, num_warps_dkv=4, num_stages_dkv=2,
                    block_q_dq=32, block_kv_dq=32, num_warps_dq=4, num_stages_dq=2)

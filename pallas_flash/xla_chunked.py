@@ -18,6 +18,12 @@ from pallas_flash import masks
 LOG2E = math.log2(math.e)
 
 
+def _einsum(spec, a, b):
+    # float32 inputs get float32 products: XLA on GPU would otherwise round operands to tf32.
+    precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return jnp.einsum(spec, a, b, precision=precision, preferred_element_type=jnp.float32)
+
+
 def _blocks(x, block_kv):
     """[batch, kv_len, kv_heads, dim] -> [num_blocks, batch, block_kv, kv_heads, dim], zero padded."""
     batch, kv_len, kv_heads, dim = x.shape
@@ -28,7 +34,7 @@ def _blocks(x, block_kv):
 
 def _block_logits2(q, k_blk, start, *, scale, is_causal, kv_len):
     """Scaled logits of one key block in the log2 domain, masked to -inf: [batch, kv_heads, group, q_len, block]."""
-    s = jnp.einsum("bqhgd,bkhd->bhgqk", q, k_blk, preferred_element_type=jnp.float32) * (scale * LOG2E)
+    s = _einsum("bqhgd,bkhd->bhgqk", q, k_blk) * (scale * LOG2E)
     q_pos = jnp.arange(q.shape[1])[:, None]
     k_pos = start + jnp.arange(k_blk.shape[1])[None, :]
     mask = masks.visible(q_pos, k_pos, is_causal=is_causal, kv_len=kv_len)
@@ -50,7 +56,7 @@ def _forward(q, k, v, scale, is_causal, block_kv):
         p = jnp.exp2(s - shift[..., None])
         alpha = jnp.exp2(m - shift)
         l = alpha * l + jnp.sum(p, axis=-1)
-        pv = jnp.einsum("bhgqk,bkhd->bhgqd", p.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32)
+        pv = _einsum("bhgqk,bkhd->bhgqd", p.astype(v_blk.dtype), v_blk)
         return (alpha[..., None] * acc + pv, m_new, l), None
 
     init = (jnp.zeros((batch, kv_heads, group, q_len, dim), jnp.float32),
@@ -89,11 +95,11 @@ def _chunked_bwd(scale, is_causal, block_kv, residuals, cotangents):
         idx, k_blk, v_blk = blk
         s = _block_logits2(q, k_blk, idx * block_kv, scale=scale, is_causal=is_causal, kv_len=kv_len)
         p = jnp.exp2(s - lse2[..., None])
-        dv_blk = jnp.einsum("bhgqk,bhgqd->bkhd", p.astype(q.dtype), d_out_lowp, preferred_element_type=jnp.float32)
-        dp = jnp.einsum("bhgqd,bkhd->bhgqk", d_out_lowp, v_blk, preferred_element_type=jnp.float32)
+        dv_blk = _einsum("bhgqk,bhgqd->bkhd", p.astype(q.dtype), d_out_lowp)
+        dp = _einsum("bhgqd,bkhd->bhgqk", d_out_lowp, v_blk)
         ds = (p * (dp - delta[..., None])).astype(q.dtype)
-        dq = dq + jnp.einsum("bhgqk,bkhd->bqhgd", ds, k_blk, preferred_element_type=jnp.float32)
-        dk_blk = jnp.einsum("bhgqk,bqhgd->bkhd", ds, q, preferred_element_type=jnp.float32)
+        dq = dq + _einsum("bhgqk,bkhd->bqhgd", ds, k_blk)
+        dk_blk = _einsum("bhgqk,bqhgd->bkhd", ds, q)
         return dq, (dk_blk, dv_blk)
 
     k_blocks, v_blocks = _blocks(k, block_kv), _blocks(v, block_kv)
