@@ -1,0 +1,91 @@
+"""Argument checking, dispatch, and behaviour under JAX transformations."""
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import pallas_flash as pf
+from pallas_flash import api
+from tests.test_attention import SMALL_BLOCKS, make_inputs, reference
+from tests.tolerances import GRADIENT, assert_close
+
+SHAPE = (2, 24, 40, 4, 2, 16)
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla_chunked"])
+def test_vmap_over_extra_leading_axis_and_vmap_of_grad(impl):
+    q, k, v, _ = make_inputs(SHAPE, jnp.float32, seed=10)
+    stack = lambda x: jnp.stack([x, jnp.flip(x, axis=1)])  # [2, batch, seq, heads, dim]
+    attend = functools.partial(pf.flash_attention, is_causal=True, implementation=impl, config=SMALL_BLOCKS)
+    out = jax.vmap(attend)(stack(q), stack(k), stack(v))
+    for i in range(2):
+        ref = reference(stack(q)[i], stack(k)[i], stack(v)[i], is_causal=True)[0]
+        assert_close(out[i], ref, jnp.float32)
+
+    loss = lambda q, k, v: jnp.sum(jnp.sin(attend(q, k, v)))
+    ref_loss = lambda q, k, v: jnp.sum(jnp.sin(reference(q, k, v, is_causal=True)[0]))
+    grads = jax.vmap(jax.grad(loss, argnums=(0, 1, 2)))(stack(q), stack(k), stack(v))
+    ref_grads = jax.vmap(jax.grad(ref_loss, argnums=(0, 1, 2)))(stack(q), stack(k), stack(v))
+    for g, rg in zip(grads, ref_grads):
+        assert_close(g, rg, jnp.float32, table=GRADIENT)
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla_chunked"])
+def test_jit_checkpoint_and_scan(impl):
+    q, k, v, _ = make_inputs(SHAPE, jnp.float32, seed=11)
+    attend = functools.partial(pf.flash_attention, is_causal=False, implementation=impl, config=SMALL_BLOCKS)
+
+    def layers(fn, q):  # two "layers" through lax.scan, each rematerialised
+        def body(x, _):
+            return jax.checkpoint(lambda x: fn(x, k, v) + x)(x), None
+        return jnp.sum(jax.lax.scan(body, q, None, length=2)[0] ** 2)
+
+    ours = jax.jit(jax.value_and_grad(functools.partial(layers, attend)))(q)
+    ref = jax.value_and_grad(functools.partial(layers, lambda q, k, v: reference(q, k, v, is_causal=False)[0]))(q)
+    assert_close(ours[0], ref[0], jnp.float32)
+    assert_close(ours[1], ref[1], jnp.float32, table=GRADIENT)
+
+
+def test_default_implementation_on_cpu_is_chunked_and_logged(caplog):
+    q, k, v, _ = make_inputs((1, 8, 8, 2, 2, 16), jnp.float32, seed=12)
+    api._logged.clear()
+    with caplog.at_level(logging.DEBUG, logger="pallas_flash"):
+        pf.flash_attention(q, k, v)
+        pf.flash_attention(q, k, v)
+    expected = "pallas" if api._on_nvidia_gpu() else "xla_chunked"
+    messages = [r.getMessage() for r in caplog.records if "implementation=None" in r.getMessage()]
+    assert len(messages) == 1 and repr(expected) in messages[0]
+
+
+def _bad(shape_q=(1, 8, 4, 16), shape_kv=(1, 8, 2, 16), dtype=jnp.float32, kv_dtype=None):
+    q = jnp.ones(shape_q, dtype)
+    kv = jnp.ones(shape_kv, kv_dtype or dtype)
+    return q, kv, kv
+
+
+@pytest.mark.parametrize("args, kwargs, error, words", [
+    (_bad(shape_q=(8, 4, 16)), {}, ValueError, "query must have rank 4"),
+    (_bad(shape_kv=(2, 8, 2, 16)), {}, ValueError, "key has batch 2"),
+    (_bad(shape_kv=(1, 8, 3, 16)), {}, ValueError, "must be a multiple of it"),
+    (_bad(shape_kv=(1, 8, 2, 32)), {}, ValueError, "head_dim 32"),
+    (_bad(shape_q=(1, 8, 4, 8), shape_kv=(1, 8, 2, 8)), {}, ValueError, "head_dim is 8"),
+    (_bad(shape_q=(1, 8, 4, 512), shape_kv=(1, 8, 2, 512)), {}, ValueError, "head_dim is 512"),
+    (_bad(dtype=jnp.int32), {}, TypeError, "query has dtype int32"),
+    (_bad(kv_dtype=jnp.bfloat16), {}, TypeError, "share one dtype"),
+    (_bad(), {"implementation": "cuda"}, ValueError, "implementation must be"),
+    (_bad(), {"scale": "big"}, TypeError, "scale must be"),
+    (_bad(), {"is_causal": 1}, TypeError, "is_causal must be a bool"),
+    (_bad(), {"config": {"block_q": 64}}, TypeError, "config must be"),
+])
+def test_bad_input_is_named(args, kwargs, error, words):
+    with pytest.raises(error, match=words):
+        pf.flash_attention(*args, **kwargs)
+
+
+@pytest.mark.parametrize("field, value, words", [("block_q", 48, "power of two"), ("block_kv", 8, "at least 16"),
+                                                 ("num_warps", 0, "positive int"), ("num_stages", 1.5, "positive int")])
+def test_bad_config_is_named(field, value, words):
+    with pytest.raises(ValueError, match=f"KernelConfig.{field}.*{words}"):
+        pf.KernelConfig(**{field: value})
