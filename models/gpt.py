@@ -1,0 +1,59 @@
+"""GPT: a decoder-only, causal Transformer with tied input/output embeddings (nanoGPT's shape, rotary
+positions instead of a learned table)."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.transformer import INIT_STD, Stack, TransformerConfig, norm_layer
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig(TransformerConfig):
+    """A GPT. `attention` picks "flash", "dense" or a callable; parameters are the same for every choice,
+    so `dataclasses.replace(cfg, attention="dense")` runs the same checkpoint densely."""
+    vocab_size: int = 256  # byte-level
+    max_seq_len: int = 1024  # validated against inputs; rotary embeddings have no table to size
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("vocab_size", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+PRESETS: dict[str, GPTConfig] = {
+    "tiny": GPTConfig(num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=64, mlp_dim=128, max_seq_len=64),
+    "small": GPTConfig(num_layers=6, num_heads=8, num_kv_heads=8, embed_dim=512, mlp_dim=1408),
+    "gpt2_small": GPTConfig(num_layers=12, num_heads=12, num_kv_heads=12, embed_dim=768, mlp_dim=3072,
+                            mlp="gelu", norm="layernorm"),
+}
+
+
+class GPT(nnx.Module):
+    def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
+        if not isinstance(config, GPTConfig):
+            raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}")
+        self.config = config
+        self.embed = nnx.Embed(config.vocab_size, config.embed_dim, dtype=jnp.dtype(config.dtype),
+                               param_dtype=jnp.dtype(config.param_dtype),
+                               embedding_init=nnx.initializers.normal(INIT_STD), rngs=rngs)
+        self.dropout = nnx.Dropout(config.dropout_rate, rngs=rngs)
+        self.stack = Stack(config, is_causal=True, rngs=rngs)
+        self.norm = norm_layer(config, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array, *, deterministic: bool = True) -> jax.Array:
+        """tokens int [batch, seq] -> next-token logits float32 [batch, seq, vocab_size]."""
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
+        if tokens.shape[1] > self.config.max_seq_len:
+            raise ValueError(f"tokens have seq {tokens.shape[1]} > max_seq_len {self.config.max_seq_len}")
+        x = self.dropout(self.embed(tokens), deterministic=deterministic)
+        x = self.norm(self.stack(x, deterministic=deterministic))
+        # Tied output embedding, in float32: logits feed a softmax over the whole vocabulary.
+        table = self.embed.embedding[...].astype(jnp.float32)
+        return jnp.einsum("bsd,vd->bsv", x.astype(jnp.float32), table)

@@ -1,0 +1,190 @@
+"""The Transformer block every model shares: pre-norm, rotary embeddings, MHA/GQA, GELU or SwiGLU MLP.
+
+The attention is one config field: "flash" (`pallas_flash.flax`), "dense" (Flax's own
+`nnx.dot_product_attention`) or any callable with Flax's `attention_fn` signature. Attention holds no
+parameters, so parameters and their initialisation do not depend on that choice: one checkpoint runs with
+either.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from pallas_flash.api import IMPLEMENTATIONS
+from pallas_flash.flax import make_attention_fn
+
+NORMS = ("rmsnorm", "layernorm")
+MLPS = ("swiglu", "gelu")
+ATTENTIONS = ("flash", "dense")
+ROPE_BASE = 10_000.0
+INIT_STD = 0.02  # GPT-2's initialiser; residual projections are further scaled by 1/sqrt(2 * num_layers)
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """The fields every model's config shares (GPTConfig, EncoderConfig, ViTConfig extend it)."""
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 4
+    embed_dim: int = 64
+    mlp_dim: int = 256
+    dropout_rate: float = 0.0
+    norm: str = "rmsnorm"
+    mlp: str = "swiglu"
+    attention: str | Callable = "flash"
+    attention_implementation: str | None = None
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    remat: bool = False
+
+    def __post_init__(self):
+        for name in ("num_layers", "num_heads", "num_kv_heads", "embed_dim", "mlp_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads is {self.num_kv_heads}; num_heads {self.num_heads} must be a "
+                             "multiple of it")
+        if self.embed_dim % self.num_heads:
+            raise ValueError(f"embed_dim {self.embed_dim} must be a multiple of num_heads {self.num_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim (embed_dim / num_heads) is {self.head_dim}; rotary embeddings need "
+                             "it even")
+        if not 0.0 <= self.dropout_rate < 1.0:
+            raise ValueError(f"dropout_rate must be in [0, 1), got {self.dropout_rate!r}")
+        if self.norm not in NORMS:
+            raise ValueError(f"norm must be one of {NORMS}, got {self.norm!r}")
+        if self.mlp not in MLPS:
+            raise ValueError(f"mlp must be one of {MLPS}, got {self.mlp!r}")
+        if not callable(self.attention) and self.attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {ATTENTIONS} or a callable with Flax's attention_fn "
+                             f"signature, got {self.attention!r}")
+        if self.attention_implementation not in (None, *IMPLEMENTATIONS):
+            raise ValueError(f"attention_implementation must be None or one of {IMPLEMENTATIONS}, "
+                             f"got {self.attention_implementation!r}")
+        for name in ("dtype", "param_dtype"):
+            value = getattr(self, name)
+            if value not in ("float32", "bfloat16", "float16"):
+                raise ValueError(f"{name} must be 'float32', 'bfloat16' or 'float16', got {value!r}")
+        if not isinstance(self.remat, bool):
+            raise ValueError(f"remat must be a bool, got {self.remat!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.embed_dim // self.num_heads
+
+    def attention_fn(self) -> Callable:
+        """The configured attention as a Flax `attention_fn`."""
+        if self.attention == "flash":
+            return make_attention_fn(implementation=self.attention_implementation)
+        if self.attention == "dense":
+            return nnx.dot_product_attention
+        return self.attention
+
+
+def _dense(cfg: TransformerConfig, in_features: int, out_features: int, *, rngs, std=INIT_STD):
+    return nnx.Linear(in_features, out_features, use_bias=False, dtype=jnp.dtype(cfg.dtype),
+                      param_dtype=jnp.dtype(cfg.param_dtype),
+                      kernel_init=nnx.initializers.normal(std), rngs=rngs)
+
+
+def norm_layer(cfg: TransformerConfig, *, rngs) -> nnx.Module:
+    cls = nnx.RMSNorm if cfg.norm == "rmsnorm" else nnx.LayerNorm
+    return cls(cfg.embed_dim, epsilon=1e-6, dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype),
+               rngs=rngs)
+
+
+def rotary(x: jax.Array) -> jax.Array:
+    """Rotary position embedding of x [batch, seq, heads, head_dim] at positions 0..seq-1.
+
+    Pairs (x[i], x[i + head_dim/2]) rotate by angle pos * base^(-2i/head_dim): the query-key dot product
+    then depends on positions only through their difference. Angles in float32: bfloat16 positions are
+    exact only up to 256.
+    """
+    seq, head_dim = x.shape[-3], x.shape[-1]
+    freqs = ROPE_BASE ** (-jnp.arange(0, head_dim // 2, dtype=jnp.float32) * 2 / head_dim)
+    angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * freqs[None, :]  # [seq, head_dim / 2]
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]  # [seq, 1, head_dim / 2]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Multi-head or grouped-query self-attention with rotary embeddings; the attention_fn is pluggable."""
+
+    def __init__(self, cfg: TransformerConfig, *, is_causal: bool, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.is_causal = is_causal
+        self.attention_fn = cfg.attention_fn()
+        d, h = cfg.head_dim, cfg.num_heads
+        self.query = _dense(cfg, cfg.embed_dim, h * d, rngs=rngs)
+        self.key = _dense(cfg, cfg.embed_dim, cfg.num_kv_heads * d, rngs=rngs)
+        self.value = _dense(cfg, cfg.embed_dim, cfg.num_kv_heads * d, rngs=rngs)
+        self.out = _dense(cfg, h * d, cfg.embed_dim, rngs=rngs, std=INIT_STD / math.sqrt(2 * cfg.num_layers))
+
+    def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+        """x [batch, seq, embed_dim]; mask broadcastable to [batch, heads, seq, seq] (True = attend)."""
+        cfg = self.cfg
+        batch, seq, _ = x.shape
+        q = self.query(x).reshape(batch, seq, cfg.num_heads, cfg.head_dim)
+        k = self.key(x).reshape(batch, seq, cfg.num_kv_heads, cfg.head_dim)
+        v = self.value(x).reshape(batch, seq, cfg.num_kv_heads, cfg.head_dim)
+        # Dropout lives on the residual branches, not on the attention weights, so a model with dropout
+        # still runs the flash kernels (the same call nnx.MultiHeadAttention makes, with dropout_rate 0).
+        out = self.attention_fn(rotary(q), rotary(k), v, mask=mask, dropout_rng=None, dropout_rate=0.0,
+                                broadcast_dropout=True, deterministic=True, dtype=jnp.dtype(cfg.dtype),
+                                precision=None, module=None, is_causal=self.is_causal)
+        return self.out(out.reshape(batch, seq, cfg.num_heads * cfg.head_dim))
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+        self.kind = cfg.mlp
+        self.up = _dense(cfg, cfg.embed_dim, cfg.mlp_dim, rngs=rngs)
+        self.gate = _dense(cfg, cfg.embed_dim, cfg.mlp_dim, rngs=rngs) if cfg.mlp == "swiglu" else None
+        self.down = _dense(cfg, cfg.mlp_dim, cfg.embed_dim, rngs=rngs,
+                           std=INIT_STD / math.sqrt(2 * cfg.num_layers))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        if self.kind == "swiglu":
+            return self.down(nnx.silu(self.gate(x)) * self.up(x))
+        return self.down(nnx.gelu(self.up(x)))
+
+
+class Block(nnx.Module):
+    """x + Attention(Norm(x)), then x + MLP(Norm(x)); dropout on each branch's output."""
+
+    def __init__(self, cfg: TransformerConfig, *, is_causal: bool, rngs: nnx.Rngs):
+        self.attention_norm = norm_layer(cfg, rngs=rngs)
+        self.attention = Attention(cfg, is_causal=is_causal, rngs=rngs)
+        self.mlp_norm = norm_layer(cfg, rngs=rngs)
+        self.mlp = MLP(cfg, rngs=rngs)
+        self.dropout = nnx.Dropout(cfg.dropout_rate, rngs=rngs)
+
+    def __call__(self, x: jax.Array, mask: jax.Array | None = None, *, deterministic: bool = True):
+        """x [batch, seq, embed_dim] -> [batch, seq, embed_dim]."""
+        x = x + self.dropout(self.attention(self.attention_norm(x), mask), deterministic=deterministic)
+        return x + self.dropout(self.mlp(self.mlp_norm(x)), deterministic=deterministic)
+
+
+class Stack(nnx.Module):
+    """num_layers Blocks, each optionally under `nnx.remat` (recompute activations in the backward)."""
+
+    def __init__(self, cfg: TransformerConfig, *, is_causal: bool, rngs: nnx.Rngs):
+        self.remat = cfg.remat
+        self.blocks = nnx.List([Block(cfg, is_causal=is_causal, rngs=rngs) for _ in range(cfg.num_layers)])
+
+    def __call__(self, x: jax.Array, mask: jax.Array | None = None, *, deterministic: bool = True):
+        def apply(block, x, mask):
+            return block(x, mask, deterministic=deterministic)
+
+        if self.remat:
+            apply = nnx.remat(apply)
+        for block in self.blocks:
+            x = apply(block, x, mask)
+        return x
