@@ -44,16 +44,16 @@ def test_bad_values_name_the_field(args, field, capsys):
 
 def test_recall_documents_are_answerable_from_earlier_bindings():
     tokens, answers = data_lib.recall_document(np.random.default_rng(3), 4096)
-    records, is_answer = tokens.reshape(-1, 4), answers.reshape(-1, 4)
+    records, is_answer = tokens.reshape(-1, 8), answers.reshape(-1, 8)
     bound = {}
-    for (k1, k2, op, value), answer in zip(records, is_answer):
-        key = (k1, k2)
+    for record, answer in zip(records, is_answer):
+        key, op, value = bytes(record[:2]), record[2], bytes(record[3:])
         if op == data_lib.SET_OP:
             assert key not in bound and not answer.any()
             bound[key] = value
         else:
-            assert op == data_lib.GET_OP and answer[3] and bound[key] == value
-    assert 0.4 < is_answer[:, 3].mean() < 0.6
+            assert op == data_lib.GET_OP and answer[3:].all() and not answer[:3].any() and bound[key] == value
+    assert 0.4 < is_answer[:, -1].mean() < 0.6
 
 
 def test_recall_batches_do_not_depend_on_the_window_layout():

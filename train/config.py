@@ -50,7 +50,7 @@ class TrainConfig:
     progress: bool = True               # tqdm progress bar
     corpus_bytes: int = 4_000_000       # stdlib corpus size; 0: all of it
     val_fraction: float = 0.05
-    recall_doc_len: int = 4096          # recall task: tokens per document (records of 4 tokens)
+    recall_doc_len: int = 4096          # recall task: tokens per document (records of 8 tokens)
 
     def __post_init__(self):
         def require(ok, field, message):
@@ -78,7 +78,7 @@ class TrainConfig:
         require(self.attention in ATTENTIONS, "attention", f"must be one of {ATTENTIONS}")
         require(self.data in BUILTIN_DATA or pathlib.Path(self.data).is_file(), "data",
                 f"must be one of {BUILTIN_DATA} or the path of an existing text file")
-        require(self.recall_doc_len % 4 == 0, "recall_doc_len", "must be a multiple of the record length 4")
+        require(self.recall_doc_len % 8 == 0, "recall_doc_len", "must be a multiple of the record length 8")
         if self.model.vocab_size < 256:
             raise ValueError(f"model.vocab_size={self.model.vocab_size}: must be at least 256 for byte-level data")
         for field in TRAINER_SET_MODEL_FIELDS:

@@ -5,9 +5,9 @@ see the same batches in the same order, and a resumed run continues exactly wher
 
 - `stdlib`: the Python standard library's own sources as bytes (vocab 256), split into train and
   validation by a hash of each file's path.
-- `recall`: a synthetic associative-recall stream. Documents of `recall_doc_len` tokens are made of 4-token
-  records `kk=v` (bind a fresh two-token key to a value) and `kk?v` (recall the value of a key bound
-  earlier in the same document, chosen uniformly among all earlier bindings). A recalled value is
+- `recall`: a synthetic associative-recall stream. Documents of `recall_doc_len` tokens are made of 8-token
+  records `kk=vvvvv` (bind a fresh two-token key to a random five-token value) and `kk?vvvvv` (recall the
+  value of a key bound earlier in the same document, chosen uniformly among all earlier bindings). A recalled value is
   predictable only if its binding lies inside the model's context, so a model trained and evaluated with a
   longer context can reach a lower validation loss on the same tokens: the FlashAttention paper's
   1k -> 4k effect in a form where the cause is known.
@@ -22,7 +22,8 @@ import sysconfig
 import numpy as np
 
 VOCAB_SIZE = 256
-RECORD_LEN = 4
+KEY_LEN, VALUE_LEN = 2, 5
+RECORD_LEN = KEY_LEN + 1 + VALUE_LEN
 # 64 printable symbols for keys and values, so a document prints as readable text.
 ALPHABET = np.frombuffer(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+/", dtype=np.uint8)
 NUM_KEYS = len(ALPHABET) ** 2
@@ -69,13 +70,14 @@ def recall_document(rng: np.random.Generator, doc_len: int) -> tuple[np.ndarray,
     is_get[0] = False
     num_sets = int((~is_get).sum())
     keys = rng.choice(NUM_KEYS, size=num_sets, replace=False)   # distinct keys: every recall is unambiguous
-    values = rng.integers(0, len(ALPHABET), size=num_sets)
+    values = rng.integers(0, len(ALPHABET), size=(num_sets, VALUE_LEN))
     sets_before = np.cumsum(~is_get) - (~is_get)                 # bindings strictly before each record
     binding = np.where(is_get, (rng.random(num_records) * sets_before).astype(np.int64), np.cumsum(~is_get) - 1)
-    records = np.stack([ALPHABET[keys[binding] // len(ALPHABET)], ALPHABET[keys[binding] % len(ALPHABET)],
-                        np.where(is_get, GET_OP, SET_OP).astype(np.uint8), ALPHABET[values[binding]]], axis=1)
+    key_symbols = np.stack([keys[binding] // len(ALPHABET), keys[binding] % len(ALPHABET)], axis=1)
+    records = np.concatenate([ALPHABET[key_symbols], np.where(is_get, GET_OP, SET_OP).astype(np.uint8)[:, None],
+                              ALPHABET[values[binding]]], axis=1)
     answers = np.zeros((num_records, RECORD_LEN), dtype=bool)
-    answers[:, -1] = is_get
+    answers[:, KEY_LEN + 1:] = is_get[:, None]
     return records.reshape(-1), answers.reshape(-1)
 
 
