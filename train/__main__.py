@@ -15,8 +15,11 @@ def main(argv=None) -> None:
           f"{cfg.batch_size}, {cfg.steps} steps -> {out}", file=sys.stderr)
     if cfg.attention == "both":
         results = {a: loop.train(cfg, a, out / a) for a in ("flash", "dense")}
-        searches = {a: loop.find_max_context(cfg, a) for a in ("flash", "dense")} if cfg.max_context else {}
-        summary = report.write_comparison(out, cfg, results, searches)
+        searches: dict = {}
+        summary = report.write_comparison(out, cfg, results, searches)   # kept if the search is cut short
+        for attention in ("flash", "dense") if cfg.max_context else ():
+            searches[attention] = loop.find_max_context(cfg, attention)
+            summary = report.write_comparison(out, cfg, results, searches)
         print(f"report: {out / 'report.md'} (speed-up {summary.get('speedup', float('nan')):.2f}x)")
         return
     result = loop.train(cfg, cfg.attention, out)
