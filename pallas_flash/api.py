@@ -7,7 +7,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_flash import reference, xla_chunked
+from pallas_flash import masks, reference, xla_chunked
 from pallas_flash.config import KernelConfig
 from pallas_flash.kernels import portable
 
@@ -68,8 +68,56 @@ def _choose_implementation(implementation):
     return implementation
 
 
-def flash_attention(query, key, value, *, scale=None, is_causal=False, return_lse=False,
-                    implementation=None, config=None):
+def _check_window(local_window_size):
+    if local_window_size is None:
+        return None
+    if isinstance(local_window_size, int) and not isinstance(local_window_size, bool):
+        local_window_size = (local_window_size, local_window_size)
+    ok = isinstance(local_window_size, tuple) and len(local_window_size) == 2 and all(
+        side is None or (isinstance(side, int) and not isinstance(side, bool) and side >= 0)
+        for side in local_window_size)
+    if not ok:
+        raise ValueError("local_window_size must be None, an int >= 0, or a tuple (left, right) of ints >= 0 "
+                         f"(or None for an unbounded side), got {local_window_size!r}")
+    return local_window_size
+
+
+def _check_int_array(name, x, shape):
+    if x is None:
+        return None
+    if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"{name} must be an integer array, got {getattr(x, 'dtype', type(x).__name__)}")
+    if tuple(x.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
+    return x.astype(jnp.int32)
+
+
+def _segments(query, key, segment_ids, kv_segment_ids, query_seq_lengths, key_value_seq_lengths):
+    """Segment ids and lengths folded into one pair of int32 [batch, len] segment-id arrays, or (None, None)."""
+    batch, q_len, kv_len = query.shape[0], query.shape[1], key.shape[1]
+    segment_ids = _check_int_array("segment_ids", segment_ids, (batch, q_len))
+    if kv_segment_ids is None and segment_ids is not None:
+        if kv_len != q_len:
+            raise ValueError(f"kv_segment_ids is required when q_len ({q_len}) != kv_len ({kv_len})")
+        kv_segment_ids = segment_ids
+    kv_segment_ids = _check_int_array("kv_segment_ids", kv_segment_ids, (batch, kv_len))
+    if (segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("kv_segment_ids needs segment_ids (the query's segment ids) too")
+    q_lengths = _check_int_array("query_seq_lengths", query_seq_lengths, (batch,))
+    kv_lengths = _check_int_array("key_value_seq_lengths", key_value_seq_lengths, (batch,))
+    if segment_ids is None and q_lengths is None and kv_lengths is None:
+        return None, None
+    q_ids = masks.segments_from_lengths(segment_ids, q_lengths, q_len, masks.QUERY_PADDING_ID)
+    kv_ids = masks.segments_from_lengths(kv_segment_ids, kv_lengths, kv_len, masks.KEY_PADDING_ID)
+    # Lengths on one side only: the other side's ids are all 0 (one segment).
+    q_ids = jnp.zeros((batch, q_len), jnp.int32) if q_ids is None else q_ids
+    kv_ids = jnp.zeros((batch, kv_len), jnp.int32) if kv_ids is None else kv_ids
+    return q_ids, kv_ids
+
+
+def flash_attention(query, key, value, *, scale=None, is_causal=False, segment_ids=None, kv_segment_ids=None,
+                    query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
+                    return_lse=False, implementation=None, config=None):
     """Exact scaled dot-product attention in O(seq) memory.
 
     Args:
@@ -78,6 +126,13 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, return_ls
         reads kv head h // (heads // kv_heads). q_len and kv_len may differ.
       scale: softmax scale; default 1 / sqrt(head_dim).
       is_causal: query i sees key j iff j <= i, as in `jax.nn.dot_product_attention`.
+      segment_ids: int [batch, q_len]: packed sequences; a query sees only keys with its segment id.
+        kv_segment_ids: int [batch, kv_len], the keys' ids (default: segment_ids, when q_len == kv_len).
+        The two most negative int32 values are reserved for padding.
+      query_seq_lengths, key_value_seq_lengths: int [batch]: per-example lengths; positions at or past
+        them are padding (padded queries get zeros, padded keys are never seen).
+      local_window_size: int w or (left, right): query i sees keys i - left .. i + right (None for an
+        unbounded side); combined with is_causal, right is 0.
       return_lse: also return the log-sum-exp of the scaled logits, [batch, heads, q_len] float32.
       implementation: None (best available: "pallas" on an NVIDIA GPU, else "xla_chunked"), or force
         "pallas" (interpret mode without a GPU), "xla_chunked" or "xla" (dense reference).
@@ -87,6 +142,8 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, return_ls
       key gets zeros and lse = -inf.
     """
     _check_inputs(query, key, value)
+    band = masks.Band.of(is_causal if isinstance(is_causal, bool) else False, _check_window(local_window_size))
+    q_ids, kv_ids = _segments(query, key, segment_ids, kv_segment_ids, query_seq_lengths, key_value_seq_lengths)
     head_dim = query.shape[-1]
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
@@ -101,13 +158,13 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, return_ls
     scale = float(scale)
 
     impl = _choose_implementation(implementation)
+    segments = dict(q_segment_ids=q_ids, kv_segment_ids=kv_ids)
     if impl == "pallas":
         out, lse = portable.flash_attention_portable(
-            query, key, value, scale=scale, is_causal=is_causal, config=config,
-            interpret=not _on_nvidia_gpu())
+            query, key, value, scale=scale, band=band, config=config, interpret=not _on_nvidia_gpu(), **segments)
     elif impl == "xla_chunked":
         out, lse = xla_chunked.attention_chunked(
-            query, key, value, scale=scale, is_causal=is_causal, block_kv=config.xla_block_kv)
+            query, key, value, scale=scale, band=band, block_kv=config.xla_block_kv, **segments)
     else:
-        out, lse = reference.attention_reference(query, key, value, scale=scale, is_causal=is_causal)
+        out, lse = reference.attention_reference(query, key, value, scale=scale, band=band, **segments)
     return (out, lse) if return_lse else out

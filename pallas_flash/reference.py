@@ -11,13 +11,17 @@ import jax.numpy as jnp
 from pallas_flash import masks
 
 
-def attention_reference(query, key, value, *, scale: float, is_causal: bool = False):
+def attention_reference(query, key, value, *, scale: float, is_causal: bool = False, band=None,
+                        q_segment_ids=None, kv_segment_ids=None):
     """Exact attention, computed densely in float32.
 
     Args:
       query: [batch, q_len, heads, head_dim].
       key, value: [batch, kv_len, kv_heads, head_dim]; heads % kv_heads == 0 (query head h reads kv head
         h // (heads // kv_heads), as in `jax.nn.dot_product_attention`).
+      is_causal / band: the visible band (`masks.Band`); `band` overrides `is_causal` when given.
+      q_segment_ids, kv_segment_ids: optional int32 [batch, q_len] / [batch, kv_len]; a query sees only
+        keys of its own segment.
     Returns:
       (out [batch, q_len, heads, head_dim] in query's dtype, lse [batch, heads, q_len] float32, natural log).
       A query that sees no key gets out = 0 and lse = -inf.
@@ -25,12 +29,17 @@ def attention_reference(query, key, value, *, scale: float, is_causal: bool = Fa
     batch, q_len, heads, head_dim = query.shape
     kv_len, kv_heads = key.shape[1], key.shape[2]
     group = heads // kv_heads
+    band = masks.Band.of(is_causal) if band is None else band
     q = query.astype(jnp.float32).reshape(batch, q_len, kv_heads, group, head_dim)
     k = key.astype(jnp.float32)
     v = value.astype(jnp.float32)
     hp = jax.lax.Precision.HIGHEST
     logits = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, precision=hp) * scale
-    mask = masks.visible(jnp.arange(q_len)[:, None], jnp.arange(kv_len)[None, :], is_causal=is_causal)
+    segments = {}
+    if q_segment_ids is not None:  # [batch, 1, 1, q_len, 1] against [batch, 1, 1, 1, kv_len]
+        segments = dict(q_segment=q_segment_ids[:, None, None, :, None],
+                        kv_segment=kv_segment_ids[:, None, None, None, :])
+    mask = masks.visible(jnp.arange(q_len)[:, None], jnp.arange(kv_len)[None, :], band=band, **segments)
     if mask is not None:
         logits = jnp.where(mask, logits, -jnp.inf)
     row_max = jnp.max(logits, axis=-1, keepdims=True)

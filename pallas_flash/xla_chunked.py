@@ -12,6 +12,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_flash import masks
 
@@ -32,24 +33,34 @@ def _blocks(x, block_kv):
     return x.reshape(batch, num_blocks, block_kv, kv_heads, dim).swapaxes(0, 1)
 
 
-def _block_logits2(q, k_blk, start, *, scale, is_causal, kv_len):
+def _segment_blocks(kv_segment_ids, block_kv):
+    """[batch, kv_len] -> [num_blocks, batch, block_kv] (or None)."""
+    if kv_segment_ids is None:
+        return None
+    return _blocks(kv_segment_ids[..., None, None], block_kv)[..., 0, 0]
+
+
+def _block_logits2(q, k_blk, start, seg_blk, q_segment_ids, *, scale, band, kv_len):
     """Scaled logits of one key block in the log2 domain, masked to -inf: [batch, kv_heads, group, q_len, block]."""
     s = _einsum("bqhgd,bkhd->bhgqk", q, k_blk) * (scale * LOG2E)
     q_pos = jnp.arange(q.shape[1])[:, None]
     k_pos = start + jnp.arange(k_blk.shape[1])[None, :]
-    mask = masks.visible(q_pos, k_pos, is_causal=is_causal, kv_len=kv_len)
+    segments = {}
+    if q_segment_ids is not None:
+        segments = dict(q_segment=q_segment_ids[:, None, None, :, None], kv_segment=seg_blk[:, None, None, None, :])
+    mask = masks.visible(q_pos, k_pos, band=band, kv_len=kv_len, **segments)
     return s if mask is None else jnp.where(mask, s, -jnp.inf)
 
 
-def _forward(q, k, v, scale, is_causal, block_kv):
+def _forward(q, k, v, q_segment_ids, kv_segment_ids, scale, band, block_kv):
     batch, q_len, kv_heads, group, dim = q.shape
     kv_len = k.shape[1]
     block_kv = min(block_kv, kv_len)
 
     def step(carry, blk):
         acc, m, l = carry
-        idx, k_blk, v_blk = blk
-        s = _block_logits2(q, k_blk, idx * block_kv, scale=scale, is_causal=is_causal, kv_len=kv_len)
+        idx, k_blk, v_blk, seg_blk = blk
+        s = _block_logits2(q, k_blk, idx * block_kv, seg_blk, q_segment_ids, scale=scale, band=band, kv_len=kv_len)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         # Rows with nothing visible yet keep m = -inf; shift them by 0 so exp2 gives 0, not NaN.
         shift = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
@@ -63,25 +74,26 @@ def _forward(q, k, v, scale, is_causal, block_kv):
             jnp.full((batch, kv_heads, group, q_len), -jnp.inf, jnp.float32),
             jnp.zeros((batch, kv_heads, group, q_len), jnp.float32))
     k_blocks, v_blocks = _blocks(k, block_kv), _blocks(v, block_kv)
-    (acc, m, l), _ = jax.lax.scan(step, init, (jnp.arange(k_blocks.shape[0]), k_blocks, v_blocks))
+    xs = (jnp.arange(k_blocks.shape[0]), k_blocks, v_blocks, _segment_blocks(kv_segment_ids, block_kv))
+    (acc, m, l), _ = jax.lax.scan(step, init, xs)
     empty = l == 0.0
     out = acc / jnp.where(empty, 1.0, l)[..., None]
     lse = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) / LOG2E)
     return out, lse  # out [b, h, g, q, d] float32, lse [b, h, g, q]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _chunked(q, k, v, scale, is_causal, block_kv):
-    return _forward(q, k, v, scale, is_causal, block_kv)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _chunked(q, k, v, q_segment_ids, kv_segment_ids, scale, band, block_kv):
+    return _forward(q, k, v, q_segment_ids, kv_segment_ids, scale, band, block_kv)
 
 
-def _chunked_fwd(q, k, v, scale, is_causal, block_kv):
-    out, lse = _forward(q, k, v, scale, is_causal, block_kv)
-    return (out, lse), (q, k, v, out, lse)
+def _chunked_fwd(q, k, v, q_segment_ids, kv_segment_ids, scale, band, block_kv):
+    out, lse = _forward(q, k, v, q_segment_ids, kv_segment_ids, scale, band, block_kv)
+    return (out, lse), (q, k, v, q_segment_ids, kv_segment_ids, out, lse)
 
 
-def _chunked_bwd(scale, is_causal, block_kv, residuals, cotangents):
-    q, k, v, out, lse = residuals
+def _chunked_bwd(scale, band, block_kv, residuals, cotangents):
+    q, k, v, q_segment_ids, kv_segment_ids, out, lse = residuals
     d_out, d_lse = cotangents
     kv_len = k.shape[1]
     block_kv = min(block_kv, kv_len)
@@ -92,8 +104,8 @@ def _chunked_bwd(scale, is_causal, block_kv, residuals, cotangents):
     d_out_lowp = d_out.astype(q.dtype)
 
     def step(dq, blk):
-        idx, k_blk, v_blk = blk
-        s = _block_logits2(q, k_blk, idx * block_kv, scale=scale, is_causal=is_causal, kv_len=kv_len)
+        idx, k_blk, v_blk, seg_blk = blk
+        s = _block_logits2(q, k_blk, idx * block_kv, seg_blk, q_segment_ids, scale=scale, band=band, kv_len=kv_len)
         p = jnp.exp2(s - lse2[..., None])
         dv_blk = _einsum("bhgqk,bhgqd->bkhd", p.astype(q.dtype), d_out_lowp)
         dp = _einsum("bhgqd,bkhd->bhgqk", d_out_lowp, v_blk)
@@ -103,24 +115,30 @@ def _chunked_bwd(scale, is_causal, block_kv, residuals, cotangents):
         return dq, (dk_blk, dv_blk)
 
     k_blocks, v_blocks = _blocks(k, block_kv), _blocks(v, block_kv)
-    dq, (dk, dv) = jax.lax.scan(step, jnp.zeros(q.shape, jnp.float32),
-                                (jnp.arange(k_blocks.shape[0]), k_blocks, v_blocks))
+    xs = (jnp.arange(k_blocks.shape[0]), k_blocks, v_blocks, _segment_blocks(kv_segment_ids, block_kv))
+    dq, (dk, dv) = jax.lax.scan(step, jnp.zeros(q.shape, jnp.float32), xs)
 
     def unblock(x):  # [num_blocks, batch, block_kv, kv_heads, dim] -> [batch, kv_len, kv_heads, dim]
         x = x.swapaxes(0, 1)
         return x.reshape(x.shape[0], -1, *x.shape[3:])[:, :kv_len]
 
-    return ((dq * scale).astype(q.dtype), (unblock(dk) * scale).astype(k.dtype), unblock(dv).astype(v.dtype))
+    return ((dq * scale).astype(q.dtype), (unblock(dk) * scale).astype(k.dtype), unblock(dv).astype(v.dtype),
+            _integer_cotangent(q_segment_ids), _integer_cotangent(kv_segment_ids))
+
+
+def _integer_cotangent(x):
+    return None if x is None else np.zeros(x.shape, jax.dtypes.float0)
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
 
-def attention_chunked(query, key, value, *, scale: float, is_causal: bool, block_kv: int):
+def attention_chunked(query, key, value, *, scale: float, band: masks.Band, block_kv: int,
+                      q_segment_ids=None, kv_segment_ids=None):
     """Blocked online-softmax attention. Shapes and results as `reference.attention_reference`."""
     batch, q_len, heads, dim = query.shape
     kv_heads = key.shape[2]
     q = query.reshape(batch, q_len, kv_heads, heads // kv_heads, dim)
-    out, lse = _chunked(q, key, value, scale, is_causal, block_kv)
+    out, lse = _chunked(q, key, value, q_segment_ids, kv_segment_ids, scale, band, block_kv)
     out = jnp.moveaxis(out.reshape(batch, heads, q_len, dim), 1, 2).astype(query.dtype)
     return out, lse.reshape(batch, heads, q_len)

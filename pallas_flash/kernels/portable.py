@@ -11,7 +11,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from pallas_flash import masks
 from pallas_flash.config import KernelConfig
 from pallas_flash.kernels import portable_bwd, portable_fwd, tiles
 
@@ -39,27 +41,39 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _flash(q, k, v, scale, is_causal, config, interpret):
-    return _flash_fwd(q, k, v, scale, is_causal, config, interpret)[0]
+def _integer_cotangent(x):
+    return None if x is None else np.zeros(x.shape, jax.dtypes.float0)
 
 
-def _flash_fwd(q, k, v, scale, is_causal, config, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _flash(q, k, v, q_segment_ids, kv_segment_ids, scale, band, config, interpret):
+    return _flash_fwd(q, k, v, q_segment_ids, kv_segment_ids, scale, band, config, interpret)[0]
+
+
+def _pad_segments(q_segment_ids, kv_segment_ids, q_pad, kv_pad):
+    if q_segment_ids is None:
+        return None, None
+    return (_pad_to(q_segment_ids, 1, q_pad, masks.QUERY_PADDING_ID),
+            _pad_to(kv_segment_ids, 1, kv_pad, masks.KEY_PADDING_ID))
+
+
+def _flash_fwd(q, k, v, q_segment_ids, kv_segment_ids, scale, band, config, interpret):
     q_len, kv_len, head_dim = q.shape[1], k.shape[1], q.shape[3]
     block_q, block_kv = _fit(config.block_q, q_len), _fit(config.block_kv, kv_len)
+    q_pad, kv_pad = _round_up(q_len, block_q), _round_up(kv_len, block_kv)
     dim_pad = max(MIN_BLOCK, _next_power_of_two(head_dim))
-    q_p = _pad_to(_pad_to(q, 1, _round_up(q_len, block_q)), 3, dim_pad)
-    k_p = _pad_to(_pad_to(k, 1, _round_up(kv_len, block_kv)), 3, dim_pad)
-    v_p = _pad_to(_pad_to(v, 1, _round_up(kv_len, block_kv)), 3, dim_pad)
-    out, lse = portable_fwd.forward(q_p, k_p, v_p, scale=scale, is_causal=is_causal, kv_len=kv_len,
-                                    block_q=block_q, block_kv=block_kv, num_warps=config.num_warps,
-                                    num_stages=config.num_stages, interpret=interpret)
+    q_p = _pad_to(_pad_to(q, 1, q_pad), 3, dim_pad)
+    k_p = _pad_to(_pad_to(k, 1, kv_pad), 3, dim_pad)
+    v_p = _pad_to(_pad_to(v, 1, kv_pad), 3, dim_pad)
+    out, lse = portable_fwd.forward(q_p, k_p, v_p, *_pad_segments(q_segment_ids, kv_segment_ids, q_pad, kv_pad),
+                                    scale=scale, band=band, kv_len=kv_len, block_q=block_q, block_kv=block_kv,
+                                    num_warps=config.num_warps, num_stages=config.num_stages, interpret=interpret)
     out, lse = out[:, :q_len, :, :head_dim], lse[:, :, :q_len]
-    return (out, lse), (q, k, v, out, lse)
+    return (out, lse), (q, k, v, q_segment_ids, kv_segment_ids, out, lse)
 
 
-def _flash_bwd(scale, is_causal, config, interpret, residuals, cotangents):
-    q, k, v, out, lse = residuals
+def _flash_bwd(scale, band, config, interpret, residuals, cotangents):
+    q, k, v, q_segment_ids, kv_segment_ids, out, lse = residuals
     d_out, d_lse = cotangents
     q_len, kv_len, head_dim = q.shape[1], k.shape[1], q.shape[3]
     # dL/dS = P * (dP - delta); a cotangent on the LSE output adds P * d_lse, i.e. delta -= d_lse.
@@ -80,15 +94,17 @@ def _flash_bwd(scale, is_causal, config, interpret, residuals, cotangents):
     dq, dk, dv = portable_bwd.backward(
         pad_rows(q, q_pad), pad_rows(k, kv_pad), pad_rows(v, kv_pad), pad_rows(d_out.astype(q.dtype), q_pad),
         _pad_to(lse2, 2, q_pad, jnp.inf), _pad_to(delta, 2, q_pad),
-        scale=scale, is_causal=is_causal, kv_len=kv_len, config=fitted, interpret=interpret)
-    return dq[:, :q_len, :, :head_dim], dk[:, :kv_len, :, :head_dim], dv[:, :kv_len, :, :head_dim]
+        *_pad_segments(q_segment_ids, kv_segment_ids, q_pad, kv_pad),
+        scale=scale, band=band, kv_len=kv_len, config=fitted, interpret=interpret)
+    return (dq[:, :q_len, :, :head_dim], dk[:, :kv_len, :, :head_dim], dv[:, :kv_len, :, :head_dim],
+            _integer_cotangent(q_segment_ids), _integer_cotangent(kv_segment_ids))
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def flash_attention_portable(query, key, value, *, scale: float, is_causal: bool, config: KernelConfig,
-                             interpret: bool):
+def flash_attention_portable(query, key, value, *, scale: float, band: masks.Band, config: KernelConfig,
+                             interpret: bool, q_segment_ids=None, kv_segment_ids=None):
     """Shapes and results as `reference.attention_reference`; differentiable in query, key and value
     (and through the returned LSE)."""
-    return _flash(query, key, value, scale, is_causal, config, interpret)
+    return _flash(query, key, value, q_segment_ids, kv_segment_ids, scale, band, config, interpret)

@@ -19,14 +19,19 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_flash import masks
 from pallas_flash._compat import SQUEEZED, triton_params
 from pallas_flash.kernels import tiles
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dk_ref, dv_ref, *, scale, is_causal,
-                 kv_len, block_q, block_kv, num_q_blocks, group):
+def _dkdv_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, group, has_segments):
+    if has_segments:
+        q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_seg_ref, kv_seg_ref, dk_ref, dv_ref = refs
+    else:
+        (q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dk_ref, dv_ref), q_seg_ref = refs, None
     kv_block = pl.program_id(0)
     k, v = k_ref[...], v_ref[...]
+    kv_seg = kv_seg_ref[...] if has_segments else None
     k_start = kv_block * block_kv
     logit_scale = scale * tiles.LOG2E
 
@@ -36,8 +41,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dk_ref, dv_re
         q, do = q_ref[q_slice, head, :], do_ref[q_slice, head, :]
         s_t = tiles.dot(k, q, trans_b=True) * logit_scale  # [block_kv, block_q]
         if masked:
-            mask = tiles.tile_mask(q_block * block_q, k_start, block_q, block_kv, is_causal=is_causal,
-                                   kv_len=kv_len, keys_major=True)
+            mask = tiles.tile_mask(q_block * block_q, k_start, block_q, block_kv, band=band, kv_len=kv_len,
+                                   q_segment=q_seg_ref[q_slice] if has_segments else None, kv_segment=kv_seg,
+                                   keys_major=True)
             s_t = jnp.where(mask, s_t, -jnp.inf)
         p_t = jnp.exp2(s_t - lse2_ref[head, q_slice][None, :])
         dv = dv + tiles.dot(p_t.astype(do.dtype), do)
@@ -46,19 +52,14 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dk_ref, dv_re
         dk = dk + tiles.dot(ds_t.astype(q.dtype), q)
         return dk, dv
 
-    start, unmasked = tiles.q_block_range(kv_block, block_q=block_q, block_kv=block_kv,
-                                          num_q_blocks=num_q_blocks, is_causal=is_causal)
-    if kv_len % block_kv:
-        # The key block holding the padded tail needs the mask for every query block. (Integer
-        # arithmetic, not a scalar select: the Triton lowering cannot select between scalars.)
-        holds_tail = jnp.clip(kv_block - kv_len // block_kv + 1, 0, 1)
-        masked_end = jnp.maximum(unmasked, holds_tail * num_q_blocks)
-    else:
-        masked_end = unmasked
+    lo, unmasked_lo, unmasked_hi, hi = tiles.q_block_range(
+        kv_block, block_q=block_q, block_kv=block_kv, num_q_blocks=num_q_blocks, kv_len=kv_len, band=band,
+        always_mask=has_segments)
 
     def per_head(head, carry):
-        carry = lax.fori_loop(start, masked_end, functools.partial(visit, head=head, masked=True), carry)
-        return lax.fori_loop(masked_end, num_q_blocks, functools.partial(visit, head=head, masked=False), carry)
+        carry = lax.fori_loop(lo, unmasked_lo, functools.partial(visit, head=head, masked=True), carry)
+        carry = lax.fori_loop(unmasked_lo, unmasked_hi, functools.partial(visit, head=head, masked=False), carry)
+        return lax.fori_loop(unmasked_hi, hi, functools.partial(visit, head=head, masked=True), carry)
 
     zeros = jnp.zeros(k.shape, jnp.float32)
     dk, dv = lax.fori_loop(0, group, per_head, (zeros, zeros))
@@ -66,11 +67,15 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dk_ref, dv_re
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dq_ref, *, scale, is_causal, kv_len,
-               block_q, block_kv, num_q_blocks, num_kv_blocks):
-    q_block = tiles.launch_order(pl.program_id(0), num_q_blocks, is_causal)
+def _dq_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, num_kv_blocks, has_segments):
+    if has_segments:
+        q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_seg_ref, kv_seg_ref, dq_ref = refs
+    else:
+        (q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dq_ref), kv_seg_ref = refs, None
+    q_block = tiles.launch_order(pl.program_id(0), num_q_blocks, reverse=band.right == 0)
     q, do = q_ref[...], do_ref[...]
     lse2, delta = lse2_ref[...], delta_ref[...]
+    q_seg = q_seg_ref[...] if has_segments else None
     logit_scale = scale * tiles.LOG2E
 
     def visit(kv_block, dq, *, masked):
@@ -78,88 +83,107 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dq_ref, *, scal
         k, v = k_ref[k_slice, :], v_ref[k_slice, :]
         s = tiles.dot(q, k, trans_b=True) * logit_scale
         if masked:
-            mask = tiles.tile_mask(q_block * block_q, kv_block * block_kv, block_q, block_kv,
-                                   is_causal=is_causal, kv_len=kv_len)
+            mask = tiles.tile_mask(q_block * block_q, kv_block * block_kv, block_q, block_kv, band=band,
+                                   kv_len=kv_len, q_segment=q_seg,
+                                   kv_segment=kv_seg_ref[k_slice] if has_segments else None)
             s = jnp.where(mask, s, -jnp.inf)
         p = jnp.exp2(s - lse2[:, None])
         dp = tiles.dot(do, v, trans_b=True)
         ds = p * (dp - delta[:, None])
         return dq + tiles.dot(ds.astype(k.dtype), k)
 
-    first_masked, end = tiles.kv_block_range(q_block, block_q=block_q, block_kv=block_kv,
-                                             num_kv_blocks=num_kv_blocks, kv_len=kv_len, is_causal=is_causal)
-    dq = lax.fori_loop(0, first_masked, functools.partial(visit, masked=False),
-                       jnp.zeros(q.shape, jnp.float32))
-    dq = lax.fori_loop(first_masked, end, functools.partial(visit, masked=True), dq)
+    lo, unmasked_lo, unmasked_hi, hi = tiles.kv_block_range(
+        q_block, block_q=block_q, block_kv=block_kv, num_kv_blocks=num_kv_blocks, kv_len=kv_len, band=band,
+        always_mask=has_segments)
+    dq = jnp.zeros(q.shape, jnp.float32)
+    dq = lax.fori_loop(lo, unmasked_lo, functools.partial(visit, masked=True), dq)
+    dq = lax.fori_loop(unmasked_lo, unmasked_hi, functools.partial(visit, masked=False), dq)
+    dq = lax.fori_loop(unmasked_hi, hi, functools.partial(visit, masked=True), dq)
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
-def dkdv(q, k, v, do, lse2, delta, *, scale, is_causal, kv_len, block_q, block_kv, num_warps, num_stages,
-         interpret):
+def dkdv(q, k, v, do, lse2, delta, q_segment_ids=None, kv_segment_ids=None, *, scale, band: masks.Band, kv_len,
+         block_q, block_kv, num_warps, num_stages, interpret):
     """dK, dV [batch, kv_pad, kv_heads, head_dim_pad] from padded inputs (see `backward`)."""
     batch, q_pad, heads, head_dim = q.shape
     kv_pad, kv_heads = k.shape[1], k.shape[2]
     group = heads // kv_heads
-    kernel = functools.partial(_dkdv_kernel, scale=scale, is_causal=is_causal, kv_len=kv_len, block_q=block_q,
-                               block_kv=block_kv, num_q_blocks=q_pad // block_q, group=group)
+    has_segments = q_segment_ids is not None
+    kernel = functools.partial(_dkdv_kernel, scale=scale, band=band, kv_len=kv_len, block_q=block_q,
+                               block_kv=block_kv, num_q_blocks=q_pad // block_q, group=group,
+                               has_segments=has_segments)
     # A program reads all query rows of the `group` query heads that share its kv head.
     q_group_spec = pl.BlockSpec((SQUEEZED, q_pad, group, head_dim), lambda j, b, h: (b, 0, h, 0))
     row_group_spec = pl.BlockSpec((SQUEEZED, group, q_pad), lambda j, b, h: (b, h, 0))
     kv_block_spec = pl.BlockSpec((SQUEEZED, block_kv, SQUEEZED, head_dim), lambda j, b, h: (b, j, h, 0))
+    in_specs = [q_group_spec, kv_block_spec, kv_block_spec, q_group_spec, row_group_spec, row_group_spec]
+    operands = [q, k, v, do, lse2, delta]
+    if has_segments:
+        in_specs += [pl.BlockSpec((SQUEEZED, q_pad), lambda j, b, h: (b, 0)),
+                     pl.BlockSpec((SQUEEZED, block_kv), lambda j, b, h: (b, j))]
+        operands += [q_segment_ids, kv_segment_ids]
     return pl.pallas_call(
         kernel,
         grid=(kv_pad // block_kv, batch, kv_heads),
-        in_specs=[q_group_spec, kv_block_spec, kv_block_spec, q_group_spec, row_group_spec, row_group_spec],
+        in_specs=in_specs,
         out_specs=[kv_block_spec, kv_block_spec],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         compiler_params=triton_params(num_warps, num_stages),
         interpret=interpret,
         name="flash_backward_dkdv",
-    )(q, k, v, do, lse2, delta)
+    )(*operands)
 
 
-def dq(q, k, v, do, lse2, delta, *, scale, is_causal, kv_len, block_q, block_kv, num_warps, num_stages,
-       interpret):
+def dq(q, k, v, do, lse2, delta, q_segment_ids=None, kv_segment_ids=None, *, scale, band: masks.Band, kv_len,
+       block_q, block_kv, num_warps, num_stages, interpret):
     """dQ [batch, q_pad, heads, head_dim_pad] from padded inputs (see `backward`)."""
     batch, q_pad, heads, head_dim = q.shape
     kv_pad, kv_heads = k.shape[1], k.shape[2]
     group = heads // kv_heads
     num_q_blocks = q_pad // block_q
-    kernel = functools.partial(_dq_kernel, scale=scale, is_causal=is_causal, kv_len=kv_len, block_q=block_q,
-                               block_kv=block_kv, num_q_blocks=num_q_blocks, num_kv_blocks=kv_pad // block_kv)
+    has_segments = q_segment_ids is not None
+    kernel = functools.partial(_dq_kernel, scale=scale, band=band, kv_len=kv_len, block_q=block_q,
+                               block_kv=block_kv, num_q_blocks=num_q_blocks, num_kv_blocks=kv_pad // block_kv,
+                               has_segments=has_segments)
 
-    def q_map(i, b, h):
-        return b, tiles.launch_order(i, num_q_blocks, is_causal), h, 0
+    def q_block_of(i):
+        return tiles.launch_order(i, num_q_blocks, reverse=band.right == 0)
 
-    def row_map(i, b, h):
-        return b, h, tiles.launch_order(i, num_q_blocks, is_causal)
-
-    q_block_spec = pl.BlockSpec((SQUEEZED, block_q, SQUEEZED, head_dim), q_map)
+    q_block_spec = pl.BlockSpec((SQUEEZED, block_q, SQUEEZED, head_dim), lambda i, b, h: (b, q_block_of(i), h, 0))
     kv_full_spec = pl.BlockSpec((SQUEEZED, kv_pad, SQUEEZED, head_dim), lambda i, b, h: (b, 0, h // group, 0))
-    row_spec = pl.BlockSpec((SQUEEZED, SQUEEZED, block_q), row_map)
+    row_spec = pl.BlockSpec((SQUEEZED, SQUEEZED, block_q), lambda i, b, h: (b, h, q_block_of(i)))
+    in_specs = [q_block_spec, kv_full_spec, kv_full_spec, q_block_spec, row_spec, row_spec]
+    operands = [q, k, v, do, lse2, delta]
+    if has_segments:
+        in_specs += [pl.BlockSpec((SQUEEZED, block_q), lambda i, b, h: (b, q_block_of(i))),
+                     pl.BlockSpec((SQUEEZED, kv_pad), lambda i, b, h: (b, 0))]
+        operands += [q_segment_ids, kv_segment_ids]
     return pl.pallas_call(
         kernel,
         grid=(num_q_blocks, batch, heads),
-        in_specs=[q_block_spec, kv_full_spec, kv_full_spec, q_block_spec, row_spec, row_spec],
+        in_specs=in_specs,
         out_specs=q_block_spec,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=triton_params(num_warps, num_stages),
         interpret=interpret,
         name="flash_backward_dq",
-    )(q, k, v, do, lse2, delta)
+    )(*operands)
 
 
-def backward(q, k, v, do, lse2, delta, *, scale, is_causal, kv_len, config, interpret):
+def backward(q, k, v, do, lse2, delta, q_segment_ids=None, kv_segment_ids=None, *, scale, band, kv_len, config,
+             interpret):
     """Padded inputs -> (dq, dk, dv).
 
     q, do: [batch, q_pad, heads, head_dim_pad]; k, v: [batch, kv_pad, kv_heads, head_dim_pad];
     lse2, delta: [batch, heads, q_pad] float32, lse2 = LSE * log2(e) with +inf on rows that saw no key
-    (their recomputed P is then exactly 0). q_pad must be a multiple of both query blocks of `config`,
-    kv_pad of both key blocks; `kv_len` is the unpadded key length.
+    (their recomputed P is then exactly 0); optional segment ids int32 [batch, q_pad] / [batch, kv_pad].
+    q_pad must be a multiple of both query blocks of `config`, kv_pad of both key blocks; `kv_len` is the
+    unpadded key length.
     """
-    common = dict(scale=scale, is_causal=is_causal, kv_len=kv_len, interpret=interpret)
-    dk, dv = dkdv(q, k, v, do, lse2, delta, block_q=config.block_q_dkv, block_kv=config.block_kv_dkv,
+    common = dict(scale=scale, band=band, kv_len=kv_len, interpret=interpret)
+    segments = (q_segment_ids, kv_segment_ids)
+    dk, dv = dkdv(q, k, v, do, lse2, delta, *segments, block_q=config.block_q_dkv, block_kv=config.block_kv_dkv,
                   num_warps=config.num_warps_dkv, num_stages=config.num_stages_dkv, **common)
-    dq_ = dq(q, k, v, do, lse2, delta, block_q=config.block_q_dq, block_kv=config.block_kv_dq,
+    dq_ = dq(q, k, v, do, lse2, delta, *segments, block_q=config.block_q_dq, block_kv=config.block_kv_dq,
              num_warps=config.num_warps_dq, num_stages=config.num_stages_dq, **common)
     return dq_, dk, dv

@@ -2,10 +2,11 @@
 
 Grid: (query block, batch, head). Each program owns `block_q` query rows of one head, keeps them and
 their output accumulator on chip, and loops over key blocks of its kv head with online softmax in the
-log2 domain (scale * log2(e) folded into the logits, so the exponentials are exp2). Causal programs
-visit only the key blocks at or below the diagonal, and only tiles that cross the diagonal or the
-padded key tail pay for the mask. Outputs: O [batch, q_len, heads, head_dim] and the natural-log LSE
-[batch, heads, q_len], the backward's only residual besides the inputs.
+log2 domain (scale * log2(e) folded into the logits, so the exponentials are exp2). It visits only the
+key blocks inside its band (causal: at or below the diagonal; a local window: near it), and only tiles
+that cross the band's edges, hold the padded key tail, or carry segment ids pay for the mask.
+Outputs: O [batch, q_len, heads, head_dim] and the natural-log LSE [batch, heads, q_len], the
+backward's only residual besides the inputs.
 """
 from __future__ import annotations
 
@@ -16,15 +17,19 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_flash import masks
 from pallas_flash._compat import SQUEEZED, triton_params
 from pallas_flash.kernels import tiles
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, is_causal, kv_len, block_q, block_kv,
-                    num_q_blocks, num_kv_blocks):
-    q_block = tiles.launch_order(pl.program_id(0), num_q_blocks, is_causal)
+def _forward_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, num_kv_blocks, has_segments):
+    if has_segments:
+        q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref = refs
+    else:
+        (q_ref, k_ref, v_ref, o_ref, lse_ref), q_seg_ref, kv_seg_ref = refs, None, None
+    q_block = tiles.launch_order(pl.program_id(0), num_q_blocks, reverse=band.right == 0)
     q = q_ref[...]
-    head_dim = q.shape[-1]
+    q_seg = q_seg_ref[...] if has_segments else None
     logit_scale = scale * tiles.LOG2E
 
     def visit(kv_block, carry, *, masked):
@@ -32,8 +37,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, is_causal, kv
         k_slice = pl.ds(kv_block * block_kv, block_kv)
         s = tiles.dot(q, k_ref[k_slice, :], trans_b=True) * logit_scale
         if masked:
-            mask = tiles.tile_mask(q_block * block_q, kv_block * block_kv, block_q, block_kv,
-                                   is_causal=is_causal, kv_len=kv_len)
+            mask = tiles.tile_mask(q_block * block_q, kv_block * block_kv, block_q, block_kv, band=band,
+                                   kv_len=kv_len, q_segment=q_seg,
+                                   kv_segment=kv_seg_ref[k_slice] if has_segments else None)
             s = jnp.where(mask, s, -jnp.inf)
         new_max = jnp.maximum(row_max, jnp.max(s, axis=1))
         shift = tiles.safe_exp_shift(new_max)
@@ -44,13 +50,15 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, is_causal, kv
         acc = correction[:, None] * acc + tiles.dot(p.astype(v.dtype), v)
         return acc, new_max, row_sum
 
-    carry = (jnp.zeros((block_q, head_dim), jnp.float32),
+    lo, unmasked_lo, unmasked_hi, hi = tiles.kv_block_range(
+        q_block, block_q=block_q, block_kv=block_kv, num_kv_blocks=num_kv_blocks, kv_len=kv_len, band=band,
+        always_mask=has_segments)
+    carry = (jnp.zeros(q.shape, jnp.float32),
              jnp.full((block_q,), -jnp.inf, jnp.float32),
              jnp.zeros((block_q,), jnp.float32))
-    first_masked, end = tiles.kv_block_range(q_block, block_q=block_q, block_kv=block_kv,
-                                             num_kv_blocks=num_kv_blocks, kv_len=kv_len, is_causal=is_causal)
-    carry = lax.fori_loop(0, first_masked, functools.partial(visit, masked=False), carry)
-    acc, row_max, row_sum = lax.fori_loop(first_masked, end, functools.partial(visit, masked=True), carry)
+    carry = lax.fori_loop(lo, unmasked_lo, functools.partial(visit, masked=True), carry)
+    carry = lax.fori_loop(unmasked_lo, unmasked_hi, functools.partial(visit, masked=False), carry)
+    acc, row_max, row_sum = lax.fori_loop(unmasked_hi, hi, functools.partial(visit, masked=True), carry)
 
     empty = row_sum == 0.0  # no visible key: output 0, lse -inf
     safe_sum = jnp.where(empty, 1.0, row_sum)
@@ -58,41 +66,43 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, is_causal, kv
     lse_ref[...] = jnp.where(empty, -jnp.inf, (row_max + jnp.log2(safe_sum)) * tiles.LN2)
 
 
-def forward(q, k, v, *, scale, is_causal, kv_len, block_q, block_kv, num_warps, num_stages, interpret):
+def forward(q, k, v, q_segment_ids=None, kv_segment_ids=None, *, scale, band: masks.Band, kv_len, block_q,
+            block_kv, num_warps, num_stages, interpret):
     """Padded inputs -> (O, LSE).
 
     q: [batch, q_pad, heads, head_dim_pad]; k, v: [batch, kv_pad, kv_heads, head_dim_pad], with q_pad a
-    multiple of block_q, kv_pad of block_kv, head_dim_pad a power of two. `kv_len` is the unpadded key
-    length. Returns o like q and lse [batch, heads, q_pad] float32.
+    multiple of block_q, kv_pad of block_kv, head_dim_pad a power of two; optional segment ids int32
+    [batch, q_pad] / [batch, kv_pad]. `kv_len` is the unpadded key length. Returns o like q and
+    lse [batch, heads, q_pad] float32.
     """
     batch, q_pad, heads, head_dim = q.shape
     kv_pad, kv_heads = k.shape[1], k.shape[2]
     group = heads // kv_heads
     num_q_blocks, num_kv_blocks = q_pad // block_q, kv_pad // block_kv
+    has_segments = q_segment_ids is not None
 
-    def q_map(i, b, h):
-        return b, tiles.launch_order(i, num_q_blocks, is_causal), h, 0
+    def q_block_of(i):
+        return tiles.launch_order(i, num_q_blocks, reverse=band.right == 0)
 
-    def kv_map(i, b, h):
-        return b, 0, h // group, 0
-
-    def lse_map(i, b, h):
-        return b, h, tiles.launch_order(i, num_q_blocks, is_causal)
-
-    kernel = functools.partial(_forward_kernel, scale=scale, is_causal=is_causal, kv_len=kv_len,
-                               block_q=block_q, block_kv=block_kv, num_q_blocks=num_q_blocks,
-                               num_kv_blocks=num_kv_blocks)
+    q_spec = pl.BlockSpec((SQUEEZED, block_q, SQUEEZED, head_dim), lambda i, b, h: (b, q_block_of(i), h, 0))
+    kv_spec = pl.BlockSpec((SQUEEZED, kv_pad, SQUEEZED, head_dim), lambda i, b, h: (b, 0, h // group, 0))
+    lse_spec = pl.BlockSpec((SQUEEZED, SQUEEZED, block_q), lambda i, b, h: (b, h, q_block_of(i)))
+    in_specs, operands = [q_spec, kv_spec, kv_spec], [q, k, v]
+    if has_segments:
+        in_specs += [pl.BlockSpec((SQUEEZED, block_q), lambda i, b, h: (b, q_block_of(i))),
+                     pl.BlockSpec((SQUEEZED, kv_pad), lambda i, b, h: (b, 0))]
+        operands += [q_segment_ids, kv_segment_ids]
+    kernel = functools.partial(_forward_kernel, scale=scale, band=band, kv_len=kv_len, block_q=block_q,
+                               block_kv=block_kv, num_q_blocks=num_q_blocks, num_kv_blocks=num_kv_blocks,
+                               has_segments=has_segments)
     return pl.pallas_call(
         kernel,
         grid=(num_q_blocks, batch, heads),
-        in_specs=[pl.BlockSpec((SQUEEZED, block_q, SQUEEZED, head_dim), q_map),
-                  pl.BlockSpec((SQUEEZED, kv_pad, SQUEEZED, head_dim), kv_map),
-                  pl.BlockSpec((SQUEEZED, kv_pad, SQUEEZED, head_dim), kv_map)],
-        out_specs=[pl.BlockSpec((SQUEEZED, block_q, SQUEEZED, head_dim), q_map),
-                   pl.BlockSpec((SQUEEZED, SQUEEZED, block_q), lse_map)],
+        in_specs=in_specs,
+        out_specs=[q_spec, lse_spec],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                    jax.ShapeDtypeStruct((batch, heads, q_pad), jnp.float32)],
         compiler_params=triton_params(num_warps, num_stages),
         interpret=interpret,
         name="flash_forward",
-    )(q, k, v)
+    )(*operands)

@@ -1,11 +1,11 @@
-"""Tile-level helpers shared by the portable forward and backward kernels."""
+"""Tile-level helpers shared by the portable forward and backward kernels: the matmul, the tile mask, and
+which blocks a program must visit (and which of those need the mask)."""
 from __future__ import annotations
 
 import math
 
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
 
 from pallas_flash import masks
 
@@ -13,49 +13,81 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
 
-def dot(a, b, *, trans_a: bool = False, trans_b: bool = False):
-    """a @ b on a tile with float32 accumulation; float32 operands use full IEEE precision (not tf32)."""
-    contract_a = 0 if trans_a else 1
-    contract_b = 1 if trans_b else 0
+def dot(a, b, *, trans_b: bool = False):
+    """a @ b (or a @ b^T) on a tile with float32 accumulation; float32 operands use IEEE precision (not tf32)."""
     precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    return lax.dot_general(a, b, (((contract_a,), (contract_b,)), ((), ())),
+    return lax.dot_general(a, b, (((1,), (1 if trans_b else 0,)), ((), ())),
                            precision=precision, preferred_element_type=jnp.float32)
 
 
-def tile_mask(q_start, k_start, block_q: int, block_kv: int, *, is_causal: bool, kv_len: int | None,
-              keys_major: bool = False):
+def tile_mask(q_start, k_start, block_q: int, block_kv: int, *, band: masks.Band, kv_len: int,
+              q_segment=None, kv_segment=None, keys_major: bool = False):
     """Visibility of the tile whose first query/key positions are q_start/k_start: [block_q, block_kv],
-    or [block_kv, block_q] with `keys_major` (the transposed tiles of the dK/dV kernel)."""
+    or [block_kv, block_q] with `keys_major` (the transposed tiles of the dK/dV kernel). `q_segment`
+    [block_q] and `kv_segment` [block_kv] are the tile's segment ids, if any."""
     shape, q_axis = ((block_kv, block_q), 1) if keys_major else ((block_q, block_kv), 0)
     q_pos = q_start + lax.broadcasted_iota(jnp.int32, shape, q_axis)
     k_pos = k_start + lax.broadcasted_iota(jnp.int32, shape, 1 - q_axis)
-    return masks.visible(q_pos, k_pos, is_causal=is_causal, kv_len=kv_len)
+    segments = {}
+    if q_segment is not None:
+        q_seg, kv_seg = (q_segment[None, :], kv_segment[:, None]) if keys_major else (q_segment[:, None],
+                                                                                       kv_segment[None, :])
+        segments = dict(q_segment=q_seg, kv_segment=kv_seg)
+    return masks.visible(q_pos, k_pos, band=band, kv_len=kv_len, **segments)
+
+
+def _clip(x, lo, hi):
+    return jnp.minimum(jnp.maximum(x, lo), hi)
 
 
 def kv_block_range(q_block, *, block_q: int, block_kv: int, num_kv_blocks: int, kv_len: int,
-                   is_causal: bool):
-    """Key blocks a query block must visit: (first masked block, end). Blocks before the first masked one
-    are wholly visible and skip the mask; blocks from `end` on are wholly invisible and are never loaded."""
-    full_tail = kv_len // block_kv  # blocks that hold no padded key
-    if not is_causal:
-        return min(full_tail, num_kv_blocks), num_kv_blocks
-    first_row = q_block * block_q
-    # Key block j is visible to every row iff its last key <= the first row.
-    unmasked = jnp.minimum((first_row + 1) // block_kv, full_tail)
-    end = jnp.minimum((first_row + block_q + block_kv - 1) // block_kv, num_kv_blocks)
-    return jnp.minimum(unmasked, end), end
+                   band: masks.Band, always_mask: bool):
+    """Key blocks a query block visits: lo <= unmasked_lo <= unmasked_hi <= hi. Blocks outside [lo, hi) are
+    invisible to every row and never loaded; [unmasked_lo, unmasked_hi) are visible to every row and skip
+    the mask; the rest need it. (Only min/max and non-negative floor division: the Triton lowering cannot
+    select between scalars.)"""
+    q_first = q_block * block_q
+    q_last = q_first + block_q - 1
+    lo, hi = 0, num_kv_blocks
+    if band.left is not None:
+        lo = jnp.minimum(jnp.maximum(q_first - band.left, 0) // block_kv, num_kv_blocks)
+    if band.right is not None:
+        hi = jnp.maximum(jnp.minimum((q_last + band.right) // block_kv + 1, num_kv_blocks), lo)
+    unmasked_lo = lo
+    if band.left is not None:  # first block whose first key is visible to the last row
+        unmasked_lo = _clip((jnp.maximum(q_last - band.left, 0) + block_kv - 1) // block_kv, lo, hi)
+    unmasked_hi = kv_len // block_kv  # blocks free of padded keys
+    if band.right is not None:  # blocks whose last key is visible to the first row
+        unmasked_hi = jnp.minimum((q_first + band.right + 1) // block_kv, unmasked_hi)
+    unmasked_hi = unmasked_lo if always_mask else _clip(unmasked_hi, unmasked_lo, hi)
+    return lo, unmasked_lo, unmasked_hi, hi
 
 
-def q_block_range(kv_block, *, block_q: int, block_kv: int, num_q_blocks: int, is_causal: bool):
-    """Query blocks that see a key block: (start, first wholly visible block). Blocks before `start`
-    see none of it (skipped); blocks in [start, unmasked) need the causal mask."""
-    if not is_causal:
-        return 0, 0
-    first_key = kv_block * block_kv
-    start = jnp.minimum(first_key // block_q, num_q_blocks)
-    # Query block i sees every key of the block iff its first row >= the block's last key.
-    unmasked = jnp.minimum((first_key + block_kv - 1 + block_q - 1) // block_q, num_q_blocks)
-    return start, unmasked
+def q_block_range(kv_block, *, block_q: int, block_kv: int, num_q_blocks: int, kv_len: int,
+                  band: masks.Band, always_mask: bool):
+    """Query blocks that see a key block, in the same form as `kv_block_range`."""
+    k_first = kv_block * block_kv
+    k_last = k_first + block_kv - 1
+    lo, hi = 0, num_q_blocks
+    if band.right is not None:  # rows r see key k only if r >= k - right
+        lo = jnp.minimum(jnp.maximum(k_first - band.right, 0) // block_q, num_q_blocks)
+    if band.left is not None:  # ... and r <= k + left
+        hi = jnp.maximum(jnp.minimum((k_last + band.left) // block_q + 1, num_q_blocks), lo)
+    unmasked_lo = lo
+    if band.right is not None:  # first block whose first row sees the block's last key
+        unmasked_lo = _clip((jnp.maximum(k_last - band.right, 0) + block_q - 1) // block_q, lo, hi)
+    unmasked_hi = hi
+    if band.left is not None:  # blocks whose last row sees the block's first key
+        unmasked_hi = jnp.minimum((k_first + band.left + 1) // block_q, hi)
+    if always_mask:
+        unmasked_hi = unmasked_lo
+    elif kv_len % block_kv:
+        # The block holding the padded key tail needs the mask for every query block.
+        holds_tail = _clip(kv_block - kv_len // block_kv + 1, 0, 1)
+        unmasked_hi = _clip(unmasked_hi - holds_tail * num_q_blocks, unmasked_lo, hi)
+    else:
+        unmasked_hi = _clip(unmasked_hi, unmasked_lo, hi)
+    return lo, unmasked_lo, unmasked_hi, hi
 
 
 def safe_exp_shift(row_max):
@@ -63,7 +95,7 @@ def safe_exp_shift(row_max):
     return jnp.where(row_max == -jnp.inf, 0.0, row_max)
 
 
-def launch_order(program, num_q_blocks: int, is_causal: bool):
-    """Query block handled by a program. Causal query blocks near the end visit the most key blocks:
-    launching them first keeps the longest programs from trailing behind in the last wave."""
-    return num_q_blocks - 1 - program if is_causal else program
+def launch_order(program, num_q_blocks: int, reverse: bool):
+    """Query block handled by a program. With a causal band, query blocks near the end visit the most
+    key blocks: launching them first keeps the longest programs from trailing behind in the last wave."""
+    return num_q_blocks - 1 - program if reverse else program

@@ -1,0 +1,121 @@
+"""Segment ids, per-example lengths and local windows, in every implementation, forward and backward."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_flash as pf
+from pallas_flash import masks
+from tests.test_attention import SMALL_BLOCKS, make_inputs
+from tests.tolerances import GRADIENT, assert_close
+
+IMPLEMENTATIONS = ["pallas", "xla_chunked"]
+
+
+def _segment_ids(key, batch, length, num_segments):
+    """Sorted random segment ids (packed sequences) [batch, length]."""
+    return jnp.sort(jax.random.randint(key, (batch, length), 0, num_segments), axis=1).astype(jnp.int32)
+
+
+def _cases():
+    k1, k2, k3 = jax.random.split(jax.random.key(7), 3)
+    return {
+        # packed sequences, self-attention
+        "segments": dict(shape=(2, 70, 70, 4, 2, 32), kwargs=dict(segment_ids=_segment_ids(k1, 2, 70, 4))),
+        # q and kv ids differ; query segment 3 has no keys: fully masked rows
+        "segments_cross": dict(shape=(2, 45, 61, 2, 1, 16), kwargs=dict(
+            segment_ids=_segment_ids(k2, 2, 45, 4), kv_segment_ids=_segment_ids(k3, 2, 61, 3))),
+        # per-example padding; example 1 has no keys at all
+        "lengths": dict(shape=(2, 50, 70, 4, 2, 32), kwargs=dict(
+            query_seq_lengths=jnp.array([37, 50]), key_value_seq_lengths=jnp.array([53, 0]))),
+        "window": dict(shape=(1, 90, 90, 2, 2, 16), kwargs=dict(local_window_size=(20, 9))),
+        "window_left_only": dict(shape=(1, 70, 50, 2, 1, 16), kwargs=dict(local_window_size=(17, None))),
+    }
+
+
+CASES = _cases()
+
+
+def _reference_mask_args(shape, kwargs, is_causal):
+    """The reference's band and segment ids for a case, built through the public API's own folding."""
+    q, k, _, _ = make_inputs(shape, jnp.float32, 0)
+    from pallas_flash import api
+    window = api._check_window(kwargs.get("local_window_size"))
+    q_ids, kv_ids = api._segments(q, k, kwargs.get("segment_ids"), kwargs.get("kv_segment_ids"),
+                                  kwargs.get("query_seq_lengths"), kwargs.get("key_value_seq_lengths"))
+    return dict(band=masks.Band.of(is_causal, window), q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("case", list(CASES))
+def test_mask_feature_against_reference(case, is_causal, impl):
+    shape, kwargs = CASES[case]["shape"], CASES[case]["kwargs"]
+    q, k, v, cotangent = make_inputs(shape, jnp.float32, seed=8)
+    ours = functools.partial(pf.flash_attention, is_causal=is_causal, implementation=impl, config=SMALL_BLOCKS,
+                             return_lse=True, **kwargs)
+    scale = shape[-1] ** -0.5
+    ref = functools.partial(pf.attention_reference, scale=scale, **_reference_mask_args(shape, kwargs, is_causal))
+    out, lse = ours(q, k, v)
+    ref_out, ref_lse = ref(q, k, v)
+    assert_close(out, ref_out, jnp.float32)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))  # the same rows see nothing
+    finite = np.isfinite(np.asarray(ref_lse))
+    assert_close(np.where(finite, lse, 0.0), np.where(finite, ref_lse, 0.0), jnp.float32, what="lse")
+    # Rows that see no key: exact zeros.
+    empty = np.asarray(np.isneginf(ref_lse)).transpose(0, 2, 1)  # [batch, q_len, heads]
+    assert np.all(np.asarray(out)[empty] == 0.0)
+    if case in ("segments_cross", "lengths"):
+        assert empty.any(), "this case is meant to contain fully masked rows"
+
+    loss = lambda fn, q, k, v: jnp.sum(fn(q, k, v)[0] * cotangent)
+    grads = jax.grad(functools.partial(loss, ours), argnums=(0, 1, 2))(q, k, v)
+    ref_grads = jax.grad(functools.partial(loss, ref), argnums=(0, 1, 2))(q, k, v)
+    for name, g, rg in zip("qkv", grads, ref_grads):
+        assert_close(g, rg, jnp.float32, table=GRADIENT, what=f"d{name}")
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("window", [None, (6, 3), (4, 0)])
+def test_mask_semantics_match_jax_nn(window, is_causal):
+    """An independent oracle for the semantics: jax.nn.dot_product_attention with the same window and
+    lengths (compared on rows that see at least one key; jax.nn does not zero the others)."""
+    q, k, v, _ = make_inputs((2, 30, 30, 2, 2, 16), jnp.float32, seed=9)
+    q_lengths, kv_lengths = jnp.array([30, 21], jnp.int32), jnp.array([25, 30], jnp.int32)
+    ours = pf.flash_attention(q, k, v, is_causal=is_causal, local_window_size=window, query_seq_lengths=q_lengths,
+                              key_value_seq_lengths=kv_lengths, implementation="xla")
+    theirs = jax.nn.dot_product_attention(q, k, v, is_causal=is_causal, local_window_size=window,
+                                          query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,
+                                          implementation="xla")
+    left, right = (None, None) if window is None else window
+    right = 0 if is_causal else right
+    pos = np.arange(30)
+    seen = (pos[None, None, :] < np.asarray(kv_lengths)[:, None, None])  # [batch, q, k]
+    if left is not None:
+        seen = seen & (pos[None, None, :] >= pos[None, :, None] - left)
+    if right is not None:
+        seen = seen & (pos[None, None, :] <= pos[None, :, None] + right)
+    valid = (pos[None, :] < np.asarray(q_lengths)[:, None]) & seen.any(axis=2)
+    assert_close(np.asarray(ours)[valid], np.asarray(theirs)[valid], jnp.float32)
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    (dict(segment_ids=jnp.zeros((2, 8), jnp.float32)), TypeError, "segment_ids must be an integer array"),
+    (dict(segment_ids=jnp.zeros((2, 9), jnp.int32)), ValueError, r"segment_ids must have shape \(2, 8\)"),
+    (dict(kv_segment_ids=jnp.zeros((2, 8), jnp.int32)), ValueError, "needs segment_ids"),
+    (dict(query_seq_lengths=jnp.zeros((3,), jnp.int32)), ValueError, r"query_seq_lengths must have shape \(2,\)"),
+    (dict(local_window_size=(3, -1)), ValueError, "local_window_size must be"),
+    (dict(local_window_size="wide"), ValueError, "local_window_size must be"),
+])
+def test_bad_mask_arguments_are_named(kwargs, error, words):
+    q = jnp.ones((2, 8, 2, 16))
+    with pytest.raises(error, match=words):
+        pf.flash_attention(q, q, q, **kwargs)
+
+
+def test_kv_segment_ids_required_for_cross_attention():
+    q, k = jnp.ones((1, 8, 2, 16)), jnp.ones((1, 5, 2, 16))
+    with pytest.raises(ValueError, match="kv_segment_ids is required"):
+        pf.flash_attention(q, k, k, segment_ids=jnp.zeros((1, 8), jnp.int32))
