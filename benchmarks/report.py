@@ -1,0 +1,250 @@
+"""Markdown tables and PNG plots from benchmark records (the list in results.json)."""
+from __future__ import annotations
+
+import os
+import re
+
+PASS_ORDER = ("fwd", "bwd", "fwdbwd")
+MB = 2**20
+# The PyTorch SDPA backends the `backends` suite mirrors with our implementations.
+BACKEND_LABELS = {"pf:xla": "math", "pf:pallas": "flash", "pf:xla_chunked": "memory-efficient"}
+
+
+def slug(device: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'h100'; other devices: their name, lower-case, dashed."""
+    match = re.search(r"\b([A-Z]\d{2,4}[A-Z]?)\b", device)
+    if match and device.upper().startswith("NVIDIA"):
+        return match.group(1).lower()
+    return re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-") or "device"
+
+
+def _mb(value):
+    return "-" if value is None else f"{value / MB:.0f}"
+
+
+def progress_line(r) -> str:
+    head = (f"{r['suite']:8s} {r['impl']:18s} {r['pass']:6s} b{r['batch']} n{r['seq_q']} h{r['heads']} "
+            f"d{r['head_dim']} c{int(r['causal'])} {r['dtype']:8s}")
+    if r["status"] != "ok":
+        return f"{head} {r['status'].upper()}: {r['note']}"
+    timing = f"{r['ms']:9.3f} ms {r['tflops']:6.1f} TFLOP/s" if r.get("ms") else "untimed"
+    return f"{head} {timing}  temp {_mb(r['temp_bytes'])} MB  peak {_mb(r['peak_bytes'])} MB  err {r['rel_err']:.1e}"
+
+
+def _cell(r, what="tflops"):
+    if r is None:
+        return "-"
+    if r["status"] == "fail":
+        return "FAIL"
+    if r["status"] != "ok":
+        return "OOM" if r["note"] == "out of memory" else "-"
+    if what == "tflops":
+        text = f"{r['tflops']:.0f}"
+        return text + (f" ({r['ratio_to_cudnn']:.2f}x)" if r.get("ratio_to_cudnn") and r["impl"] != "cudnn" else "")
+    return _mb(r[what])
+
+
+def _impl_order(records):
+    names = []
+    for r in records:
+        if r["impl"] not in names:
+            names.append(r["impl"])
+    return names
+
+
+def _header(records) -> list[str]:
+    envs = {(r["device"], r["jax_version"], r.get("jaxlib_version"), r.get("cuda_version"), r.get("cudnn_version"))
+            for r in records}
+    lines = [f"- device {d}, JAX {j} (jaxlib {jl}), CUDA runtime {c}, cuDNN {cd}" for d, j, jl, c, cd in sorted(envs, key=str)]
+    lines += [f"- regenerate: `{cmd}`" for cmd in sorted({r["command"] for r in records})]
+    if any(r.get("smoke") for r in records):
+        lines.append("- **smoke run (CPU, tiny sizes): the times are not measurements of anything**")
+    return lines
+
+
+def _notes(records) -> list[str]:
+    by_note = {}
+    for r in records:
+        if r["status"] != "ok" and r["note"] != "out of memory":
+            by_note.setdefault((r["impl"], r["status"].upper(), r["note"]), []).append(r["pass"])
+    notes = [f"{impl} ({', '.join(p for p in PASS_ORDER if p in passes)}): {status} {note}"
+             for (impl, status, note), passes in sorted(by_note.items())]
+    converted = sorted({f"{r['impl']} ran in {r['dtype']} (it rejects {r['requested_dtype']})" for r in records
+                        if r["dtype"] != r["requested_dtype"] and r["status"] == "ok"})
+    out = [f"- {n}" for n in converted + notes]
+    return ["", "Notes:"] + out if out else []
+
+
+def _point_table(records, title):
+    lines = [f"### {title}", "", *_header(records), "",
+             "| shape | impl | pass | ms | TFLOP/s | x cuDNN | XLA temp MB | peak MB | rel err |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        shape = (f"B={r['batch']} N={r['seq_q']} H={r['heads']} D={r['head_dim']} {r['requested_dtype']}"
+                 f"{' causal' if r['causal'] else ''}")
+        label = r["impl"]
+        if r["suite"] == "backends":
+            label += f" ({BACKEND_LABELS[r['impl']]})" if r["impl"] in BACKEND_LABELS else ""
+        if r["status"] != "ok":
+            lines.append(f"| {shape} | {label} | {r['pass']} | {r['status'].upper()} | | | | | |")
+            continue
+        ratio = f"{r['ratio_to_cudnn']:.2f}" if r.get("ratio_to_cudnn") else "-"
+        lines.append(f"| {shape} | {label} | {r['pass']} | {r['ms']:.3f} | {r['tflops']:.0f} | {ratio} | "
+                     f"{_mb(r['temp_bytes'])} | {_mb(r['peak_bytes'])} | {r['rel_err']:.1e} |")
+    return lines + _notes(records) + [""]
+
+
+def _sweep_tables(records):
+    impls = _impl_order(records)
+    lines = ["### sweep: TFLOP/s (ratio to cuDNN)", "", *_header(records), ""]
+    for pass_ in PASS_ORDER:
+        rows = [r for r in records if r["pass"] == pass_]
+        if not rows:
+            continue
+        lines += [f"#### {pass_}", "", "| D | N | B x H | causal | " + " | ".join(impls) + " |",
+                  "|---|---|---|---|" + "---|" * len(impls)]
+        keys = sorted({(r["head_dim"], r["seq_q"], r["batch"], r["heads"], r["causal"]) for r in rows},
+                      key=lambda k: (-k[0], k[4], k[1]))
+        for d, n, b, h, causal in keys:
+            cells = []
+            for impl in impls:
+                match = [r for r in rows if (r["impl"], r["head_dim"], r["seq_q"], r["causal"]) == (impl, d, n, causal)]
+                cells.append(_cell(match[0] if match else None))
+            lines.append(f"| {d} | {n} | {b} x {h} | {int(causal)} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines + _notes(records) + [""]
+
+
+def _memory_table(records):
+    impls = _impl_order(records)
+    passes = [p for p in PASS_ORDER if any(r["pass"] == p for r in records)]
+    r0 = records[0]
+    lines = [f"### memory: B={r0['batch']} H={r0['heads']} D={r0['head_dim']} {r0['requested_dtype']}"
+             f"{' causal' if r0['causal'] else ''}; MB, peak device memory of one call (XLA temp)", "",
+             *_header(records), "",
+             "| N | " + " | ".join(f"{i} {p}" for p in passes for i in impls) + " |",
+             "|---|" + "---|" * (len(impls) * len(passes))]
+    for n in sorted({r["seq_q"] for r in records}):
+        cells = []
+        for p in passes:
+            for impl in impls:
+                match = [r for r in records if (r["impl"], r["pass"], r["seq_q"]) == (impl, p, n)]
+                r = match[0] if match else None
+                cells.append(_cell(r, "peak_bytes") + f" ({_cell(r, 'temp_bytes')})" if r and r["status"] == "ok"
+                             else _cell(r))
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    return lines + ["", "OOM: out of device memory; '-': not run or not measured (the high-water mark "
+                    "did not rise, see benchmarks/attention.py)."] + _notes(records) + [""]
+
+
+def markdown(records) -> str:
+    lines = []
+    for suite in ("seed", "sweep", "memory", "backends"):
+        rows = [r for r in records if r["suite"] == suite]
+        if not rows:
+            continue
+        if suite == "sweep":
+            lines += _sweep_tables(rows)
+        elif suite == "memory":
+            lines += _memory_table(rows)
+        else:
+            lines += _point_table(rows, suite)
+    return "\n".join(lines)
+
+
+def plots(records, out) -> list[str]:
+    """One PNG per suite present; returns their paths (none where matplotlib is missing)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: matplotlib is not installed; no plots")
+        return []
+    paths = []
+    for suite, draw in (("sweep", _plot_sweep), ("memory", _plot_memory), ("seed", _plot_bars),
+                        ("backends", _plot_bars)):
+        rows = [r for r in records if r["suite"] == suite and r["status"] == "ok"]
+        if rows:
+            fig = draw(plt, rows, suite)
+            path = os.path.join(out, f"{suite}.png")
+            fig.savefig(path, dpi=110, bbox_inches="tight")
+            plt.close(fig)
+            paths.append(path)
+    return paths
+
+
+def _plot_sweep(plt, rows, suite):
+    passes = [p for p in PASS_ORDER if any(r["pass"] == p for r in rows)]
+    panels = sorted({(r["head_dim"], r["causal"]) for r in rows})
+    fig, axes = plt.subplots(len(passes), len(panels), figsize=(4 * len(panels), 3.2 * len(passes)),
+                             squeeze=False, sharex=True)
+    for i, pass_ in enumerate(passes):
+        for j, (d, causal) in enumerate(panels):
+            ax = axes[i][j]
+            for impl in _impl_order(rows):
+                pts = sorted((r["seq_q"], r["tflops"]) for r in rows
+                             if (r["impl"], r["pass"], r["head_dim"], r["causal"]) == (impl, pass_, d, causal))
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=impl, linestyle="--" if impl == "cudnn" else "-")
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{pass_}, D={d}{', causal' if causal else ''}", fontsize=9)
+            ax.grid(alpha=0.3)
+            if j == 0:
+                ax.set_ylabel("TFLOP/s")
+            if i == len(passes) - 1:
+                ax.set_xlabel("sequence length")
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle(f"{rows[0]['device']}, {rows[0]['dtype']}: attention TFLOP/s vs sequence length "
+                 f"(batch x seq = {rows[0]['batch'] * rows[0]['seq_q']} tokens)", fontsize=10)
+    return fig
+
+
+def _plot_memory(plt, rows, suite):
+    passes = [p for p in PASS_ORDER if any(r["pass"] == p for r in rows)]
+    fig, axes = plt.subplots(1, len(passes), figsize=(5 * len(passes), 3.6), squeeze=False)
+    for ax, pass_ in zip(axes[0], passes):
+        for impl in _impl_order(rows):
+            for what, style in (("peak_bytes", "-"), ("temp_bytes", ":")):
+                pts = sorted((r["seq_q"], max(r[what], 1) / MB) for r in rows
+                             if (r["impl"], r["pass"]) == (impl, pass_) and r[what] is not None)
+                if pts:
+                    ax.plot(*zip(*pts), style, marker="o", label=f"{impl} {what.split('_')[0]}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel("MB")
+        ax.set_title(f"{pass_}: peak device memory (solid), XLA temp (dotted)", fontsize=9)
+        ax.grid(alpha=0.3, which="both")
+    axes[0][-1].legend(fontsize=7)
+    return fig
+
+
+def _plot_bars(plt, rows, suite):
+    shapes = sorted({r["point"] for r in rows})
+    fig, axes = plt.subplots(len(shapes), 2, figsize=(11, 3.4 * len(shapes)), squeeze=False)
+    for (ax_t, ax_m), shape in zip(axes, shapes):
+        sub = [r for r in rows if r["point"] == shape]
+        passes = [p for p in PASS_ORDER if any(r["pass"] == p for r in sub)]
+        impls = _impl_order(sub)
+        width = 0.8 / len(passes)
+        for k, pass_ in enumerate(passes):
+            xs, ms, mem = [], [], []
+            for i, impl in enumerate(impls):
+                match = [r for r in sub if (r["impl"], r["pass"]) == (impl, pass_)]
+                if match:
+                    xs.append(i + k * width)
+                    ms.append(match[0]["ms"] or 0)
+                    best = match[0]["peak_bytes"] if match[0]["peak_bytes"] is not None else match[0]["temp_bytes"]
+                    mem.append((best or 0) / MB)
+            ax_t.bar(xs, ms, width, label=pass_)
+            ax_m.bar(xs, mem, width, label=pass_)
+        for ax, label in ((ax_t, "ms (median)"), (ax_m, "MB: peak, else XLA temp")):
+            ax.set_xticks([i + width * (len(passes) - 1) / 2 for i in range(len(impls))])
+            ax.set_xticklabels(impls, rotation=30, ha="right", fontsize=8)
+            ax.set_ylabel(label)
+            ax.set_title(shape.split("/", 1)[1], fontsize=9)
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
