@@ -163,15 +163,14 @@ def _jaxlib_version():
     return getattr(jaxlib, "__version__", None)
 
 
-def _random_inputs(point, dtype, seed, *, host=False):
-    """q, k, v and a cotangent, standard normal (never zeros: they hide unwritten outputs)."""
+def _random_inputs(point, dtype, seed):
+    """q, k, v and a cotangent, standard normal (never zeros: they hide unwritten outputs). Threefry gives
+    the same numbers on every backend, so each process draws the same check inputs and the cached
+    reference stays valid."""
     shapes = [(point.batch, point.seq_q, point.heads, point.head_dim),
               (point.batch, point.seq_k, point.kv_heads, point.head_dim),
               (point.batch, point.seq_k, point.kv_heads, point.head_dim),
               (point.batch, point.seq_q, point.heads, point.head_dim)]
-    if host:  # numpy, so the check inputs are the same in every process and the reference can be cached
-        rng = np.random.default_rng(seed)
-        return [jnp.asarray(rng.standard_normal(s, np.float32)).astype(dtype) for s in shapes]
     keys = jax.random.split(jax.random.key(seed), len(shapes))
     return [jax.random.normal(key, s, jnp.float32).astype(dtype) for key, s in zip(keys, shapes)]
 
@@ -192,7 +191,7 @@ def _reference(point, dtype, scale, cache_dir):
     if os.path.exists(path):
         with np.load(path) as f:
             return {k: f[k] for k in f.files}
-    q, k, v, ct = _random_inputs(point, dtype, _check_seed(point), host=True)
+    q, k, v, ct = _random_inputs(point, dtype, _check_seed(point))
     rows, qs, ks = _check_slices(point)
     cpu = jax.devices("cpu")[0]
     q, ct = (jax.device_put(x[qs].astype(jnp.float32), cpu) for x in (q, ct))
@@ -207,7 +206,7 @@ def _reference(point, dtype, scale, cache_dir):
 
 
 def _check_seed(point):
-    return int(hashlib.sha1(point.key().encode()).hexdigest()[:8], 16)
+    return int(hashlib.sha1(point.key().encode()).hexdigest()[:7], 16)  # < 2**28: a valid int32 seed
 
 
 def _relative_error(ours, ref):
@@ -323,7 +322,7 @@ def _measure_pass(fn, point, pass_, dtype, scale, settings):
     del args
     # Check on fresh inputs, against the reference.
     ref = _reference(point, dtype, scale, settings["cache_dir"])
-    q, k, v, ct = _random_inputs(point, dtype, _check_seed(point), host=True)
+    q, k, v, ct = _random_inputs(point, dtype, _check_seed(point))
     rows, _, _ = _check_slices(point)
     if rows < point.seq_q:
         ct = ct.at[:, rows:].set(0)
@@ -348,6 +347,8 @@ def _measure_pass(fn, point, pass_, dtype, scale, settings):
 
 def run_group(spec: dict) -> None:
     """Measure `spec["points"]` with `spec["impls"]`, appending one JSON line per record to `spec["sink"]`."""
+    if spec["smoke"]:
+        jax.config.update("jax_platforms", "cpu")
     env = dict(environment(), command=spec["command"], date=spec["date"], smoke=spec["smoke"])
     by_name = {impl.name: impl for impl in impls_lib.all_impls()}
     points = [Point(**dict(p, passes=tuple(p["passes"]))) for p in spec["points"]]
@@ -367,34 +368,28 @@ def run_group(spec: dict) -> None:
             sink.flush()
             print(report.progress_line(rec), flush=True)
 
+        def emit_and_watch(point, impl, pass_, **kw):
+            if kw.get("note") == "out of memory" and point.suite == "memory":
+                out_of_memory.add((impl.name, pass_))  # larger sizes of this pass will not fit either
+            emit(point, impl, pass_, **kw)
+
         out_of_memory = set()
         for point in points:
             for name in spec["impls"]:
                 impl = by_name[name]
-                if time.time() > spec["deadline"]:
-                    for pass_ in point.passes:
-                        emit(point, impl, pass_, status="skip", note="time budget spent", dtype=point.dtype)
-                    continue
-                if (impl.name, point.suite) in out_of_memory:
-                    for pass_ in point.passes:
-                        emit(point, impl, pass_, status="skip", note="out of memory at a smaller size",
-                             dtype=point.dtype)
-                    continue
-                if impl.slow_on_cpu and not on_gpu:
-                    slow = [x for x in point.passes if point.suite != "seed" or x != "fwd"]
-                    for pass_ in slow:
-                        emit(point, impl, pass_, status="skip", dtype=point.dtype,
-                             note="Pallas interpret mode is slow on CPU; only the seed suite's fwd runs it")
-                    if len(slow) == len(point.passes):
-                        continue
-                    point = dataclasses.replace(point, passes=tuple(x for x in point.passes if x not in slow))
-
-                def emit_and_watch(point, impl, pass_, **kw):
-                    if kw.get("note") == "out of memory" and point.suite == "memory":
-                        out_of_memory.add((impl.name, point.suite))
-                    emit(point, impl, pass_, **kw)
-
-                measure(impl, point, settings, emit_and_watch)
+                skips = {}
+                for pass_ in point.passes:
+                    if time.time() > spec["deadline"]:
+                        skips[pass_] = "time budget spent"
+                    elif (impl.name, pass_) in out_of_memory:
+                        skips[pass_] = "out of memory at a smaller size"
+                    elif impl.slow_on_cpu and not on_gpu and (point.suite, pass_) != ("seed", "fwd"):
+                        skips[pass_] = "Pallas interpret mode is slow on CPU; only the seed suite's fwd runs it"
+                for pass_, note in skips.items():
+                    emit(point, impl, pass_, status="skip", note=note, dtype=point.dtype)
+                passes = tuple(x for x in point.passes if x not in skips)
+                if passes:
+                    measure(impl, dataclasses.replace(point, passes=passes), settings, emit_and_watch)
 
 
 def _groups(points, names, isolate):
@@ -475,7 +470,7 @@ def parse_args(argv):
     parser.add_argument("--time-budget", type=float, help="seconds; points not started in time are skipped")
     parser.add_argument("--smoke", action="store_true", help="every suite at tiny sizes on CPU; no timing claims")
     parser.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
-                        help="one process per implementation (default: on the GPU, not in --smoke)")
+                        help="one process per implementation and suite (default: yes, except in --smoke)")
     parser.add_argument("--render", nargs="+", metavar="DIR", help="merge these folders' results.json into --out")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -517,7 +512,8 @@ def main(argv=None):
         points += suite_points(s, smoke=args.smoke, seqs=_csv(args.seqs, int), head_dims=_csv(args.head_dims, int),
                                passes=passes)
         impl_names[s] = [n for n in (chosen or default_impls(s, known))]
-    isolate = (not args.smoke and impls_lib.on_nvidia_gpu()) if args.isolate is None else args.isolate
+    # This process must not start a GPU client before the workers run: it would hold most of the memory.
+    isolate = not args.smoke if args.isolate is None else args.isolate
     settings = dict(reps=args.reps or (1 if args.smoke else 15), min_sample_ms=0.0 if args.smoke else args.min_sample_ms,
                     rotate=1 if args.smoke else args.rotate)
     date = datetime.date.today().isoformat()

@@ -45,9 +45,10 @@ def _cell(r, what="tflops"):
 
 
 def _impl_order(records):
+    """Implementations in first-seen order, leaving out those that ran nowhere (the notes say why)."""
     names = []
     for r in records:
-        if r["impl"] not in names:
+        if r["impl"] not in names and (r["status"] != "skip" or r["note"] == "out of memory"):
             names.append(r["impl"])
     return names
 

@@ -1,0 +1,41 @@
+"""The benchmark harness's --smoke run: every suite at tiny sizes on CPU, so the harness never rots."""
+import json
+import os
+
+from benchmarks import attention
+
+REQUIRED = {"suite", "impl", "pass", "batch", "seq_q", "seq_k", "heads", "kv_heads", "head_dim", "causal", "dtype",
+            "ms", "tflops", "ratio_to_cudnn", "temp_bytes", "device", "jax_version"}
+
+
+def test_smoke_writes_every_suite(tmp_path, capsys):
+    out = attention.main(["--smoke", "--suite", "all", "--out", str(tmp_path)])
+    with open(os.path.join(out, "results.json")) as f:
+        records = json.load(f)
+    assert {r["suite"] for r in records} == set(attention.SUITES)
+    for r in records:
+        assert REQUIRED <= set(r), sorted(REQUIRED - set(r))
+        assert r["pass"] in attention.PASSES
+        assert r["status"] in ("ok", "fail", "skip"), r
+        assert r["status"] != "fail", r  # the reference implementations must agree with the reference
+    ok = [r for r in records if r["status"] == "ok"]
+    # Every suite and pass measured something; every timed number came after a passing check.
+    assert {(r["suite"], r["pass"]) for r in ok} >= {(r["suite"], r["pass"]) for r in records}
+    assert all(r["rel_err"] <= r["tolerance"] for r in ok)
+    assert all(r["ms"] > 0 for r in ok if r["suite"] != "memory")
+    assert {"pf:pallas", "pallas_triton_ref"} <= {r["impl"] for r in ok}  # interpret mode, seed fwd
+    assert {r["impl"] for r in records} >= {"cudnn", "xla", "pallas_mgpu_ref"}  # present, skipped off GPU
+    for name in ("results.md", "seed.png", "sweep.png", "memory.png", "backends.png"):
+        assert os.path.getsize(os.path.join(out, name)) > 0, name
+    printed = capsys.readouterr().out
+    assert "### sweep" in printed and "smoke run" in printed
+
+
+def test_bad_arguments_are_named():
+    for argv, word in ((["--suite", "nope"], "nope"), (["--impls", "nope"], "nope"), (["--passes", "up"], "up")):
+        try:
+            attention.main(argv)
+        except SystemExit as e:
+            assert word in str(e)
+        else:
+            raise AssertionError(f"{argv} was accepted")
