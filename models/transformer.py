@@ -173,18 +173,32 @@ class Block(nnx.Module):
 
 
 class Stack(nnx.Module):
-    """num_layers Blocks, each optionally under `nnx.remat` (recompute activations in the backward)."""
+    """num_layers Blocks, each optionally rematerialised (activations recomputed in the backward)."""
 
     def __init__(self, cfg: TransformerConfig, *, is_causal: bool, rngs: nnx.Rngs):
         self.remat = cfg.remat
         self.blocks = nnx.List([Block(cfg, is_causal=is_causal, rngs=rngs) for _ in range(cfg.num_layers)])
 
     def __call__(self, x: jax.Array, mask: jax.Array | None = None, *, deterministic: bool = True):
-        def apply(block, x, mask):
-            return block(x, mask, deterministic=deterministic)
-
-        if self.remat:
-            apply = nnx.remat(apply)
         for block in self.blocks:
-            x = apply(block, x, mask)
+            if self.remat:
+                x = _checkpointed(block, x, mask, deterministic=deterministic)
+            else:
+                x = block(x, mask, deterministic=deterministic)
         return x
+
+
+def _checkpointed(block: Block, x, mask, *, deterministic: bool):
+    """block(x) under `jax.checkpoint`, the block passed in as state. Only dropout changes state (its RNG
+    counts), so only then is that state written back: a deterministic call then also works inside plain
+    jax.grad/vmap over a merged model, where `nnx.remat` would try to write back every variable."""
+    graphdef, state = nnx.split(block)
+
+    def pure(state, x, mask):
+        inner = nnx.merge(graphdef, state)
+        return inner(x, mask, deterministic=deterministic), nnx.state(inner, nnx.RngState)
+
+    x, rng_state = jax.checkpoint(pure)(state, x, mask)
+    if not deterministic:
+        nnx.update(block, rng_state)
+    return x
