@@ -206,12 +206,12 @@ def _plot_memory(plt, rows, suite):
     passes = [p for p in PASS_ORDER if any(r["pass"] == p for r in rows)]
     fig, axes = plt.subplots(1, len(passes), figsize=(5 * len(passes), 3.6), squeeze=False)
     for ax, pass_ in zip(axes[0], passes):
-        for impl in _impl_order(rows):
+        for color, impl in enumerate(_impl_order(rows)):
             for what, style in (("peak_bytes", "-"), ("temp_bytes", ":")):
                 pts = sorted((r["seq_q"], max(r[what], 1) / MB) for r in rows
                              if (r["impl"], r["pass"]) == (impl, pass_) and r[what] is not None)
                 if pts:
-                    ax.plot(*zip(*pts), style, marker="o", label=f"{impl} {what.split('_')[0]}")
+                    ax.plot(*zip(*pts), style, marker="o", color=f"C{color}", label=f"{impl} {what.split('_')[0]}")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("sequence length")
