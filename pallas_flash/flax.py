@@ -22,10 +22,10 @@ logger = logging.getLogger("pallas_flash")
 _logged: set = set()
 
 
-def _log_once(argument: str, message: str) -> None:
+def _log_once(argument: str, message: str, level: int = logging.WARNING) -> None:
     if argument not in _logged:
         _logged.add(argument)
-        logger.warning("pallas_flash.flax: %s", message)
+        logger.log(level, "pallas_flash.flax: %s", message)
 
 
 def make_attention_fn(*, is_causal: bool = False, implementation: str | None = None, config=None):
@@ -71,7 +71,7 @@ def make_attention_fn(*, is_causal: bool = False, implementation: str | None = N
         """
         if mask_is_causal and mask is not None:
             _log_once("mask:causal", "`mask` is taken to be the causal mask that "
-                      "make_attention_fn(is_causal=True) declared, and is not read")
+                      "make_attention_fn(is_causal=True) declared, and is not read", logging.INFO)
             mask = None
         causal = is_causal or mask_is_causal
         dropout = not deterministic and dropout_rate > 0.0
