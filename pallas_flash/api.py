@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_flash import masks, reference, xla_chunked
-from pallas_flash.config import KernelConfig
+from pallas_flash.config import H100_SHARED_MEMORY, KernelConfig
 from pallas_flash.kernels import portable
 
 logger = logging.getLogger("pallas_flash")
@@ -28,6 +28,17 @@ def _log_once(message: str) -> None:
 
 def _on_nvidia_gpu() -> bool:
     return jax.default_backend() == "gpu" and jax.devices()[0].device_kind.upper().startswith("NVIDIA")
+
+
+def _shared_memory_bytes() -> int:
+    """Shared memory a block may use on this GPU: 227 KiB on Hopper, 163 KiB on A100, 99 KiB on other
+    recent parts (CUDA's per-block opt-in limits). Without a GPU (interpret mode) it does not matter."""
+    if not _on_nvidia_gpu():
+        return H100_SHARED_MEMORY
+    major, minor = (int(x) for x in str(getattr(jax.devices()[0], "compute_capability", "9.0")).split(".")[:2])
+    if major >= 9:
+        return H100_SHARED_MEMORY
+    return 163 * 1024 if (major, minor) in ((8, 0), (8, 7)) else 99 * 1024
 
 
 def _check_inputs(query, key, value):
@@ -152,7 +163,7 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, segment_i
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
     if config is None:
-        config = KernelConfig.default(head_dim)
+        config = KernelConfig.default(head_dim, jnp.dtype(query.dtype).itemsize, _shared_memory_bytes())
     elif not isinstance(config, KernelConfig):
         raise TypeError(f"config must be a pallas_flash.KernelConfig, got {type(config).__name__}")
     scale = float(scale)

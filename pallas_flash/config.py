@@ -4,6 +4,9 @@ from __future__ import annotations
 import dataclasses
 
 
+H100_SHARED_MEMORY = 227 * 1024  # per block, sm90 opt-in maximum
+
+
 def _is_power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
@@ -49,15 +52,48 @@ class KernelConfig:
                 raise ValueError(f"KernelConfig.{field.name} must be at least 16 (a tensor-core tile), got {value}")
 
     @classmethod
-    def default(cls, head_dim: int) -> "KernelConfig":
-        """Defaults per head_dim, the fastest variants measured on H100 (pallas_flash/kernels/NOTES.md)."""
-        if head_dim <= 64:
-            return cls(block_q=64, block_kv=64, num_warps=4, num_stages=3,
-                       block_q_dkv=64, block_kv_dkv=64, num_warps_dkv=4, num_stages_dkv=3,
-                       block_q_dq=64, block_kv_dq=64, num_warps_dq=4, num_stages_dq=3)
-        if head_dim <= 128:
-            return cls()
-        # head_dim 256: halve the tiles so the accumulators fit in registers (not yet tuned on H100).
-        return cls(block_q=64, block_kv=32, num_warps=4, num_stages=2,
-                   block_q_dkv=32, block_kv_dkv=32, num_warps_dkv=4, num_stages_dkv=2,
-                   block_q_dq=32, block_kv_dq=32, num_warps_dq=4, num_stages_dq=2)
+    def default(cls, head_dim: int, itemsize: int = 2, shared_memory_bytes: int = H100_SHARED_MEMORY) -> "KernelConfig":
+        """The fastest variants measured on H100 for 2-byte inputs (pallas_flash/kernels/NOTES.md), shrunk
+        until their pipelined tiles fit `shared_memory_bytes` at this `itemsize` (float32 doubles the tiles;
+        smaller GPUs have less shared memory)."""
+        return _tuned(head_dim).fit_shared_memory(_padded_head_dim(head_dim), itemsize, shared_memory_bytes)
+
+    def shared_memory(self, head_dim: int, itemsize: int) -> dict:
+        """Bytes of shared memory each kernel's software pipeline holds: num_stages copies of the two tiles
+        its loop streams (K and V in the forward and dQ kernels, Q and dO in the dK/dV kernel)."""
+        tile = head_dim * itemsize * 2
+        return {"forward": self.num_stages * self.block_kv * tile,
+                "dkdv": self.num_stages_dkv * self.block_q_dkv * tile,
+                "dq": self.num_stages_dq * self.block_kv_dq * tile}
+
+    def fit_shared_memory(self, head_dim: int, itemsize: int, budget: int) -> "KernelConfig":
+        """Fewer stages (down to 2), then smaller streamed blocks, until every kernel fits `budget`."""
+        config = self
+        streamed = {"forward": ("num_stages", "block_kv"), "dkdv": ("num_stages_dkv", "block_q_dkv"),
+                    "dq": ("num_stages_dq", "block_kv_dq")}
+        for kernel, (stages, block) in streamed.items():
+            while config.shared_memory(head_dim, itemsize)[kernel] > budget:
+                if getattr(config, stages) > 2:
+                    config = dataclasses.replace(config, **{stages: getattr(config, stages) - 1})
+                elif getattr(config, block) > 16:
+                    config = dataclasses.replace(config, **{block: getattr(config, block) // 2})
+                else:
+                    break
+        return config
+
+
+def _padded_head_dim(head_dim: int) -> int:
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def _tuned(head_dim: int) -> KernelConfig:
+    if head_dim <= 64:
+        return KernelConfig(block_q=64, block_kv=64, num_warps=4, num_stages=3,
+                            block_q_dkv=64, block_kv_dkv=64, num_warps_dkv=4, num_stages_dkv=3,
+                            block_q_dq=64, block_kv_dq=64, num_warps_dq=4, num_stages_dq=3)
+    if head_dim <= 128:
+        return KernelConfig()
+    # head_dim 256: smaller tiles so the accumulators fit in registers (not yet tuned on H100).
+    return KernelConfig(block_q=64, block_kv=32, num_warps=4, num_stages=2,
+                        block_q_dkv=32, block_kv_dkv=32, num_warps_dkv=4, num_stages_dkv=2,
+                        block_q_dq=32, block_kv_dq=32, num_warps_dq=4, num_stages_dq=2)
