@@ -51,6 +51,9 @@ class TrainConfig:
     corpus_bytes: int = 4_000_000       # stdlib corpus size; 0: all of it
     val_fraction: float = 0.05
     recall_doc_len: int = 4096          # recall task: tokens per document (records of 8 tokens)
+    recall_key_len: int = 2
+    recall_query_probability: float = 0.5
+    recall_far_distance: int = 1024     # recall task: values bound further back than this score as "far"
 
     def __post_init__(self):
         def require(ok, field, message):
@@ -78,6 +81,10 @@ class TrainConfig:
         require(self.attention in ATTENTIONS, "attention", f"must be one of {ATTENTIONS}")
         require(self.data in BUILTIN_DATA or pathlib.Path(self.data).is_file(), "data",
                 f"must be one of {BUILTIN_DATA} or the path of an existing text file")
+        require(self.recall_key_len in (1, 2), "recall_key_len", "must be 1 or 2")
+        require(0 <= self.recall_query_probability < 1, "recall_query_probability", "must be in [0, 1)")
+        require(isinstance(self.recall_far_distance, int) and self.recall_far_distance >= 1, "recall_far_distance",
+                "must be a positive integer")
         require(self.recall_doc_len % 8 == 0, "recall_doc_len", "must be a multiple of the record length 8")
         if self.model.vocab_size < 256:
             raise ValueError(f"model.vocab_size={self.model.vocab_size}: must be at least 256 for byte-level data")

@@ -28,6 +28,8 @@ RECORD_LEN = KEY_LEN + 1 + VALUE_LEN
 ALPHABET = np.frombuffer(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+/", dtype=np.uint8)
 NUM_KEYS = len(ALPHABET) ** 2
 SET_OP, GET_OP = ord("="), ord("?")
+# Accuracy on a recalled value's token when its binding is out of sight: a uniform guess among the symbols.
+RECALL_CHANCE = 1 / len(ALPHABET)
 GET_PROBABILITY = 0.5
 # Separate seed namespaces: validation documents do not depend on the training seed, so runs with
 # different seeds or contexts are scored on the same tokens.
@@ -63,22 +65,33 @@ def _read(paths) -> np.ndarray:
     return np.frombuffer(b"".join(p.read_bytes() for p in paths), dtype=np.uint8)
 
 
-def recall_document(rng: np.random.Generator, doc_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """One recall document: uint8 tokens [doc_len] and a bool mask marking the recalled values."""
+def recall_document(rng: np.random.Generator, doc_len: int, *, key_len: int = KEY_LEN,
+                    query_probability: float = GET_PROBABILITY) -> tuple[np.ndarray, np.ndarray]:
+    """One recall document: uint8 tokens [doc_len] and int32 distances [doc_len]: for a recalled value's
+    token, how many tokens back the same token was last shown (its binding, or an earlier query of the
+    same key); 0 for every other token."""
+    value_len = RECORD_LEN - key_len - 1
+    num_keys = len(ALPHABET) ** key_len
     num_records = doc_len // RECORD_LEN
-    is_get = rng.random(num_records) < GET_PROBABILITY
+    is_get = rng.random(num_records) < query_probability
     is_get[0] = False
+    is_get[np.cumsum(~is_get) > num_keys] = True
     num_sets = int((~is_get).sum())
-    keys = rng.choice(NUM_KEYS, size=num_sets, replace=False)   # distinct keys: every recall is unambiguous
-    values = rng.integers(0, len(ALPHABET), size=(num_sets, VALUE_LEN))
-    sets_before = np.cumsum(~is_get) - (~is_get)                 # bindings strictly before each record
+    keys = rng.choice(num_keys, size=num_sets, replace=False)
+    values = rng.integers(0, len(ALPHABET), size=(num_sets, value_len))
+    sets_before = np.cumsum(~is_get) - (~is_get)
     binding = np.where(is_get, (rng.random(num_records) * sets_before).astype(np.int64), np.cumsum(~is_get) - 1)
-    key_symbols = np.stack([keys[binding] // len(ALPHABET), keys[binding] % len(ALPHABET)], axis=1)
-    records = np.concatenate([ALPHABET[key_symbols], np.where(is_get, GET_OP, SET_OP).astype(np.uint8)[:, None],
+    digits = np.stack([keys[binding] // len(ALPHABET) ** (key_len - 1 - i) % len(ALPHABET) for i in range(key_len)], axis=1)
+    records = np.concatenate([ALPHABET[digits], np.where(is_get, GET_OP, SET_OP).astype(np.uint8)[:, None],
                               ALPHABET[values[binding]]], axis=1)
-    answers = np.zeros((num_records, RECORD_LEN), dtype=bool)
-    answers[:, KEY_LEN + 1:] = is_get[:, None]
-    return records.reshape(-1), answers.reshape(-1)
+    last_seen = {}
+    distance = np.zeros((num_records, RECORD_LEN), dtype=np.int32)
+    for r in range(num_records):
+        b = int(binding[r])
+        if is_get[r]:
+            distance[r, key_len + 1:] = (r - last_seen[b]) * RECORD_LEN
+        last_seen[b] = r
+    return records.reshape(-1), distance.reshape(-1)
 
 
 class Dataset:
@@ -103,7 +116,7 @@ class Dataset:
         index = starts[:, None] + np.arange(self.seq_len + 1)
         batch = {"inputs": tokens[index[:, :-1]].astype(np.int32), "targets": tokens[index[:, 1:]].astype(np.int32)}
         if answers is not None:
-            batch["answers"] = answers[index[:, 1:]]
+            batch["distances"] = answers[index[:, 1:]]
         return batch
 
     def _batched(self, windows: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
@@ -140,13 +153,15 @@ class RecallDataset(Dataset):
 
     has_answers = True
 
-    def __init__(self, *, doc_len: int, **kwargs):
+    def __init__(self, *, doc_len: int, key_len: int = KEY_LEN, query_probability: float = GET_PROBABILITY,
+                 **kwargs):
         super().__init__(**kwargs)
-        self.doc_len = doc_len
+        self.doc_len, self.key_len, self.query_probability = doc_len, key_len, query_probability
 
     def _stream(self, seed: tuple, start: int, length: int) -> tuple[np.ndarray, np.ndarray]:
         first, last = start // self.doc_len, (start + length - 1) // self.doc_len
-        docs = [recall_document(np.random.default_rng((*seed, d)), self.doc_len) for d in range(first, last + 1)]
+        docs = [recall_document(np.random.default_rng((*seed, d)), self.doc_len, key_len=self.key_len,
+                                query_probability=self.query_probability) for d in range(first, last + 1)]
         offset = start - first * self.doc_len
         tokens = np.concatenate([d[0] for d in docs])[offset:offset + length]
         answers = np.concatenate([d[1] for d in docs])[offset:offset + length]
@@ -167,7 +182,8 @@ def make_dataset(cfg) -> Dataset:
     """The dataset a `TrainConfig` names: "stdlib", "recall" or a path to a text file."""
     common = dict(seed=cfg.seed, seq_len=cfg.seq_len, batch_size=cfg.batch_size, eval_tokens=cfg.eval_tokens)
     if cfg.data == "recall":
-        return RecallDataset(doc_len=cfg.recall_doc_len, **common)
+        return RecallDataset(doc_len=cfg.recall_doc_len, key_len=cfg.recall_key_len,
+                             query_probability=cfg.recall_query_probability, **common)
     if cfg.data == "stdlib":
         train, val = stdlib_files(cfg.corpus_bytes, cfg.val_fraction)
         return TextDataset(_read(train), _read(val), **common)

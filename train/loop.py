@@ -50,13 +50,18 @@ def _token_losses(model, batch, *, deterministic):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]), logits
 
 
-def make_steps(graphdef, tx):
-    """jit-compiled (train_step, eval_step) for one model structure."""
+def make_steps(graphdef, tx, far_distance: int = 0):
+    """jit-compiled (train_step, eval_step) for one model structure.
+
+    On the recall task the eval step also scores the recalled values, all of them and split by how far back
+    their binding lies: near (at most `far_distance` tokens) and far (more).
+    """
 
     def train_step(params, opt_state, rest, batch):
         # Merged outside the gradient: nnx.value_and_grad carries the dropout RNG's update out of the
         # differentiated function, which a plain jax.grad over a merge inside it cannot.
         model = nnx.merge(graphdef, params, rest)
+        batch = {k: batch[k] for k in ("inputs", "targets")}
         loss, grads = nnx.value_and_grad(lambda m: _token_losses(m, batch, deterministic=False)[0].mean())(model)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
@@ -65,11 +70,14 @@ def make_steps(graphdef, tx):
     def eval_step(params, rest, batch):
         losses, logits = _token_losses(nnx.merge(graphdef, params, rest), batch, deterministic=True)
         sums = {"loss": losses.sum(), "tokens": jnp.float32(losses.size)}
-        if "answers" in batch:
-            answers = batch["answers"].astype(jnp.float32)
+        if "distances" in batch:
             correct = (jnp.argmax(logits, axis=-1) == batch["targets"]).astype(jnp.float32)
-            sums |= {"answer_loss": (losses * answers).sum(), "answer_correct": (correct * answers).sum(),
-                     "answers": answers.sum()}
+            distances = batch["distances"]
+            for prefix, mask in (("answer", distances > 0), ("near_answer", (distances > 0) & (distances <= far_distance)),
+                                 ("far_answer", distances > far_distance)):
+                mask = mask.astype(jnp.float32)
+                sums |= {f"{prefix}_loss": (losses * mask).sum(), f"{prefix}_correct": (correct * mask).sum(),
+                         f"{prefix}s": mask.sum()}
         return sums
 
     return jax.jit(train_step, donate_argnums=(0, 1, 2)), jax.jit(eval_step)
@@ -81,9 +89,13 @@ def evaluate(eval_step, params, rest, batches) -> dict[str, float]:
         for name, value in jax.device_get(eval_step(params, rest, batch)).items():
             totals[name] = totals.get(name, 0.0) + float(value)
     metrics = {"val_loss": totals["loss"] / totals["tokens"]}
-    if totals.get("answers"):
-        metrics |= {"val_answer_loss": totals["answer_loss"] / totals["answers"],
-                    "val_answer_accuracy": totals["answer_correct"] / totals["answers"]}
+    for prefix in ("answer", "near_answer", "far_answer"):
+        if f"{prefix}s" in totals:
+            count = totals[f"{prefix}s"]
+            metrics[f"val_{prefix}s"] = int(count)
+            if count:
+                metrics |= {f"val_{prefix}_loss": totals[f"{prefix}_loss"] / count,
+                            f"val_{prefix}_accuracy": totals[f"{prefix}_correct"] / count}
     return metrics
 
 
@@ -129,7 +141,7 @@ def train(cfg: TrainConfig, attention: str, run_dir: pathlib.Path) -> RunResult:
     graphdef, params, rest = init_model(cfg, attention)
     tx = make_optimizer(cfg)
     opt_state = tx.init(params)
-    train_step, eval_step = make_steps(graphdef, tx)
+    train_step, eval_step = make_steps(graphdef, tx, cfg.recall_far_distance)
 
     start_step = 0
     checkpointer = None
