@@ -59,26 +59,32 @@ class KernelConfig:
         return _tuned(head_dim).fit_shared_memory(_padded_head_dim(head_dim), itemsize, shared_memory_bytes)
 
     def shared_memory(self, head_dim: int, itemsize: int) -> dict:
-        """Bytes of shared memory each kernel's software pipeline holds: num_stages copies of the two tiles
-        its loop streams (K and V in the forward and dQ kernels, Q and dO in the dK/dV kernel)."""
-        tile = head_dim * itemsize * 2
-        return {"forward": self.num_stages * self.block_kv * tile,
-                "dkdv": self.num_stages_dkv * self.block_q_dkv * tile,
-                "dq": self.num_stages_dq * self.block_kv_dq * tile}
+        """Estimated bytes of shared memory per kernel: num_stages copies of the two tiles its loop streams
+        (K and V in the forward and dQ kernels, Q and dO in the dK/dV kernel) plus the tiles it keeps
+        resident (Q; K and V; Q and dO), which the matmuls may stage through shared memory too."""
+        row = head_dim * itemsize
+        return {"forward": (self.num_stages * 2 * self.block_kv + self.block_q) * row,
+                "dkdv": (self.num_stages_dkv * 2 * self.block_q_dkv + 2 * self.block_kv_dkv) * row,
+                "dq": (self.num_stages_dq * 2 * self.block_kv_dq + 2 * self.block_q_dq) * row}
 
     def fit_shared_memory(self, head_dim: int, itemsize: int, budget: int) -> "KernelConfig":
-        """Fewer stages (down to 2), then smaller streamed blocks, until every kernel fits `budget`."""
+        """Fewer stages (down to 2), then smaller streamed blocks, then smaller resident blocks, until every
+        kernel's estimate fits `budget`."""
         config = self
-        streamed = {"forward": ("num_stages", "block_kv"), "dkdv": ("num_stages_dkv", "block_q_dkv"),
-                    "dq": ("num_stages_dq", "block_kv_dq")}
-        for kernel, (stages, block) in streamed.items():
+        shrinkable = {"forward": ("num_stages", "block_kv", "block_q"),
+                      "dkdv": ("num_stages_dkv", "block_q_dkv", "block_kv_dkv"),
+                      "dq": ("num_stages_dq", "block_kv_dq", "block_q_dq")}
+        for kernel, (stages, streamed, resident) in shrinkable.items():
             while config.shared_memory(head_dim, itemsize)[kernel] > budget:
                 if getattr(config, stages) > 2:
-                    config = dataclasses.replace(config, **{stages: getattr(config, stages) - 1})
-                elif getattr(config, block) > 16:
-                    config = dataclasses.replace(config, **{block: getattr(config, block) // 2})
+                    change = {stages: getattr(config, stages) - 1}
+                elif getattr(config, streamed) > 16:
+                    change = {streamed: getattr(config, streamed) // 2}
+                elif getattr(config, resident) > 16:
+                    change = {resident: getattr(config, resident) // 2}
                 else:
                     break
+                config = dataclasses.replace(config, **change)
         return config
 
 
