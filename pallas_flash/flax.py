@@ -2,8 +2,8 @@
 `nnx.MultiHeadAttention(attention_fn=attention_fn)` run `flash_attention` instead of dense attention.
 
 The adapter takes every argument those modules pass and honours each one. What the kernels serve today
-(causal or no mask, MHA/GQA, float32/bfloat16/float16) goes to `flash_attention`; anything else (a dense
-`mask` or `bias`, attention dropout, sowing the weights for `module`, custom einsums) is computed exactly by
+(causal, a key-padding mask, MHA/GQA, float32/bfloat16/float16) goes to `flash_attention`; anything else (a
+general `mask` or `bias`, attention dropout, sowing the weights for `module`, custom einsums) is computed exactly by
 a dense float32 path, logged once per argument. `_dense_reasons` is the single place that decides.
 """
 from __future__ import annotations
@@ -84,10 +84,13 @@ def make_attention_fn(*, is_causal: bool = False, implementation: str | None = N
         dtype = jnp.result_type(query, key, value) if dtype is None else jnp.dtype(dtype)
         query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
 
-        reasons = _dense_reasons(query, key, value, bias=bias, mask=mask, dropout=dropout, module=module,
+        key_mask = _key_padding(mask, query, key)
+        reasons = _dense_reasons(query, key, value, bias=bias, mask=None if key_mask is not None else mask,
+                                 dropout=dropout, module=module,
                                  einsums=(qk_attn_weights_einsum, attn_weights_value_einsum))
         if not reasons:
-            return _flash(query, key, value, is_causal=causal, implementation=implementation, config=config)
+            return _flash(query, key, value, key_mask=key_mask, is_causal=causal, implementation=implementation,
+                          config=config)
         for argument, why in reasons:
             _log_once(argument, f"{why}; computing this attention densely (memory grows as q_len * kv_len)")
         if causal:
@@ -111,8 +114,8 @@ attention_fn = make_attention_fn()
 def _dense_reasons(query, key, value, *, bias, mask, dropout, module, einsums):
     """(argument, why) for each argument the kernels cannot serve yet; empty when `flash_attention` is exact.
 
-    TODO(masks-and-dropout issue): pass `mask` (first a [batch, 1, 1, kv_len] key-padding mask), `bias`
-    and dropout to the kernels' native arguments here and drop them from this list.
+    A key-padding mask ([batch..., 1, 1, kv_len]) never reaches this list: the kernels take it as segment
+    ids. TODO(masks-and-dropout issue): pass general `mask`s, `bias` and dropout to the kernels too.
     """
     reasons = []
     if mask is not None:
@@ -135,12 +138,45 @@ def _dense_reasons(query, key, value, *, bias, mask, dropout, module, einsums):
     return reasons
 
 
-def _flash(query, key, value, *, is_causal, implementation, config):
-    """`flash_attention` over any number of leading batch dims, folded into one."""
+def _key_padding(mask, query, key):
+    """A mask that hides keys only ([batch..., 1, 1, kv_len], as an encoder builds it) as a boolean
+    [batch..., kv_len] array the kernels take as segment ids; None for any other mask."""
+    if mask is None or mask.ndim != query.ndim or mask.shape[-3:-1] != (1, 1):
+        return None
+    if mask.shape[-1] != key.shape[-3]:
+        return None
     batch_dims = query.shape[:-3]
-    fold = lambda x: x.reshape((math.prod(batch_dims),) + x.shape[-3:])
+    try:
+        return jnp.broadcast_to(mask[..., 0, 0, :].astype(bool), batch_dims + (key.shape[-3],))
+    except ValueError:
+        return None
+
+
+def _flash(query, key, value, *, key_mask, is_causal, implementation, config):
+    """`flash_attention` over any number of leading batch dims, folded into one. A key-padding mask becomes
+    kv segment ids (query id 0; hidden keys 1)."""
+    batch_dims = query.shape[:-3]
+    batch = math.prod(batch_dims)
+    fold = lambda x: x.reshape((batch,) + x.shape[len(batch_dims):])
+    segments = {}
+    if key_mask is not None:
+        key_mask = fold(key_mask)
+        segments = dict(segment_ids=jnp.zeros((batch, query.shape[-3]), jnp.int32),
+                        kv_segment_ids=jnp.where(key_mask, 0, 1).astype(jnp.int32))
     out = flash_attention(fold(query), fold(key), fold(value), is_causal=is_causal,
-                          implementation=implementation, config=config)
+                          implementation=implementation, config=config, **segments)
+    if key_mask is not None:
+        # Flax replaces hidden logits by the lowest float, so a query that sees no key attends uniformly to
+        # all keys; the kernels give such a row zeros. Restore Flax's value for those rows: O(N), exact.
+        q_pos = jnp.arange(query.shape[-3])
+        first_visible = jnp.argmax(key_mask, axis=-1)  # 0 when no key is visible; guarded below
+        any_visible = jnp.any(key_mask, axis=-1)
+        sees_none = ~any_visible[:, None]
+        if is_causal:
+            sees_none = sees_none | (first_visible[:, None] > q_pos[None, :])
+        heads, kv_heads = query.shape[-2], key.shape[-2]
+        uniform = jnp.repeat(jnp.mean(fold(value).astype(jnp.float32), axis=1), heads // kv_heads, axis=1)
+        out = jnp.where(sees_none[:, :, None, None], uniform[:, None].astype(out.dtype), out)
     return out.reshape(query.shape)
 
 

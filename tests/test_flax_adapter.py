@@ -177,7 +177,7 @@ def test_custom_einsums_are_used():
 
 def test_fallback_logs_once_naming_the_argument(caplog):
     query, key, value = (_normal(i, (BATCH, Q_LEN, HEADS, 16)) for i in range(3))
-    mask = _mask("padding", Q_LEN, Q_LEN)
+    mask = _mask("random", Q_LEN, Q_LEN)  # a general mask; key-padding masks run in the kernels
     bias = _normal(4, (BATCH, HEADS, Q_LEN, Q_LEN))
     with caplog.at_level(logging.WARNING, logger="pallas_flash"):
         pf.attention_fn(query, key, value)
@@ -217,3 +217,28 @@ def test_factory_causal_mask_costs_no_quadratic_memory():
 def test_factory_rejects_non_bool_is_causal():
     with pytest.raises(TypeError, match="is_causal"):
         pf.make_attention_fn(is_causal="yes")
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla_chunked"])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_key_padding_mask_runs_in_the_kernels(impl, is_causal, caplog):
+    """A [batch, 1, 1, kv_len] key-padding mask is served by the kernels (no dense fallback is logged), with
+    Flax's semantics kept for queries that see no key: example 1 has no valid key at all, and with
+    is_causal example 2's first valid key is 5, so its queries 0-4 see none; both attend uniformly in Flax."""
+    q = _normal(11, (3, 12, 4, 16))
+    k, v = _normal(12, (3, 20, 2, 16)), _normal(13, (3, 20, 2, 16))
+    valid = jnp.array([[True] * 14 + [False] * 6, [False] * 20, [False] * 5 + [True] * 15])
+    mask = valid[:, None, None, :]
+    fn = pf.make_attention_fn(implementation=impl, config=KernelConfig(
+        block_q=16, block_kv=16, block_q_dkv=16, block_kv_dkv=16, block_q_dq=16, block_kv_dq=16))
+    with caplog.at_level(logging.WARNING, logger="pallas_flash"):
+        out, grads = jax.value_and_grad(lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v, mask=mask, is_causal=is_causal))),
+                                        argnums=(0, 1, 2))(q, k, v)
+    assert "dense" not in caplog.text
+    ref_fn = lambda q, k, v: jnp.sum(jnp.sin(nnx.dot_product_attention(q, k, v, mask=mask, is_causal=is_causal)))
+    ref, ref_grads = jax.value_and_grad(ref_fn, argnums=(0, 1, 2))(q, k, v)
+    assert_close(out, ref, jnp.float32)
+    assert_close(fn(q, k, v, mask=mask, is_causal=is_causal),
+                 nnx.dot_product_attention(q, k, v, mask=mask, is_causal=is_causal), jnp.float32)
+    for g, rg in zip(grads, ref_grads):
+        assert_close(g, rg, jnp.float32, table=GRADIENT)
