@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.transformer import INIT_STD, Stack, TransformerConfig, norm_layer
+from models.transformer import INIT_STD, Stack, TransformerConfig, norm_layer, require_positive_ints
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,10 +20,7 @@ class GPTConfig(TransformerConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        for name in ("vocab_size", "max_seq_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        require_positive_ints(self, "vocab_size", "max_seq_len")
 
 
 PRESETS: dict[str, GPTConfig] = {

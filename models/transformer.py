@@ -43,10 +43,7 @@ class TransformerConfig:
     remat: bool = False
 
     def __post_init__(self):
-        for name in ("num_layers", "num_heads", "num_kv_heads", "embed_dim", "mlp_dim"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        require_positive_ints(self, "num_layers", "num_heads", "num_kv_heads", "embed_dim", "mlp_dim")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_kv_heads is {self.num_kv_heads}; num_heads {self.num_heads} must be a "
                              "multiple of it")
@@ -85,6 +82,14 @@ class TransformerConfig:
         if self.attention == "dense":
             return nnx.dot_product_attention
         return self.attention
+
+
+def require_positive_ints(config, *names: str) -> None:
+    """Raise a ValueError naming the first of `names` whose value on `config` is not a positive int."""
+    for name in names:
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 def _dense(cfg: TransformerConfig, in_features: int, out_features: int, *, rngs, std=INIT_STD):

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.transformer import INIT_STD, Stack, TransformerConfig, norm_layer
+from models.transformer import INIT_STD, Stack, TransformerConfig, norm_layer, require_positive_ints
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,10 +21,7 @@ class ViTConfig(TransformerConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        for name in ("image_size", "patch_size", "num_channels", "num_classes"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        require_positive_ints(self, "image_size", "patch_size", "num_channels", "num_classes")
         if self.image_size % self.patch_size:
             raise ValueError(f"image_size {self.image_size} must be a multiple of patch_size {self.patch_size}")
 
