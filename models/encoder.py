@@ -4,10 +4,9 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
-from models.transformer import INIT_STD, Stack, TransformerConfig, norm_layer, require_positive_ints
+from models.transformer import TiedTokenModel, TransformerConfig, require_positive_ints
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,34 +29,21 @@ PRESETS: dict[str, EncoderConfig] = {
 }
 
 
-class Encoder(nnx.Module):
+class Encoder(TiedTokenModel):
     def __init__(self, config: EncoderConfig, *, rngs: nnx.Rngs):
         if not isinstance(config, EncoderConfig):
             raise TypeError(f"config must be an EncoderConfig, got {type(config).__name__}")
-        self.config = config
-        self.embed = nnx.Embed(config.vocab_size, config.embed_dim, dtype=jnp.dtype(config.dtype),
-                               param_dtype=jnp.dtype(config.param_dtype),
-                               embedding_init=nnx.initializers.normal(INIT_STD), rngs=rngs)
-        self.dropout = nnx.Dropout(config.dropout_rate, rngs=rngs)
-        self.stack = Stack(config, is_causal=False, rngs=rngs)
-        self.norm = norm_layer(config, rngs=rngs)
+        super().__init__(config, is_causal=False, rngs=rngs)
 
     def __call__(self, tokens: jax.Array, padding_mask: jax.Array | None = None, *,
                  deterministic: bool = True) -> jax.Array:
         """tokens int [batch, seq], padding_mask bool [batch, seq] (True = a real token) ->
         masked-LM logits float32 [batch, seq, vocab_size]. No token attends to padding; the logits at
         padded positions are finite and meaningless."""
-        if tokens.ndim != 2:
-            raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
-        if tokens.shape[1] > self.config.max_seq_len:
-            raise ValueError(f"tokens have seq {tokens.shape[1]} > max_seq_len {self.config.max_seq_len}")
         mask = None
         if padding_mask is not None:
             if padding_mask.shape != tokens.shape:
                 raise ValueError(f"padding_mask has shape {tuple(padding_mask.shape)}; tokens have "
                                  f"{tuple(tokens.shape)}")
             mask = padding_mask.astype(bool)[:, None, None, :]  # [batch, 1 (heads), 1 (queries), seq]
-        x = self.dropout(self.embed(tokens), deterministic=deterministic)
-        x = self.norm(self.stack(x, mask, deterministic=deterministic))
-        table = self.embed.embedding[...].astype(jnp.float32)
-        return jnp.einsum("bsd,vd->bsv", x.astype(jnp.float32), table)
+        return self.logits(tokens, mask, deterministic=deterministic)

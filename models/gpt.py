@@ -5,10 +5,9 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
-from models.transformer import INIT_STD, Stack, TransformerConfig, norm_layer, require_positive_ints
+from models.transformer import TiedTokenModel, TransformerConfig, require_positive_ints
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,26 +30,12 @@ PRESETS: dict[str, GPTConfig] = {
 }
 
 
-class GPT(nnx.Module):
+class GPT(TiedTokenModel):
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
         if not isinstance(config, GPTConfig):
             raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}")
-        self.config = config
-        self.embed = nnx.Embed(config.vocab_size, config.embed_dim, dtype=jnp.dtype(config.dtype),
-                               param_dtype=jnp.dtype(config.param_dtype),
-                               embedding_init=nnx.initializers.normal(INIT_STD), rngs=rngs)
-        self.dropout = nnx.Dropout(config.dropout_rate, rngs=rngs)
-        self.stack = Stack(config, is_causal=True, rngs=rngs)
-        self.norm = norm_layer(config, rngs=rngs)
+        super().__init__(config, is_causal=True, rngs=rngs)
 
     def __call__(self, tokens: jax.Array, *, deterministic: bool = True) -> jax.Array:
         """tokens int [batch, seq] -> next-token logits float32 [batch, seq, vocab_size]."""
-        if tokens.ndim != 2:
-            raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
-        if tokens.shape[1] > self.config.max_seq_len:
-            raise ValueError(f"tokens have seq {tokens.shape[1]} > max_seq_len {self.config.max_seq_len}")
-        x = self.dropout(self.embed(tokens), deterministic=deterministic)
-        x = self.norm(self.stack(x, deterministic=deterministic))
-        # Tied output embedding, in float32: logits feed a softmax over the whole vocabulary.
-        table = self.embed.embedding[...].astype(jnp.float32)
-        return jnp.einsum("bsd,vd->bsv", x.astype(jnp.float32), table)
+        return self.logits(tokens, None, deterministic=deterministic)

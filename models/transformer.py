@@ -207,3 +207,29 @@ def _checkpointed(block: Block, x, mask, *, deterministic: bool):
     if not deterministic:
         nnx.update(block, rng_state)
     return x
+
+
+class TiedTokenModel(nnx.Module):
+    """Token embedding, a stack of blocks, a final norm and the tied output embedding: the body GPT and the
+    encoder share. Subclasses decide causality and the mask."""
+
+    def __init__(self, config, *, is_causal: bool, rngs: nnx.Rngs):
+        self.config = config
+        self.embed = nnx.Embed(config.vocab_size, config.embed_dim, dtype=jnp.dtype(config.dtype),
+                               param_dtype=jnp.dtype(config.param_dtype),
+                               embedding_init=nnx.initializers.normal(INIT_STD), rngs=rngs)
+        self.dropout = nnx.Dropout(config.dropout_rate, rngs=rngs)
+        self.stack = Stack(config, is_causal=is_causal, rngs=rngs)
+        self.norm = norm_layer(config, rngs=rngs)
+
+    def logits(self, tokens: jax.Array, mask: jax.Array | None, *, deterministic: bool) -> jax.Array:
+        """tokens int [batch, seq] -> logits float32 [batch, seq, vocab_size]."""
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
+        if tokens.shape[1] > self.config.max_seq_len:
+            raise ValueError(f"tokens have seq {tokens.shape[1]} > max_seq_len {self.config.max_seq_len}")
+        x = self.dropout(self.embed(tokens), deterministic=deterministic)
+        x = self.norm(self.stack(x, mask, deterministic=deterministic))
+        # Tied output embedding, in float32: logits feed a softmax over the whole vocabulary.
+        table = self.embed.embedding[...].astype(jnp.float32)
+        return jnp.einsum("bsd,vd->bsv", x.astype(jnp.float32), table)
