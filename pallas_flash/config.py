@@ -6,7 +6,7 @@ import dataclasses
 
 H100_SHARED_MEMORY = 227 * 1024  # per block, sm90 opt-in maximum
 NUM_CONSUMERS = 2  # Hopper forward: compute warpgroups per CTA; a third warpgroup is the TMA producer
-_HOPPER_SMEM_SLACK = 2048  # barriers and alignment
+_HOPPER_SMEM_SLACK = 3072  # barriers and alignment (Mosaic GPU measured 2,648 bytes over our tiles)
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -19,7 +19,7 @@ class HopperConfig:
 
     Attributes:
       block_q: query rows per consumer warpgroup (a CTA owns 2 * block_q rows); multiple of 64 (wgmma M).
-      block_kv: keys per K/V block; multiple of 64.
+      block_kv: keys per K/V block: 64, 128, 192 or 256.
       num_stages: depth of the K/V shared-memory ring (>= 2).
     """
 
@@ -28,10 +28,11 @@ class HopperConfig:
     num_stages: int = 2
 
     def __post_init__(self):
-        for name in ("block_q", "block_kv"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 64 or value % 64:
-                raise ValueError(f"HopperConfig.{name} must be a positive multiple of 64, got {value!r}")
+        if not isinstance(self.block_q, int) or self.block_q < 64 or self.block_q % 64:
+            raise ValueError(f"HopperConfig.block_q must be a positive multiple of 64, got {self.block_q!r}")
+        # block_kv is the contraction (K) of the P V wgmma, which Mosaic GPU takes in multiples of 64.
+        if not isinstance(self.block_kv, int) or not 64 <= self.block_kv <= 256 or self.block_kv % 64:
+            raise ValueError(f"HopperConfig.block_kv must be 64, 128, 192 or 256, got {self.block_kv!r}")
         if not isinstance(self.num_stages, int) or self.num_stages < 2:
             raise ValueError(f"HopperConfig.num_stages must be an int >= 2, got {self.num_stages!r}")
 
@@ -42,10 +43,14 @@ class HopperConfig:
         return q_and_o + kv_ring + lse + _HOPPER_SMEM_SLACK
 
     @classmethod
-    def default(cls, head_dim: int) -> "HopperConfig":
-        """Per padded head_dim (a multiple of 64); pallas_flash/kernels/NOTES.md has the measurements."""
+    def default(cls, head_dim: int, kv_len: int | None = None, is_causal: bool = False) -> "HopperConfig":
+        """Per padded head_dim (a multiple of 64), from the H100 sweeps in pallas_flash/kernels/NOTES.md:
+        at head_dim 64, 256-key blocks (fewer, longer wgmmas per softmax) except for short causal rows,
+        where most blocks are diagonal and 128 wastes less; at 128, 128-key blocks, 2 stages (3 do not fit)."""
         if head_dim <= 64:
-            return cls(block_q=64, block_kv=128, num_stages=3)
+            if is_causal and kv_len is not None and kv_len <= 2048:
+                return cls(block_q=64, block_kv=128, num_stages=3)
+            return cls(block_q=64, block_kv=256, num_stages=2)
         if head_dim <= 128:
             return cls(block_q=64, block_kv=128, num_stages=2)
         return cls(block_q=64, block_kv=64, num_stages=2)

@@ -18,8 +18,8 @@ def on_hopper_gpu() -> bool:
     return hopper_fwd.on_hopper()
 
 
-def _hopper_config(config: KernelConfig, head_dim: int) -> HopperConfig:
-    return config.hopper or HopperConfig.default(hopper_fwd.padded_head_dim(head_dim))
+def _hopper_config(config: KernelConfig, head_dim: int, kv_len: int, is_causal: bool) -> HopperConfig:
+    return config.hopper or HopperConfig.default(hopper_fwd.padded_head_dim(head_dim), kv_len, is_causal)
 
 
 def unsupported_reason(query, key, *, band: masks.Band, has_segments: bool, config: KernelConfig) -> str | None:
@@ -36,7 +36,7 @@ def unsupported_reason(query, key, *, band: masks.Band, has_segments: bool, conf
     head_dim = query.shape[-1]
     if head_dim > hopper_fwd.MAX_HEAD_DIM:
         return f"the Mosaic GPU kernel takes head_dim <= {hopper_fwd.MAX_HEAD_DIM}, got {head_dim}"
-    hopper_config = _hopper_config(config, head_dim)
+    hopper_config = _hopper_config(config, head_dim, key.shape[1], band.right == 0)
     needed = hopper_config.smem_bytes(hopper_fwd.padded_head_dim(head_dim))
     if needed > H100_SHARED_MEMORY:
         return f"{hopper_config} needs {needed} bytes of shared memory at head_dim {head_dim}"
@@ -50,7 +50,7 @@ def _attention(q, k, v, scale, is_causal, config):
 
 def _attention_fwd(q, k, v, scale, is_causal, config):
     out, lse = hopper_fwd.hopper_forward(q, k, v, scale=scale, is_causal=is_causal,
-                                         config=_hopper_config(config, q.shape[-1]))
+                                         config=_hopper_config(config, q.shape[-1], k.shape[1], is_causal))
     return (out, lse), (q, k, v, out, lse)
 
 

@@ -271,7 +271,7 @@ def hopper_forward(query, key, value, *, scale: float, is_causal: bool, config: 
     jax._src.pallas.mosaic_gpu.interpret.params) runs the kernel in the Mosaic GPU interpreter on CPU."""
     q_len, kv_len, head_dim = query.shape[1], key.shape[1], query.shape[3]
     padded_dim = padded_head_dim(head_dim)
-    config = config or HopperConfig.default(padded_dim)
+    config = config or HopperConfig.default(padded_dim, kv_len, is_causal)
     q = _pad_axis(_pad_axis(query, 1, _round_up(q_len, NUM_CONSUMERS * config.block_q)), 3, padded_dim)
     k = _pad_axis(_pad_axis(key, 1, _round_up(kv_len, config.block_kv)), 3, padded_dim)
     v = _pad_axis(_pad_axis(value, 1, _round_up(kv_len, config.block_kv)), 3, padded_dim)
