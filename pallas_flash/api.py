@@ -133,7 +133,8 @@ def _check_block_mask(block_mask, query, key):
     if not isinstance(block_mask, BlockMask):
         raise TypeError(f"block_mask must be a pallas_flash.BlockMask, got {type(block_mask).__name__}")
     block_mask.check(query.shape[0], query.shape[2], query.shape[1], key.shape[1])
-    return block_mask
+    # Every block True constrains nothing: the dense kernels (band loops, their own tile sizes) run instead.
+    return None if block_mask.mask.all() else block_mask
 
 
 def flash_attention(query, key, value, *, scale=None, is_causal=False, segment_ids=None, kv_segment_ids=None,
