@@ -5,10 +5,13 @@ With delta = rowsum(dO * O) (minus the LSE's own cotangent, if any), per tile:
     dP = dO V^T      dS = P * (dP - delta)             dK += scale * dS^T Q      dQ += scale * dS K
 Two kernels, both deterministic (each output tile is owned by one program; no atomics):
   * dK/dV: grid (key block, batch, kv head); loops over the query heads that share the kv head (the GQA
-    reduction happens in registers) and over the query blocks that see the key block. It works on the
+    reduction happens in registers) and over the query blocks that see the key block (the band's range, or
+    with a block mask the key block's row of a visit table, per query head). It works on the
     transposed tiles S^T = K Q^T, so that P^T and dS^T come out of the matmuls in the layout the next
     matmuls (P^T dO, dS^T Q) consume, with no transposes of register tiles.
-  * dQ: grid (query block, batch, head); loops over the key blocks the query block sees.
+  * dQ: grid (query block, batch, head); loops over the key blocks the query block sees (band or visit table).
+A visit table (`block_sparse.visit_tables`) is the optional first operand; blocks it does not list are never
+loaded.
 """
 from __future__ import annotations
 
@@ -53,9 +56,10 @@ def _dkdv_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, gr
         dk = dk + tiles.dot(ds_t.astype(q.dtype), q)
         return dk, dv
 
-    lo, unmasked_lo, unmasked_hi, hi = tiles.q_block_range(
-        kv_block, block_q=block_q, block_kv=block_kv, num_q_blocks=num_q_blocks, kv_len=kv_len, band=band,
-        always_mask=has_segments)
+    if not has_visits:
+        lo, unmasked_lo, unmasked_hi, hi = tiles.q_block_range(
+            kv_block, block_q=block_q, block_kv=block_kv, num_q_blocks=num_q_blocks, kv_len=kv_len, band=band,
+            always_mask=has_segments)
 
     def per_head(head, carry):
         if has_visits:  # block-sparse: the table lists the query blocks that see this key block, per head

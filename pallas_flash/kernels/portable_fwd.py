@@ -4,7 +4,9 @@ Grid: (query block, batch, head). Each program owns `block_q` query rows of one 
 their output accumulator on chip, and loops over key blocks of its kv head with online softmax in the
 log2 domain (scale * log2(e) folded into the logits, so the exponentials are exp2). It visits only the
 key blocks inside its band (causal: at or below the diagonal; a local window: near it), and only tiles
-that cross the band's edges, hold the padded key tail, or carry segment ids pay for the mask.
+that cross the band's edges, hold the padded key tail, or carry segment ids pay for the mask. With a block
+mask, the optional first operand is a visit table (`block_sparse.visit_tables`): the program loops over
+the key blocks its row lists, fully visible ones first, and never loads the others.
 Outputs: O [batch, q_len, heads, head_dim] and the natural-log LSE [batch, heads, q_len], the
 backward's only residual besides the inputs.
 """
