@@ -236,9 +236,9 @@ def _check(case, is_causal, impl, dtype=jnp.float32):
         assert_close(g, rg, dtype, table=GRADIENT, what=f"d{name}")
 
 
-# Causal where it matters for the case (the grid's time goes to interpret-mode compiles: one causal setting
-# per case, both for the random mask).
-CAUSAL = {"random": [False, True], "local": [True], "strided": [False], "global_local": [True], "per_head": [False],
+# One causal setting per case (the grid's time goes to interpret-mode compiles); the random mask runs
+# non-causal in the bfloat16 test below.
+CAUSAL = {"random": [True], "local": [True], "strided": [False], "global_local": [True], "per_head": [False],
           "empty_blocks": [False], "blocks_48x64": [True], "segments": [True], "window": [False]}
 
 
@@ -250,7 +250,7 @@ def test_block_sparse_against_reference(case, is_causal, impl):
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 def test_block_sparse_bfloat16(impl):
-    _check("random", True, impl, jnp.bfloat16)
+    _check("random", False, impl, jnp.bfloat16)
 
 
 def test_masked_blocks_are_never_read():
