@@ -25,8 +25,12 @@ MASK_BLOCK_MULTIPLE = 16  # the kernels' smallest tile: their blocks must divide
 VISITS_HEADER = 2
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
 def _positive_int(name, value):
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+    if not _is_int(value) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return int(value)
 
@@ -151,10 +155,8 @@ class BlockMask:
         """BigBird/Longformer-style: a local window of `window` key blocks (int or (left, right), as in
         `local`), plus `num_global` global blocks: every query block sees the first `num_global` key
         blocks, and the first `num_global` query blocks see every key block."""
-        num_global = int(num_global) if isinstance(num_global, (int, np.integer)) and not isinstance(
-            num_global, bool) else -1
-        if num_global < 0:
-            raise ValueError("num_global must be an int >= 0")
+        if not _is_int(num_global) or num_global < 0:
+            raise ValueError(f"num_global must be an int >= 0, got {num_global!r}")
         local = cls.local(q_len, kv_len, window, block_q=block_q, block_kv=block_kv).mask.copy()
         local[:, :, :, :num_global] = True
         local[:, :, :num_global, :] = True
@@ -179,10 +181,10 @@ class BlockMask:
 
 
 def _window(window_blocks):
-    if isinstance(window_blocks, (int, np.integer)) and not isinstance(window_blocks, bool):
-        window_blocks = (int(window_blocks), int(window_blocks))
-    ok = (isinstance(window_blocks, tuple) and len(window_blocks) == 2 and all(
-        isinstance(w, (int, np.integer)) and not isinstance(w, bool) and w >= 0 for w in window_blocks))
+    if _is_int(window_blocks):
+        window_blocks = (window_blocks, window_blocks)
+    ok = isinstance(window_blocks, tuple) and len(window_blocks) == 2 and all(
+        _is_int(w) and w >= 0 for w in window_blocks)
     if not ok:
         raise ValueError(f"window must be an int >= 0 or a tuple (left, right) of ints >= 0 (in blocks), "
                          f"got {window_blocks!r}")
