@@ -1,6 +1,6 @@
 """Attention benchmarks: ours side by side with cuDNN, XLA dense and JAX's own Pallas examples.
 
-    python -m benchmarks.attention --suite seed|sweep|memory|backends|all[,...] [--impls a,b] [--seqs 512,1024]
+    python -m benchmarks.attention --suite seed|sweep|memory|backends|sparse|all[,...] [--impls a,b] [--seqs 512,1024]
         [--head-dims 64,128] [--passes fwd,bwd,fwdbwd] [--out DIR] [--time-budget SECONDS]
     python -m benchmarks.attention --smoke            # every suite at tiny sizes on CPU; no timing claims
     python -m benchmarks.attention --render DIR [DIR ...] --out DIR   # merge results, redraw tables and plots
@@ -27,6 +27,10 @@ Passes: fwd = the attention; bwd = the VJP alone, on residuals saved by a forwar
 `jax.value_and_grad` of sum(out * cotangent) with respect to q, k, v. FLOPs: 4*B*H*Nq*Nk*D for fwd (halved
 when causal), 2.5x that for bwd and 3.5x for fwdbwd. `ratio_to_cudnn` = cuDNN's ms / this ms at the same
 point and pass (above 1 is faster than cuDNN).
+Block-sparse points (the `sparse` suite) carry a block-mask `pattern` and the mask's `density`; their FLOPs
+count the computed blocks only (times the density), the reference applies the same mask, and
+`ratio_to_dense_same_impl` = this ms / the ms of the same implementation, pass and shape with a full block
+mask (below 1 is faster than dense; issue 8 asks at most 0.35 at density 0.25).
 """
 from __future__ import annotations
 
@@ -58,7 +62,10 @@ PASSES = ("fwd", "bwd", "fwdbwd")
 FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
 CHECK_ROWS = 8192  # above this many queries, check the first CHECK_ROWS // 2 rows only (host memory, time)
 DTYPES = {"float16": jnp.float16, "bfloat16": jnp.bfloat16, "float32": jnp.float32}
-SUITES = ("seed", "sweep", "memory", "backends")
+SUITES = ("seed", "sweep", "memory", "backends", "sparse")
+# The sparse suite's masks: the dense baseline, then two patterns at three densities each.
+SPARSE_PATTERNS = (("full", 1.0),) + tuple((p, d) for p in ("local", "strided") for d in (0.5, 0.25, 0.125))
+SPARSE_TOKENS = 32768  # batch * seq of each sparse point
 # The paper's figure 3 keeps the work per point comparable: batch * seq = 16k tokens, heads * head_dim = 2048.
 SWEEP_TOKENS, SWEEP_WIDTH = 16384, 2048
 
@@ -78,21 +85,29 @@ class Point:
     dtype: str
     passes: tuple = PASSES
     timed: bool = True  # the memory suite compiles, checks and measures bytes, but does not time
+    pattern: str | None = None  # block-sparse points: the BlockMask pattern (benchmarks/impls.block_mask_of)
+    density: float | None = None  # ... and its target density
 
     @property
     def scale(self) -> float:
         return 1.0 / math.sqrt(self.head_dim)
 
     def key(self) -> str:
+        sparse = f"-{self.pattern}{self.density:g}" if self.pattern else ""
         return (f"{self.suite}/b{self.batch}-q{self.seq_q}-k{self.seq_k}-h{self.heads}-kvh{self.kv_heads}"
-                f"-d{self.head_dim}-c{int(self.causal)}-{self.dtype}")
+                f"-d{self.head_dim}-c{int(self.causal)}-{self.dtype}{sparse}")
+
+    def dense_key(self) -> str:
+        """The key of this point with a full block mask: the baseline of `ratio_to_dense_same_impl`."""
+        return dataclasses.replace(self, pattern="full", density=1.0).key()
 
     def size(self) -> int:
         return self.batch * self.heads * self.seq_q * self.seq_k * self.head_dim
 
 
 def fwd_flops(point: Point) -> float:
-    return 4.0 * point.batch * point.heads * point.seq_q * point.seq_k * point.head_dim / (2 if point.causal else 1)
+    flops = 4.0 * point.batch * point.heads * point.seq_q * point.seq_k * point.head_dim / (2 if point.causal else 1)
+    return flops * (impls_lib.block_mask_of(point).density() if point.pattern else 1.0)
 
 
 # ---------------------------------------------------------------------------------------------------- suites
@@ -121,6 +136,14 @@ def suite_points(name: str, *, smoke: bool, seqs=None, head_dims=None, passes=No
         batch, heads = (1, 2) if smoke else (8, 16)
         points = [square("memory", batch, n, heads, d, True, "float16", passes=("fwd", "fwdbwd"), timed=False)
                   for d in head_dims for n in seqs]
+    elif name == "sparse":
+        # Issue 8's bar: block-sparse time falls with density. B * N fixed, H = 16, D = 128, not causal.
+        seqs = seqs or ([128] if smoke else [8192, 16384])
+        head_dims = head_dims or ([32] if smoke else [128])
+        tokens, heads = (128, 2) if smoke else (SPARSE_TOKENS, 16)
+        points = [square("sparse", max(1, tokens // n), n, heads, d, False, "bfloat16", passes=("fwd", "fwdbwd"),
+                         pattern=pattern, density=density)
+                  for d in head_dims for n in seqs for pattern, density in SPARSE_PATTERNS]
     else:
         raise ValueError(f"unknown suite {name!r}; choose from {SUITES} or 'all'")
     if passes:
@@ -131,6 +154,8 @@ def suite_points(name: str, *, smoke: bool, seqs=None, head_dims=None, passes=No
 def default_impls(suite: str, names: list[str]) -> list[str]:
     if suite == "backends":  # the SDPA-style comparison is among our implementations, with cuDNN as the bar
         return [n for n in names if n.startswith("pf:") or n == "cudnn"]
+    if suite == "sparse":  # only ours take a block mask; dense "xla" would hold B*H*N^2 float32 logits
+        return [n for n in names if n in ("pf:pallas", "pf:xla_chunked")]
     return names
 
 
@@ -196,8 +221,11 @@ def _reference(point, dtype, scale, cache_dir):
     cpu = jax.devices("cpu")[0]
     q, ct = (jax.device_put(x[qs].astype(jnp.float32), cpu) for x in (q, ct))
     k, v = (jax.device_put(x[ks].astype(jnp.float32), cpu) for x in (k, v))
-    # Top-left causal alignment makes the first `rows` queries an exact sub-problem against all keys.
-    ref = jax.jit(lambda q, k, v: pf.attention_reference(q, k, v, scale=scale, is_causal=point.causal)[0])
+    # Top-left causal alignment makes the first `rows` queries an exact sub-problem against all keys (and
+    # the first rows of a block mask).
+    block_mask = impls_lib.block_mask_of(point, q_len=rows) if point.pattern else None
+    ref = jax.jit(lambda q, k, v: pf.attention_reference(q, k, v, scale=scale, is_causal=point.causal,
+                                                         block_mask=block_mask)[0])
     out, vjp = jax.vjp(ref, q, k, v)
     dq, dk, dv = vjp(ct)
     result = {name: np.asarray(x) for name, x in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv))}
@@ -292,6 +320,8 @@ def measure(impl, point, settings, emit):
     """Measure every pass of one implementation at one point; `emit` receives one record per pass."""
     dtype = DTYPES[point.dtype]
     try:
+        if point.pattern and impl.kind != "ours":
+            raise impls_lib.Unsupported("takes no block mask")
         dtype = impl.dtype_of(dataclasses.replace(point, dtype=dtype))
         fn = impl.build(point)
     except (impls_lib.Unsupported, ImportError) as e:
@@ -362,6 +392,9 @@ def run_group(spec: dict) -> None:
                        head_dim=point.head_dim, causal=point.causal, dtype=jnp.dtype(dtype).name,
                        requested_dtype=point.dtype, ms=None, tflops=None, ratio_to_cudnn=None, temp_bytes=None,
                        peak_bytes=None, rel_err=None, status=status, note=note, **env)
+            if point.pattern:
+                rec.update(pattern=point.pattern, density=impls_lib.block_mask_of(point).density(),
+                           dense_point=point.dense_key(), ratio_to_dense_same_impl=None)
             rec["pass"] = pass_
             rec.update(values)
             sink.write(json.dumps(rec) + "\n")
@@ -441,11 +474,16 @@ def _run_groups(points, impl_names, *, isolate, settings, command, date, smoke, 
 
 
 def attach_ratios(records):
-    """ratio_to_cudnn = cuDNN's ms / this ms at the same point and pass."""
+    """ratio_to_cudnn = cuDNN's ms / this ms at the same point and pass; for block-sparse points,
+    ratio_to_dense_same_impl = this ms / the same implementation's ms with a full block mask."""
     cudnn = {(r["point"], r["pass"]): r["ms"] for r in records if r["impl"] == "cudnn" and r.get("ms")}
+    by_point = {(r["point"], r["impl"], r["pass"]): r["ms"] for r in records if r.get("ms")}
     for r in records:
         base = cudnn.get((r["point"], r["pass"]))
         r["ratio_to_cudnn"] = base / r["ms"] if base and r.get("ms") else None
+        if "dense_point" in r:
+            dense = by_point.get((r["dense_point"], r["impl"], r["pass"]))
+            r["ratio_to_dense_same_impl"] = r["ms"] / dense if dense and r.get("ms") else None
     return records
 
 

@@ -7,6 +7,7 @@ which name is handled here and nowhere else.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 from typing import Callable
 
@@ -43,10 +44,33 @@ def on_nvidia_gpu() -> bool:
     return jax.default_backend() == "gpu" and jax.devices()[0].device_kind.upper().startswith("NVIDIA")
 
 
+@functools.lru_cache(maxsize=None)
+def block_mask_of(point, q_len=None) -> pf.BlockMask:
+    """The block mask of a block-sparse point (`point.pattern` at about `point.density`): 128 x 128 blocks
+    (seq / 8 at smoke sizes). "local" is a symmetric window of key blocks, "strided" every 1/density-th block
+    (Sparse Transformer's pattern). With `q_len`, only the rows of the first q_len queries (the check slice)."""
+    block = min(128, max(16, point.seq_q // 8))
+    num_kv_blocks = -(-point.seq_k // block)
+    shape = dict(q_len=point.seq_q, kv_len=point.seq_k, block_q=block, block_kv=block)
+    if point.pattern == "full":
+        mask = pf.BlockMask.full(**shape)
+    elif point.pattern == "local":  # the window whose density is nearest the target
+        masks = [pf.BlockMask.local(window_blocks=w, **shape) for w in range(num_kv_blocks)]
+        mask = min(masks, key=lambda m: abs(m.density() - point.density))
+    elif point.pattern == "strided":
+        mask = pf.BlockMask.strided(stride=round(1 / point.density), **shape)
+    else:
+        raise ValueError(f"unknown block-sparse pattern {point.pattern!r}")
+    if q_len is None:
+        return mask
+    return pf.BlockMask(mask.mask[:, :, :-(-q_len // block)], block, block)
+
+
 def _ours(name):
     def build(point):  # off the GPU, pallas_flash itself runs the kernels in interpret mode
+        block_mask = block_mask_of(point) if point.pattern else None
         return lambda q, k, v: pf.flash_attention(q, k, v, scale=point.scale, is_causal=point.causal,
-                                                  implementation=name)
+                                                  block_mask=block_mask, implementation=name)
     return Impl(f"pf:{name}", "ours", build, slow_on_cpu=name in ("pallas", "mosaic"))
 
 

@@ -25,6 +25,8 @@ def _mb(value):
 def progress_line(r) -> str:
     head = (f"{r['suite']:8s} {r['impl']:18s} {r['pass']:6s} b{r['batch']} n{r['seq_q']} h{r['heads']} "
             f"d{r['head_dim']} c{int(r['causal'])} {r['dtype']:8s}")
+    if r.get("pattern"):
+        head += f" {r['pattern']} density {r['density']:.3f}"
     if r["status"] != "ok":
         return f"{head} {r['status'].upper()}: {r['note']}"
     timing = f"{r['ms']:9.3f} ms {r['tflops']:6.1f} TFLOP/s" if r.get("ms") else "untimed"
@@ -138,9 +140,27 @@ def _memory_table(records):
                     "did not rise, see benchmarks/attention.py)."] + _notes(records) + [""]
 
 
+def _sparse_table(records):
+    lines = ["### sparse: block-sparse time against the same implementation with a full block mask", "",
+             *_header(records), "",
+             "| shape | impl | pass | pattern | density | ms | x dense (same impl) | TFLOP/s (computed blocks) | rel err |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    order = sorted(records, key=lambda r: (r["seq_q"], r["impl"], PASS_ORDER.index(r["pass"]), r["pattern"] != "full",
+                                           r["pattern"], -r["density"]))
+    for r in order:
+        shape = f"B={r['batch']} N={r['seq_q']} H={r['heads']} D={r['head_dim']} {r['requested_dtype']}"
+        head = f"| {shape} | {r['impl']} | {r['pass']} | {r['pattern']} | {r['density']:.3f} |"
+        if r["status"] != "ok":
+            lines.append(f"{head} {r['status'].upper()} | | | |")
+            continue
+        ratio = f"{r['ratio_to_dense_same_impl']:.2f}" if r.get("ratio_to_dense_same_impl") else "-"
+        lines.append(f"{head} {r['ms']:.3f} | {ratio} | {r['tflops']:.0f} | {r['rel_err']:.1e} |")
+    return lines + _notes(records) + [""]
+
+
 def markdown(records) -> str:
     lines = []
-    for suite in ("seed", "sweep", "memory", "backends"):
+    for suite in ("seed", "sweep", "memory", "backends", "sparse"):
         rows = [r for r in records if r["suite"] == suite]
         if not rows:
             continue
@@ -148,6 +168,8 @@ def markdown(records) -> str:
             lines += _sweep_tables(rows)
         elif suite == "memory":
             lines += _memory_table(rows)
+        elif suite == "sparse":
+            lines += _sparse_table(rows)
         else:
             lines += _point_table(rows, suite)
     return "\n".join(lines)

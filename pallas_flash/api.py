@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_flash import masks, reference, xla_chunked
+from pallas_flash.block_sparse import BlockMask
 from pallas_flash.config import H100_SHARED_MEMORY, KernelConfig
 from pallas_flash.kernels import hopper, portable
 
@@ -138,8 +139,18 @@ def _segments(query, key, segment_ids, kv_segment_ids, query_seq_lengths, key_va
     return q_ids, kv_ids
 
 
+def _check_block_mask(block_mask, query, key):
+    if block_mask is None:
+        return None
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask must be a pallas_flash.BlockMask, got {type(block_mask).__name__}")
+    block_mask.check(query.shape[0], query.shape[2], query.shape[1], key.shape[1])
+    # Every block True constrains nothing: the dense kernels (band loops, their own tile sizes) run instead.
+    return None if block_mask.mask.all() else block_mask
+
+
 def flash_attention(query, key, value, *, scale=None, is_causal=False, segment_ids=None, kv_segment_ids=None,
-                    query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
+                    query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None, block_mask=None,
                     return_lse=False, implementation=None, config=None):
     """Exact scaled dot-product attention in O(seq) memory.
 
@@ -156,6 +167,9 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, segment_i
         them are padding (padded queries get zeros, padded keys are never seen).
       local_window_size: int w or (left, right): query i sees keys i - left .. i + right (None for an
         unbounded side); combined with is_causal, right is 0.
+      block_mask: a `BlockMask` (block-sparse attention): query i sees key j only if the mask's block
+        (i // block_q, j // block_kv) is True, ANDed with the above. The kernels never load False blocks
+        (forward and backward); their tiles shrink to divide the mask's blocks.
       return_lse: also return the log-sum-exp of the scaled logits, [batch, heads, q_len] float32.
       implementation: None (best available: on a Hopper GPU "mosaic" where it serves the call, else
         "pallas" on an NVIDIA GPU, else "xla_chunked"), or force "mosaic" (Hopper only: bf16/fp16, causal or
@@ -169,6 +183,7 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, segment_i
     _check_inputs(query, key, value)
     band = masks.Band.of(is_causal if isinstance(is_causal, bool) else False, _check_window(local_window_size))
     q_ids, kv_ids = _segments(query, key, segment_ids, kv_segment_ids, query_seq_lengths, key_value_seq_lengths)
+    block_mask = _check_block_mask(block_mask, query, key)
     head_dim = query.shape[-1]
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
@@ -182,9 +197,12 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, segment_i
         raise TypeError(f"config must be a pallas_flash.KernelConfig, got {type(config).__name__}")
     scale = float(scale)
 
+    # Features the Hopper kernel does not have yet; a call using any of them runs elsewhere.
+    unserved = [name for name, used in (("segment ids or sequence lengths", q_ids is not None),
+                                        ("block_mask", block_mask is not None)) if used]
     impl = _choose_implementation(implementation, lambda: hopper.unsupported_reason(
-        query, key, band=band, has_segments=q_ids is not None, config=config))
-    segments = dict(q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+        query, key, band=band, unserved=unserved, config=config))
+    segments = dict(q_segment_ids=q_ids, kv_segment_ids=kv_ids, block_mask=block_mask)
     if impl == "mosaic":
         out, lse = hopper.flash_attention_hopper(query, key, value, scale=scale, is_causal=band.right == 0,
                                                  config=config)

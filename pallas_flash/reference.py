@@ -8,11 +8,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_flash import masks
+from pallas_flash import block_sparse, masks
 
 
 def attention_reference(query, key, value, *, scale: float, is_causal: bool = False, band=None,
-                        q_segment_ids=None, kv_segment_ids=None):
+                        q_segment_ids=None, kv_segment_ids=None, block_mask=None):
     """Exact attention, computed densely in float32.
 
     Args:
@@ -22,6 +22,7 @@ def attention_reference(query, key, value, *, scale: float, is_causal: bool = Fa
       is_causal / band: the visible band (`masks.Band`); `band` overrides `is_causal` when given.
       q_segment_ids, kv_segment_ids: optional int32 [batch, q_len] / [batch, kv_len]; a query sees only
         keys of its own segment.
+      block_mask: optional `BlockMask`; query i sees key j only where its block is True.
     Returns:
       (out [batch, q_len, heads, head_dim] in query's dtype, lse [batch, heads, q_len] float32, natural log).
       A query that sees no key gets out = 0 and lse = -inf.
@@ -40,6 +41,10 @@ def attention_reference(query, key, value, *, scale: float, is_causal: bool = Fa
         segments = dict(q_segment=q_segment_ids[:, None, None, :, None],
                         kv_segment=kv_segment_ids[:, None, None, None, :])
     mask = masks.visible(jnp.arange(q_len)[:, None], jnp.arange(kv_len)[None, :], band=band, **segments)
+    if block_mask is not None:
+        block_mask.check(batch, heads, q_len, kv_len)
+        tokens = block_sparse.grouped(jnp.asarray(block_mask.expand(q_len, kv_len)), kv_heads)
+        mask = block_sparse.combine(mask, tokens)
     if mask is not None:
         logits = jnp.where(mask, logits, -jnp.inf)
     row_max = jnp.max(logits, axis=-1, keepdims=True)

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_flash import masks
+from pallas_flash import block_sparse, masks
 
 LOG2E = math.log2(math.e)
 
@@ -40,19 +40,21 @@ def _segment_blocks(kv_segment_ids, block_kv):
     return _blocks(kv_segment_ids[..., None, None], block_kv)[..., 0, 0]
 
 
-def _block_logits2(q, k_blk, start, seg_blk, q_segment_ids, *, scale, band, kv_len):
+def _block_logits2(q, k_blk, start, seg_blk, q_segment_ids, *, scale, band, kv_len, block_mask):
     """Scaled logits of one key block in the log2 domain, masked to -inf: [batch, kv_heads, group, q_len, block]."""
     s = _einsum("bqhgd,bkhd->bhgqk", q, k_blk) * (scale * LOG2E)
-    q_pos = jnp.arange(q.shape[1])[:, None]
-    k_pos = start + jnp.arange(k_blk.shape[1])[None, :]
+    q_pos = jnp.arange(q.shape[1])
+    k_pos = start + jnp.arange(k_blk.shape[1])
     segments = {}
     if q_segment_ids is not None:
         segments = dict(q_segment=q_segment_ids[:, None, None, :, None], kv_segment=seg_blk[:, None, None, None, :])
-    mask = masks.visible(q_pos, k_pos, band=band, kv_len=kv_len, **segments)
+    mask = masks.visible(q_pos[:, None], k_pos[None, :], band=band, kv_len=kv_len, **segments)
+    if block_mask is not None:  # expanded for this key chunk only: O(q_len * block_kv)
+        mask = block_sparse.combine(mask, block_sparse.token_mask(block_mask, q_pos, k_pos, q.shape[2]))
     return s if mask is None else jnp.where(mask, s, -jnp.inf)
 
 
-def _forward(q, k, v, q_segment_ids, kv_segment_ids, scale, band, block_kv):
+def _forward(q, k, v, q_segment_ids, kv_segment_ids, scale, band, block_kv, block_mask):
     batch, q_len, kv_heads, group, dim = q.shape
     kv_len = k.shape[1]
     block_kv = min(block_kv, kv_len)
@@ -60,7 +62,8 @@ def _forward(q, k, v, q_segment_ids, kv_segment_ids, scale, band, block_kv):
     def step(carry, blk):
         acc, m, l = carry
         idx, k_blk, v_blk, seg_blk = blk
-        s = _block_logits2(q, k_blk, idx * block_kv, seg_blk, q_segment_ids, scale=scale, band=band, kv_len=kv_len)
+        s = _block_logits2(q, k_blk, idx * block_kv, seg_blk, q_segment_ids, scale=scale, band=band, kv_len=kv_len,
+                           block_mask=block_mask)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         # Rows with nothing visible yet keep m = -inf; shift them by 0 so exp2 gives 0, not NaN.
         shift = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
@@ -82,17 +85,17 @@ def _forward(q, k, v, q_segment_ids, kv_segment_ids, scale, band, block_kv):
     return out, lse  # out [b, h, g, q, d] float32, lse [b, h, g, q]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _chunked(q, k, v, q_segment_ids, kv_segment_ids, scale, band, block_kv):
-    return _forward(q, k, v, q_segment_ids, kv_segment_ids, scale, band, block_kv)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _chunked(q, k, v, q_segment_ids, kv_segment_ids, scale, band, block_kv, block_mask):
+    return _forward(q, k, v, q_segment_ids, kv_segment_ids, scale, band, block_kv, block_mask)
 
 
-def _chunked_fwd(q, k, v, q_segment_ids, kv_segment_ids, scale, band, block_kv):
-    out, lse = _forward(q, k, v, q_segment_ids, kv_segment_ids, scale, band, block_kv)
+def _chunked_fwd(q, k, v, q_segment_ids, kv_segment_ids, scale, band, block_kv, block_mask):
+    out, lse = _forward(q, k, v, q_segment_ids, kv_segment_ids, scale, band, block_kv, block_mask)
     return (out, lse), (q, k, v, q_segment_ids, kv_segment_ids, out, lse)
 
 
-def _chunked_bwd(scale, band, block_kv, residuals, cotangents):
+def _chunked_bwd(scale, band, block_kv, block_mask, residuals, cotangents):
     q, k, v, q_segment_ids, kv_segment_ids, out, lse = residuals
     d_out, d_lse = cotangents
     kv_len = k.shape[1]
@@ -105,7 +108,8 @@ def _chunked_bwd(scale, band, block_kv, residuals, cotangents):
 
     def step(dq, blk):
         idx, k_blk, v_blk, seg_blk = blk
-        s = _block_logits2(q, k_blk, idx * block_kv, seg_blk, q_segment_ids, scale=scale, band=band, kv_len=kv_len)
+        s = _block_logits2(q, k_blk, idx * block_kv, seg_blk, q_segment_ids, scale=scale, band=band, kv_len=kv_len,
+                           block_mask=block_mask)
         p = jnp.exp2(s - lse2[..., None])
         dv_blk = _einsum("bhgqk,bhgqd->bkhd", p.astype(q.dtype), d_out_lowp)
         dp = _einsum("bhgqd,bkhd->bhgqk", d_out_lowp, v_blk)
@@ -134,11 +138,13 @@ _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
 
 def attention_chunked(query, key, value, *, scale: float, band: masks.Band, block_kv: int,
-                      q_segment_ids=None, kv_segment_ids=None):
-    """Blocked online-softmax attention. Shapes and results as `reference.attention_reference`."""
+                      q_segment_ids=None, kv_segment_ids=None, block_mask=None):
+    """Blocked online-softmax attention. Shapes and results as `reference.attention_reference`. A
+    `block_mask` is applied as a token mask per key chunk (no block is skipped: XLA's scan has a fixed
+    trip count)."""
     batch, q_len, heads, dim = query.shape
     kv_heads = key.shape[2]
     q = query.reshape(batch, q_len, kv_heads, heads // kv_heads, dim)
-    out, lse = _chunked(q, key, value, q_segment_ids, kv_segment_ids, scale, band, block_kv)
+    out, lse = _chunked(q, key, value, q_segment_ids, kv_segment_ids, scale, band, block_kv, block_mask)
     out = jnp.moveaxis(out.reshape(batch, heads, q_len, dim), 1, 2).astype(query.dtype)
     return out, lse.reshape(batch, heads, q_len)

@@ -25,6 +25,10 @@ def test_smoke_writes_every_suite(tmp_path, capsys):
     assert all(r["ms"] > 0 for r in ok if r["suite"] != "memory")
     assert {"pf:pallas", "pallas_triton_ref"} <= {r["impl"] for r in ok}  # interpret mode, seed fwd
     assert {r["impl"] for r in records} >= {"cudnn", "xla", "pallas_mgpu_ref"}  # present, skipped off GPU
+    sparse = [r for r in ok if r["suite"] == "sparse"]
+    assert {r["pattern"] for r in sparse} == {"full", "local", "strided"}
+    for r in sparse:  # every block-sparse time is set against the same call with a full block mask
+        assert 0 < r["density"] <= 1 and r["ratio_to_dense_same_impl"] > 0, r
     for name in ("results.md", "seed.png", "sweep.png", "memory.png", "backends.png"):
         assert os.path.getsize(os.path.join(out, name)) > 0, name
     printed = capsys.readouterr().out

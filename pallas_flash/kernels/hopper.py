@@ -22,15 +22,16 @@ def _hopper_config(config: KernelConfig, head_dim: int, kv_len: int, is_causal: 
     return config.hopper or HopperConfig.default(hopper_fwd.padded_head_dim(head_dim), kv_len, is_causal)
 
 
-def unsupported_reason(query, key, *, band: masks.Band, has_segments: bool, config: KernelConfig) -> str | None:
-    """None if the Hopper kernel serves this call on this machine, else why not (for the dispatcher)."""
+def unsupported_reason(query, key, *, band: masks.Band, unserved=(), config: KernelConfig) -> str | None:
+    """None if the Hopper kernel serves this call on this machine, else why not (for the dispatcher).
+    `unserved`: names of the call's features the Hopper kernel does not have."""
     if not on_hopper_gpu():
         return ("the Mosaic GPU kernel needs an sm90 (Hopper) GPU (JAX 0.10.2's Mosaic GPU interpreter cannot run "
                 "it on CPU: its wgmma rejects the transposed K tile)")
     if not any(query.dtype == d for d in hopper_fwd.SUPPORTED_DTYPES):
         return f"the Mosaic GPU kernel takes bfloat16 or float16, got {query.dtype}"
-    if has_segments:
-        return "the Mosaic GPU kernel has no segment ids or sequence lengths yet"
+    if unserved:
+        return f"the Mosaic GPU kernel has no {' or '.join(unserved)} yet"
     if not (band.is_full or (band.left is None and band.right == 0)):
         return "the Mosaic GPU kernel has no local window yet (causal or full attention only)"
     head_dim = query.shape[-1]

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_flash import masks
+from pallas_flash import block_sparse, masks
 from pallas_flash.config import KernelConfig
 from pallas_flash.kernels import portable_bwd, portable_fwd, tiles
 
@@ -27,6 +27,28 @@ def _next_power_of_two(n: int) -> int:
 def _fit(block: int, length: int) -> int:
     """Shrink a block for a short sequence so a length-17 call does not pad to 128."""
     return min(block, max(MIN_BLOCK, _next_power_of_two(length)))
+
+
+def _fitted(config: KernelConfig, q_len: int, kv_len: int, block_mask) -> KernelConfig:
+    """Every kernel's blocks fitted to the lengths, and with a block mask to divide its blocks (so the
+    mask is uniform over each tile: a 64 x 64 mask runs 64 x 64 tiles or smaller)."""
+    def fit(block, length, mask_block):
+        block = _fit(block, length)
+        return block if block_mask is None else block_sparse.kernel_block(block, mask_block)
+
+    mask_q, mask_kv = (0, 0) if block_mask is None else (block_mask.block_q, block_mask.block_kv)
+    return dataclasses.replace(config, **{
+        name: fit(getattr(config, name), q_len, mask_q) for name in ("block_q", "block_q_dkv", "block_q_dq")}, **{
+        name: fit(getattr(config, name), kv_len, mask_kv) for name in ("block_kv", "block_kv_dkv", "block_kv_dq")})
+
+
+def _visits(block_mask, *, block_q, block_kv, q_pad, kv_pad, kv_len, band, has_segments, by: str):
+    """The visit table of one kernel (`by` "query" or "key" rows) as an int32 array, or None (no mask)."""
+    if block_mask is None:
+        return None
+    by_query, by_key = block_sparse.visit_tables(block_mask, block_q=block_q, block_kv=block_kv, q_pad=q_pad,
+                                                 kv_pad=kv_pad, kv_len=kv_len, band=band, always_mask=has_segments)
+    return jnp.asarray(by_query if by == "query" else by_key)
 
 
 def _pad_to(x, axis: int, size: int, value=0.0):
@@ -45,9 +67,9 @@ def _integer_cotangent(x):
     return None if x is None else np.zeros(x.shape, jax.dtypes.float0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _flash(q, k, v, q_segment_ids, kv_segment_ids, scale, band, config, interpret):
-    return _flash_fwd(q, k, v, q_segment_ids, kv_segment_ids, scale, band, config, interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _flash(q, k, v, q_segment_ids, kv_segment_ids, scale, band, config, interpret, block_mask):
+    return _flash_fwd(q, k, v, q_segment_ids, kv_segment_ids, scale, band, config, interpret, block_mask)[0]
 
 
 def _pad_segments(q_segment_ids, kv_segment_ids, q_pad, kv_pad):
@@ -57,29 +79,32 @@ def _pad_segments(q_segment_ids, kv_segment_ids, q_pad, kv_pad):
             _pad_to(kv_segment_ids, 1, kv_pad, masks.KEY_PADDING_ID))
 
 
-def _flash_fwd(q, k, v, q_segment_ids, kv_segment_ids, scale, band, config, interpret):
+def _flash_fwd(q, k, v, q_segment_ids, kv_segment_ids, scale, band, config, interpret, block_mask):
     q_len, kv_len, head_dim = q.shape[1], k.shape[1], q.shape[3]
-    block_q, block_kv = _fit(config.block_q, q_len), _fit(config.block_kv, kv_len)
+    fitted = _fitted(config, q_len, kv_len, block_mask)
+    block_q, block_kv = fitted.block_q, fitted.block_kv
     q_pad, kv_pad = _round_up(q_len, block_q), _round_up(kv_len, block_kv)
     dim_pad = max(MIN_BLOCK, _next_power_of_two(head_dim))
     q_p = _pad_to(_pad_to(q, 1, q_pad), 3, dim_pad)
     k_p = _pad_to(_pad_to(k, 1, kv_pad), 3, dim_pad)
     v_p = _pad_to(_pad_to(v, 1, kv_pad), 3, dim_pad)
+    visits = _visits(block_mask, block_q=block_q, block_kv=block_kv, q_pad=q_pad, kv_pad=kv_pad, kv_len=kv_len,
+                     band=band, has_segments=q_segment_ids is not None, by="query")
     out, lse = portable_fwd.forward(q_p, k_p, v_p, *_pad_segments(q_segment_ids, kv_segment_ids, q_pad, kv_pad),
-                                    scale=scale, band=band, kv_len=kv_len, block_q=block_q, block_kv=block_kv,
+                                    visits, scale=scale, band=band, kv_len=kv_len, block_q=block_q, block_kv=block_kv,
                                     num_warps=config.num_warps, num_stages=config.num_stages, interpret=interpret)
     out, lse = out[:, :q_len, :, :head_dim], lse[:, :, :q_len]
     return (out, lse), (q, k, v, q_segment_ids, kv_segment_ids, out, lse)
 
 
-def _flash_bwd(scale, band, config, interpret, residuals, cotangents):
+def _flash_bwd(scale, band, config, interpret, block_mask, residuals, cotangents):
     q, k, v, q_segment_ids, kv_segment_ids, out, lse = residuals
     return backward(q, k, v, out, lse, cotangents, scale=scale, band=band, config=config, interpret=interpret,
-                    q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+                    q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, block_mask=block_mask)
 
 
 def backward(q, k, v, out, lse, cotangents, *, scale, band, config, interpret, q_segment_ids=None,
-             kv_segment_ids=None):
+             kv_segment_ids=None, block_mask=None):
     """The backward kernels on forward residuals (unpadded q, k, v, out and the natural-log lse) and the
     cotangents (d_out, d_lse): returns (dq, dk, dv, and float0 cotangents for the segment ids). Any forward
     that returns this lse can use it (the Hopper forward does)."""
@@ -90,9 +115,7 @@ def backward(q, k, v, out, lse, cotangents, *, scale, band, config, interpret, q
     # +inf makes every recomputed P of a row exactly 0: rows that saw no key, and padded rows.
     lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * tiles.LOG2E)
 
-    fitted = dataclasses.replace(
-        config, block_q_dkv=_fit(config.block_q_dkv, q_len), block_q_dq=_fit(config.block_q_dq, q_len),
-        block_kv_dkv=_fit(config.block_kv_dkv, kv_len), block_kv_dq=_fit(config.block_kv_dq, kv_len))
+    fitted = _fitted(config, q_len, kv_len, block_mask)
     q_pad = _round_up(q_len, max(fitted.block_q_dkv, fitted.block_q_dq))
     kv_pad = _round_up(kv_len, max(fitted.block_kv_dkv, fitted.block_kv_dq))
     dim_pad = max(MIN_BLOCK, _next_power_of_two(head_dim))
@@ -100,10 +123,14 @@ def backward(q, k, v, out, lse, cotangents, *, scale, band, config, interpret, q
     def pad_rows(x, rows):
         return _pad_to(_pad_to(x, 1, rows), 3, dim_pad)
 
+    tables = dict(q_pad=q_pad, kv_pad=kv_pad, kv_len=kv_len, band=band, has_segments=q_segment_ids is not None)
+    dkdv_visits = _visits(block_mask, block_q=fitted.block_q_dkv, block_kv=fitted.block_kv_dkv, by="key", **tables)
+    dq_visits = _visits(block_mask, block_q=fitted.block_q_dq, block_kv=fitted.block_kv_dq, by="query", **tables)
+
     dq, dk, dv = portable_bwd.backward(
         pad_rows(q, q_pad), pad_rows(k, kv_pad), pad_rows(v, kv_pad), pad_rows(d_out.astype(q.dtype), q_pad),
         _pad_to(lse2, 2, q_pad, jnp.inf), _pad_to(delta, 2, q_pad),
-        *_pad_segments(q_segment_ids, kv_segment_ids, q_pad, kv_pad),
+        *_pad_segments(q_segment_ids, kv_segment_ids, q_pad, kv_pad), dkdv_visits, dq_visits,
         scale=scale, band=band, kv_len=kv_len, config=fitted, interpret=interpret)
     return (dq[:, :q_len, :, :head_dim], dk[:, :kv_len, :, :head_dim], dv[:, :kv_len, :, :head_dim],
             _integer_cotangent(q_segment_ids), _integer_cotangent(kv_segment_ids))
@@ -113,7 +140,7 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 def flash_attention_portable(query, key, value, *, scale: float, band: masks.Band, config: KernelConfig,
-                             interpret: bool, q_segment_ids=None, kv_segment_ids=None):
+                             interpret: bool, q_segment_ids=None, kv_segment_ids=None, block_mask=None):
     """Shapes and results as `reference.attention_reference`; differentiable in query, key and value
-    (and through the returned LSE)."""
-    return _flash(query, key, value, q_segment_ids, kv_segment_ids, scale, band, config, interpret)
+    (and through the returned LSE). `block_mask`: a `BlockMask` whose False blocks are never loaded."""
+    return _flash(query, key, value, q_segment_ids, kv_segment_ids, scale, band, config, interpret, block_mask)

@@ -5,10 +5,13 @@ With delta = rowsum(dO * O) (minus the LSE's own cotangent, if any), per tile:
     dP = dO V^T      dS = P * (dP - delta)             dK += scale * dS^T Q      dQ += scale * dS K
 Two kernels, both deterministic (each output tile is owned by one program; no atomics):
   * dK/dV: grid (key block, batch, kv head); loops over the query heads that share the kv head (the GQA
-    reduction happens in registers) and over the query blocks that see the key block. It works on the
+    reduction happens in registers) and over the query blocks that see the key block (the band's range, or
+    with a block mask the key block's row of a visit table, per query head). It works on the
     transposed tiles S^T = K Q^T, so that P^T and dS^T come out of the matmuls in the layout the next
     matmuls (P^T dO, dS^T Q) consume, with no transposes of register tiles.
-  * dQ: grid (query block, batch, head); loops over the key blocks the query block sees.
+  * dQ: grid (query block, batch, head); loops over the key blocks the query block sees (band or visit table).
+A visit table (`block_sparse.visit_tables`) is the optional first operand; blocks it does not list are never
+loaded.
 """
 from __future__ import annotations
 
@@ -24,7 +27,8 @@ from pallas_flash._compat import SQUEEZED, triton_params
 from pallas_flash.kernels import tiles
 
 
-def _dkdv_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, group, has_segments):
+def _dkdv_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, group, has_segments, has_visits):
+    visits_ref, refs = (refs[0], refs[1:]) if has_visits else (None, refs)
     if has_segments:
         q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_seg_ref, kv_seg_ref, dk_ref, dv_ref = refs
     else:
@@ -52,11 +56,15 @@ def _dkdv_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, gr
         dk = dk + tiles.dot(ds_t.astype(q.dtype), q)
         return dk, dv
 
-    lo, unmasked_lo, unmasked_hi, hi = tiles.q_block_range(
-        kv_block, block_q=block_q, block_kv=block_kv, num_q_blocks=num_q_blocks, kv_len=kv_len, band=band,
-        always_mask=has_segments)
+    if not has_visits:
+        lo, unmasked_lo, unmasked_hi, hi = tiles.q_block_range(
+            kv_block, block_q=block_q, block_kv=block_kv, num_q_blocks=num_q_blocks, kv_len=kv_len, band=band,
+            always_mask=has_segments)
 
     def per_head(head, carry):
+        if has_visits:  # block-sparse: the table lists the query blocks that see this key block, per head
+            row = head if visits_ref.shape[0] > 1 else 0
+            return tiles.visit_blocks(lambda i: visits_ref[row, i], functools.partial(visit, head=head), carry)
         carry = lax.fori_loop(lo, unmasked_lo, functools.partial(visit, head=head, masked=True), carry)
         carry = lax.fori_loop(unmasked_lo, unmasked_hi, functools.partial(visit, head=head, masked=False), carry)
         return lax.fori_loop(unmasked_hi, hi, functools.partial(visit, head=head, masked=True), carry)
@@ -67,7 +75,8 @@ def _dkdv_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, gr
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, num_kv_blocks, has_segments):
+def _dq_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, num_kv_blocks, has_segments, has_visits):
+    visits_ref, refs = (refs[0], refs[1:]) if has_visits else (None, refs)
     if has_segments:
         q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_seg_ref, kv_seg_ref, dq_ref = refs
     else:
@@ -92,18 +101,21 @@ def _dq_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, num_
         ds = p * (dp - delta[:, None])
         return dq + tiles.dot(ds.astype(k.dtype), k)
 
-    lo, unmasked_lo, unmasked_hi, hi = tiles.kv_block_range(
-        q_block, block_q=block_q, block_kv=block_kv, num_kv_blocks=num_kv_blocks, kv_len=kv_len, band=band,
-        always_mask=has_segments)
     dq = jnp.zeros(q.shape, jnp.float32)
-    dq = lax.fori_loop(lo, unmasked_lo, functools.partial(visit, masked=True), dq)
-    dq = lax.fori_loop(unmasked_lo, unmasked_hi, functools.partial(visit, masked=False), dq)
-    dq = lax.fori_loop(unmasked_hi, hi, functools.partial(visit, masked=True), dq)
+    if has_visits:  # block-sparse: the table lists this query block's key blocks
+        dq = tiles.visit_blocks(lambda i: visits_ref[i], visit, dq)
+    else:
+        lo, unmasked_lo, unmasked_hi, hi = tiles.kv_block_range(
+            q_block, block_q=block_q, block_kv=block_kv, num_kv_blocks=num_kv_blocks, kv_len=kv_len, band=band,
+            always_mask=has_segments)
+        dq = lax.fori_loop(lo, unmasked_lo, functools.partial(visit, masked=True), dq)
+        dq = lax.fori_loop(unmasked_lo, unmasked_hi, functools.partial(visit, masked=False), dq)
+        dq = lax.fori_loop(unmasked_hi, hi, functools.partial(visit, masked=True), dq)
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
-def dkdv(q, k, v, do, lse2, delta, q_segment_ids=None, kv_segment_ids=None, *, scale, band: masks.Band, kv_len,
-         block_q, block_kv, num_warps, num_stages, interpret):
+def dkdv(q, k, v, do, lse2, delta, q_segment_ids=None, kv_segment_ids=None, visits=None, *, scale, band: masks.Band,
+         kv_len, block_q, block_kv, num_warps, num_stages, interpret):
     """dK, dV [batch, kv_pad, kv_heads, head_dim_pad] from padded inputs (see `backward`)."""
     batch, q_pad, heads, head_dim = q.shape
     kv_pad, kv_heads = k.shape[1], k.shape[2]
@@ -111,7 +123,7 @@ def dkdv(q, k, v, do, lse2, delta, q_segment_ids=None, kv_segment_ids=None, *, s
     has_segments = q_segment_ids is not None
     kernel = functools.partial(_dkdv_kernel, scale=scale, band=band, kv_len=kv_len, block_q=block_q,
                                block_kv=block_kv, num_q_blocks=q_pad // block_q, group=group,
-                               has_segments=has_segments)
+                               has_segments=has_segments, has_visits=visits is not None)
     # A program reads all query rows of the `group` query heads that share its kv head.
     q_group_spec = pl.BlockSpec((SQUEEZED, q_pad, group, head_dim), lambda j, b, h: (b, 0, h, 0))
     row_group_spec = pl.BlockSpec((SQUEEZED, group, q_pad), lambda j, b, h: (b, h, 0))
@@ -122,6 +134,9 @@ def dkdv(q, k, v, do, lse2, delta, q_segment_ids=None, kv_segment_ids=None, *, s
         in_specs += [pl.BlockSpec((SQUEEZED, q_pad), lambda j, b, h: (b, 0)),
                      pl.BlockSpec((SQUEEZED, block_kv), lambda j, b, h: (b, j))]
         operands += [q_segment_ids, kv_segment_ids]
+    if visits is not None:
+        in_specs = [tiles.visits_spec(visits.shape, lambda j: j, group=group)] + in_specs
+        operands = [visits] + operands
     return pl.pallas_call(
         kernel,
         grid=(kv_pad // block_kv, batch, kv_heads),
@@ -134,8 +149,8 @@ def dkdv(q, k, v, do, lse2, delta, q_segment_ids=None, kv_segment_ids=None, *, s
     )(*operands)
 
 
-def dq(q, k, v, do, lse2, delta, q_segment_ids=None, kv_segment_ids=None, *, scale, band: masks.Band, kv_len,
-       block_q, block_kv, num_warps, num_stages, interpret):
+def dq(q, k, v, do, lse2, delta, q_segment_ids=None, kv_segment_ids=None, visits=None, *, scale, band: masks.Band,
+       kv_len, block_q, block_kv, num_warps, num_stages, interpret):
     """dQ [batch, q_pad, heads, head_dim_pad] from padded inputs (see `backward`)."""
     batch, q_pad, heads, head_dim = q.shape
     kv_pad, kv_heads = k.shape[1], k.shape[2]
@@ -144,7 +159,7 @@ def dq(q, k, v, do, lse2, delta, q_segment_ids=None, kv_segment_ids=None, *, sca
     has_segments = q_segment_ids is not None
     kernel = functools.partial(_dq_kernel, scale=scale, band=band, kv_len=kv_len, block_q=block_q,
                                block_kv=block_kv, num_q_blocks=num_q_blocks, num_kv_blocks=kv_pad // block_kv,
-                               has_segments=has_segments)
+                               has_segments=has_segments, has_visits=visits is not None)
 
     def q_block_of(i):
         return tiles.launch_order(i, num_q_blocks, reverse=band.right == 0)
@@ -158,6 +173,8 @@ def dq(q, k, v, do, lse2, delta, q_segment_ids=None, kv_segment_ids=None, *, sca
         in_specs += [pl.BlockSpec((SQUEEZED, block_q), lambda i, b, h: (b, q_block_of(i))),
                      pl.BlockSpec((SQUEEZED, kv_pad), lambda i, b, h: (b, 0))]
         operands += [q_segment_ids, kv_segment_ids]
+    if visits is not None:
+        in_specs, operands = [tiles.visits_spec(visits.shape, q_block_of)] + in_specs, [visits] + operands
     return pl.pallas_call(
         kernel,
         grid=(num_q_blocks, batch, heads),
@@ -170,20 +187,22 @@ def dq(q, k, v, do, lse2, delta, q_segment_ids=None, kv_segment_ids=None, *, sca
     )(*operands)
 
 
-def backward(q, k, v, do, lse2, delta, q_segment_ids=None, kv_segment_ids=None, *, scale, band, kv_len, config,
-             interpret):
+def backward(q, k, v, do, lse2, delta, q_segment_ids=None, kv_segment_ids=None, dkdv_visits=None, dq_visits=None,
+             *, scale, band, kv_len, config, interpret):
     """Padded inputs -> (dq, dk, dv).
 
     q, do: [batch, q_pad, heads, head_dim_pad]; k, v: [batch, kv_pad, kv_heads, head_dim_pad];
     lse2, delta: [batch, heads, q_pad] float32, lse2 = LSE * log2(e) with +inf on rows that saw no key
-    (their recomputed P is then exactly 0); optional segment ids int32 [batch, q_pad] / [batch, kv_pad].
+    (their recomputed P is then exactly 0); optional segment ids int32 [batch, q_pad] / [batch, kv_pad];
+    optional visit tables (`block_sparse.visit_tables`): per key block of the dK/dV kernel the query blocks
+    to visit, per query block of the dQ kernel the key blocks.
     q_pad must be a multiple of both query blocks of `config`, kv_pad of both key blocks; `kv_len` is the
     unpadded key length.
     """
     common = dict(scale=scale, band=band, kv_len=kv_len, interpret=interpret)
     segments = (q_segment_ids, kv_segment_ids)
-    dk, dv = dkdv(q, k, v, do, lse2, delta, *segments, block_q=config.block_q_dkv, block_kv=config.block_kv_dkv,
+    dk, dv = dkdv(q, k, v, do, lse2, delta, *segments, dkdv_visits, block_q=config.block_q_dkv, block_kv=config.block_kv_dkv,
                   num_warps=config.num_warps_dkv, num_stages=config.num_stages_dkv, **common)
-    dq_ = dq(q, k, v, do, lse2, delta, *segments, block_q=config.block_q_dq, block_kv=config.block_kv_dq,
+    dq_ = dq(q, k, v, do, lse2, delta, *segments, dq_visits, block_q=config.block_q_dq, block_kv=config.block_kv_dq,
              num_warps=config.num_warps_dq, num_stages=config.num_stages_dq, **common)
     return dq_, dk, dv

@@ -4,7 +4,9 @@ Grid: (query block, batch, head). Each program owns `block_q` query rows of one 
 their output accumulator on chip, and loops over key blocks of its kv head with online softmax in the
 log2 domain (scale * log2(e) folded into the logits, so the exponentials are exp2). It visits only the
 key blocks inside its band (causal: at or below the diagonal; a local window: near it), and only tiles
-that cross the band's edges, hold the padded key tail, or carry segment ids pay for the mask.
+that cross the band's edges, hold the padded key tail, or carry segment ids pay for the mask. With a block
+mask, the optional first operand is a visit table (`block_sparse.visit_tables`): the program loops over
+the key blocks its row lists, fully visible ones first, and never loads the others.
 Outputs: O [batch, q_len, heads, head_dim] and the natural-log LSE [batch, heads, q_len], the
 backward's only residual besides the inputs.
 """
@@ -22,7 +24,9 @@ from pallas_flash._compat import SQUEEZED, triton_params
 from pallas_flash.kernels import tiles
 
 
-def _forward_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, num_kv_blocks, has_segments):
+def _forward_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, num_kv_blocks, has_segments,
+                    has_visits):
+    visits_ref, refs = (refs[0], refs[1:]) if has_visits else (None, refs)
     if has_segments:
         q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref = refs
     else:
@@ -50,15 +54,18 @@ def _forward_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks,
         acc = correction[:, None] * acc + tiles.dot(p.astype(v.dtype), v)
         return acc, new_max, row_sum
 
-    lo, unmasked_lo, unmasked_hi, hi = tiles.kv_block_range(
-        q_block, block_q=block_q, block_kv=block_kv, num_kv_blocks=num_kv_blocks, kv_len=kv_len, band=band,
-        always_mask=has_segments)
     carry = (jnp.zeros(q.shape, jnp.float32),
              jnp.full((block_q,), -jnp.inf, jnp.float32),
              jnp.zeros((block_q,), jnp.float32))
-    carry = lax.fori_loop(lo, unmasked_lo, functools.partial(visit, masked=True), carry)
-    carry = lax.fori_loop(unmasked_lo, unmasked_hi, functools.partial(visit, masked=False), carry)
-    acc, row_max, row_sum = lax.fori_loop(unmasked_hi, hi, functools.partial(visit, masked=True), carry)
+    if has_visits:  # block-sparse: the table lists this query block's key blocks
+        acc, row_max, row_sum = tiles.visit_blocks(lambda i: visits_ref[i], visit, carry)
+    else:
+        lo, unmasked_lo, unmasked_hi, hi = tiles.kv_block_range(
+            q_block, block_q=block_q, block_kv=block_kv, num_kv_blocks=num_kv_blocks, kv_len=kv_len, band=band,
+            always_mask=has_segments)
+        carry = lax.fori_loop(lo, unmasked_lo, functools.partial(visit, masked=True), carry)
+        carry = lax.fori_loop(unmasked_lo, unmasked_hi, functools.partial(visit, masked=False), carry)
+        acc, row_max, row_sum = lax.fori_loop(unmasked_hi, hi, functools.partial(visit, masked=True), carry)
 
     empty = row_sum == 0.0  # no visible key: output 0, lse -inf
     safe_sum = jnp.where(empty, 1.0, row_sum)
@@ -66,14 +73,16 @@ def _forward_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks,
     lse_ref[...] = jnp.where(empty, -jnp.inf, (row_max + jnp.log2(safe_sum)) * tiles.LN2)
 
 
-def forward(q, k, v, q_segment_ids=None, kv_segment_ids=None, *, scale, band: masks.Band, kv_len, block_q,
-            block_kv, num_warps, num_stages, interpret):
+def forward(q, k, v, q_segment_ids=None, kv_segment_ids=None, visits=None, *, scale, band: masks.Band, kv_len,
+            block_q, block_kv, num_warps, num_stages, interpret):
     """Padded inputs -> (O, LSE).
 
     q: [batch, q_pad, heads, head_dim_pad]; k, v: [batch, kv_pad, kv_heads, head_dim_pad], with q_pad a
     multiple of block_q, kv_pad of block_kv, head_dim_pad a power of two; optional segment ids int32
-    [batch, q_pad] / [batch, kv_pad]. `kv_len` is the unpadded key length. Returns o like q and
-    lse [batch, heads, q_pad] float32.
+    [batch, q_pad] / [batch, kv_pad]. `kv_len` is the unpadded key length. Optional `visits`: int32
+    [batch or 1, heads or 1, q_pad // block_q, width], the key blocks of each query block
+    (`block_sparse.visit_tables`); without it the band decides. Returns o like q and lse [batch, heads,
+    q_pad] float32.
     """
     batch, q_pad, heads, head_dim = q.shape
     kv_pad, kv_heads = k.shape[1], k.shape[2]
@@ -92,9 +101,11 @@ def forward(q, k, v, q_segment_ids=None, kv_segment_ids=None, *, scale, band: ma
         in_specs += [pl.BlockSpec((SQUEEZED, block_q), lambda i, b, h: (b, q_block_of(i))),
                      pl.BlockSpec((SQUEEZED, kv_pad), lambda i, b, h: (b, 0))]
         operands += [q_segment_ids, kv_segment_ids]
+    if visits is not None:
+        in_specs, operands = [tiles.visits_spec(visits.shape, q_block_of)] + in_specs, [visits] + operands
     kernel = functools.partial(_forward_kernel, scale=scale, band=band, kv_len=kv_len, block_q=block_q,
                                block_kv=block_kv, num_q_blocks=num_q_blocks, num_kv_blocks=num_kv_blocks,
-                               has_segments=has_segments)
+                               has_segments=has_segments, has_visits=visits is not None)
     return pl.pallas_call(
         kernel,
         grid=(num_q_blocks, batch, heads),

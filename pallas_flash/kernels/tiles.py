@@ -1,13 +1,17 @@
 """Tile-level helpers shared by the portable forward and backward kernels: the matmul, the tile mask, and
-which blocks a program must visit (and which of those need the mask)."""
+which blocks a program must visit (and which of those need the mask): a band's range, or a block-sparse
+visit table."""
 from __future__ import annotations
 
 import math
 
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 
 from pallas_flash import masks
+from pallas_flash._compat import SQUEEZED
+from pallas_flash.block_sparse import VISITS_HEADER
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -88,6 +92,34 @@ def q_block_range(kv_block, *, block_q: int, block_kv: int, num_q_blocks: int, k
     else:
         unmasked_hi = _clip(unmasked_hi, unmasked_lo, hi)
     return lo, unmasked_lo, unmasked_hi, hi
+
+
+def visit_blocks(read, visit, carry):
+    """`visit(block, carry, masked=...)` over the blocks of one row of a visit table
+    (`block_sparse.visit_tables`), whose entry i is `read(i)`: the fully visible blocks without the token
+    mask, then the partly visible ones with it. Blocks not in the row are never loaded. The trip counts are
+    data (int32 scalars read from the table), so the loops are dynamic: no Python control flow on them."""
+    n_full, n_visits = read(0), read(1)
+
+    def body(masked):
+        return lambda i, c: visit(read(VISITS_HEADER + i), c, masked=masked)
+
+    carry = lax.fori_loop(0, n_full, body(False), carry)
+    return lax.fori_loop(n_full, n_visits, body(True), carry)
+
+
+def visits_spec(shape, row_of, *, group=None):
+    """BlockSpec of a visit table [batch or 1, heads or 1, rows, width] for a grid (row, batch, head): the
+    kernel sees the row `row_of(program 0 id)` of its batch and head as a [width] ref. With `group`, the
+    grid's head is a kv head and the kernel sees the rows of its `group` query heads, [group or 1, width]
+    (dK/dV). A table shared by every example or head is read at index 0 there."""
+    per_batch, per_head = shape[0] > 1, shape[1] > 1
+
+    def index(r, b, h):
+        return (b if per_batch else 0, h if per_head else 0, row_of(r), 0)
+
+    heads = SQUEEZED if group is None else (group if per_head else 1)
+    return pl.BlockSpec((SQUEEZED, heads, SQUEEZED, shape[3]), index)
 
 
 def safe_exp_shift(row_max):
