@@ -110,8 +110,8 @@ class HopperBwdConfig:
         if head_dim <= 128:
             return cls(block_q_dkv=64, block_kv_dkv=64, num_stages_dkv=3, block_q_dq=64, block_kv_dq=64,
                        num_stages_dq=3)
-        return cls(block_q_dkv=64, block_kv_dkv=64, num_stages_dkv=2, block_q_dq=64, block_kv_dq=64,
-                   num_stages_dq=2)
+        # head_dim 256: K and V of 128 keys alone take 128 KiB of the dK/dV kernel's shared memory.
+        raise ValueError(f"the Hopper backward takes head_dim <= 128, got {head_dim}")
 
 
 @dataclasses.dataclass(frozen=True)

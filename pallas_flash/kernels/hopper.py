@@ -1,5 +1,5 @@
 """The Hopper implementation as one differentiable function: the Mosaic GPU forward (`hopper_fwd`) and a
-backward on the same residuals (q, k, v, o, lse): the Mosaic GPU backward (`hopper_bwd`) where
+backward on the same residuals (q, k, v, o, lse): the Mosaic GPU backward (`hopper_bwd`, head_dim <= 128) where
 `PALLAS_FLASH_HOPPER_BWD=1`, else the portable backward kernels (the default until the Hopper backward is
 verified on an H100).
 
@@ -65,7 +65,7 @@ def _attention_fwd(q, k, v, scale, is_causal, config):
 
 def _attention_bwd(scale, is_causal, config, residuals, cotangents):
     q, k, v, out, lse = residuals
-    if use_hopper_backward():
+    if use_hopper_backward() and hopper_fwd.padded_head_dim(q.shape[-1]) <= hopper_bwd.MAX_HEAD_DIM:
         bwd_config = config.hopper_bwd or HopperBwdConfig.default(hopper_fwd.padded_head_dim(q.shape[-1]))
         d_out, d_lse = cotangents
         return hopper_bwd.hopper_backward(q, k, v, out, lse, d_out, d_lse, scale=scale, is_causal=is_causal,

@@ -37,6 +37,8 @@ from pallas_flash.config import H100_SHARED_MEMORY, NUM_CONSUMERS, HopperBwdConf
 from pallas_flash.kernels.hopper_fwd import (CONSUMER_REGISTERS, HEAD_DIM_TILE, LOG2E, PRODUCER_REGISTERS,
                                              _pad_axis, _round_up, padded_head_dim)
 
+MAX_HEAD_DIM = 128  # at 256, K and V of a 128-key CTA alone take 128 KiB of shared memory
+
 # JAX 0.10 takes the index as a second argument of plgpu.load; 0.11 deprecates it (index the ref instead).
 _LOAD_TAKES_INDEX = inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty
 
@@ -375,6 +377,8 @@ def hopper_backward(q, k, v, out, lse, d_out, d_lse, *, scale: float, is_causal:
     if heads % kv_heads:
         raise ValueError(f"key has {kv_heads} heads; query's {heads} heads must be a multiple of it")
     padded_dim = padded_head_dim(head_dim)
+    if padded_dim > MAX_HEAD_DIM:
+        raise ValueError(f"the Hopper backward takes head_dim <= {MAX_HEAD_DIM}, got {head_dim}")
     config = config or HopperBwdConfig.default(padded_dim)
     check_config(config, padded_dim, q.dtype.itemsize)
 
