@@ -3,6 +3,8 @@
   PYTHONPATH=. python benchmarks/hopper_bwd_check.py            # correctness grid, then fwd+bwd timings
   PYTHONPATH=. python benchmarks/hopper_bwd_check.py --sweep    # correctness of the first cases, then a tile sweep
 
+The grid runs in a few processes with a timeout each, so a kernel that hangs shows up as TIMEOUT for its
+cases and the grid goes on.
 (1) CHECK lines: dq, dk, dv of `hopper_backward` (on residuals of the Hopper forward, with random cotangents
 on out and lse) against the float32 reference's `jax.vjp`, as relative Frobenius errors; PASS under 4e-2
 (bf16) / 8e-3 (fp16). An exception is printed, truncated, as FAIL and the grid goes on.
@@ -10,12 +12,14 @@ on out and lse) against the float32 reference's `jax.vjp`, as relative Frobenius
 Hopper backward vs the portable backward vs cuDNN, bf16, B*N = 16k tokens, H*D = 2048; TFLOP/s count
 3.5 * 4*B*H*N^2*D (halved when causal); the ratio is cuDNN time / ours.
 (3) SWEEP lines (--sweep): `hopper_backward` alone per tile config at N = 8192; bwd FLOPs 2.5 * 4*B*H*N^2*D.
-Stops starting new timings after 7 minutes.
+The timing phase gets what is left of 7.5 minutes.
 """
 import argparse
 import dataclasses
 import os
 import statistics
+import subprocess
+import sys
 import time
 import traceback
 
@@ -29,7 +33,10 @@ from pallas_flash.config import HopperBwdConfig, KernelConfig
 from pallas_flash.kernels import hopper_bwd, hopper_fwd
 
 TOLERANCE = {"bfloat16": 4e-2, "float16": 8e-3}
-BUDGET_S = 7 * 60
+TOTAL_S = 7.5 * 60  # the whole run, checks included
+BUDGET_S = 6.5 * 60  # a timing process starts no new measurement after this many seconds of its own
+CASES_PER_PROCESS = 3  # a process per 3 grid cases: JAX's start-up is paid 4 times, a hang costs at most 3 cases
+CASE_TIMEOUT_S = 150  # one process's cases, both dtypes each, compiles included; more means a hang
 START = time.perf_counter()
 # (batch, q_len, kv_len, heads, kv_heads, head_dim, causal)
 GRID = [(1, 256, 256, 2, 2, 64, False), (1, 256, 256, 2, 2, 64, True), (2, 1024, 1024, 4, 4, 128, False),
@@ -79,7 +86,8 @@ def check(case, dtype, config=None):
         return ok
     except Exception as e:  # noqa: BLE001 - one case's failure must not stop the grid
         print(f"CHECK {name}: FAIL {type(e).__name__}: {str(e)[:1500]}", flush=True)
-        traceback.print_exc(limit=3)
+        if dtype == jnp.bfloat16:  # once per case: where in our code it failed
+            traceback.print_exc(limit=4)
         return False
 
 
@@ -130,29 +138,28 @@ def fwd_bwd(kind, causal, head_dim):
 
 
 def timings():
-    for D in (128, 64):
-        for N in (2048, 8192, 16384):
-            for causal in (False, True):
-                if elapsed() > BUDGET_S:
-                    print(f"TIME D={D} N={N} causal={causal}: skipped (time budget)", flush=True)
-                    continue
-                B, H = 16384 // N, 2048 // D
-                args = []
-                for seed in range(2):
-                    q, k, v, d_out, _ = inputs(B, N, N, H, H, D, jnp.bfloat16, seed)
-                    args.append((q, k, v, d_out))
-                flops = 3.5 * 4 * B * H * N * N * D / (2 if causal else 1)
-                res = {}
-                for kind in ("hopper", "portable", "cudnn"):
-                    try:
-                        res[kind] = bench(fwd_bwd(kind, causal, D), args)
-                    except Exception as e:  # noqa: BLE001
-                        res[kind] = float("nan")
-                        print(f"  {kind} FAILED {type(e).__name__}: {str(e)[:500]}", flush=True)
-                print(f"TIME fwd+bwd D={D} N={N} B={B} H={H} causal={causal}: " + " ".join(
-                    f"{kind} {ms:.3f}ms {flops / ms / 1e9:.0f}TF/s" for kind, ms in res.items())
-                    + f" | hopper/cudnn {res['cudnn'] / res['hopper']:.3f}x portable/cudnn "
-                    f"{res['cudnn'] / res['portable']:.3f}x", flush=True)
+    for D, N in ((128, 8192), (64, 8192), (128, 2048), (64, 2048), (128, 16384), (64, 16384)):  # most telling first
+        for causal in (False, True):
+            if elapsed() > BUDGET_S:
+                print(f"TIME D={D} N={N} causal={causal}: skipped (time budget)", flush=True)
+                continue
+            B, H = 16384 // N, 2048 // D
+            args = []
+            for seed in range(2):
+                q, k, v, d_out, _ = inputs(B, N, N, H, H, D, jnp.bfloat16, seed)
+                args.append((q, k, v, d_out))
+            flops = 3.5 * 4 * B * H * N * N * D / (2 if causal else 1)
+            res = {}
+            for kind in ("hopper", "portable", "cudnn"):
+                try:
+                    res[kind] = bench(fwd_bwd(kind, causal, D), args)
+                except Exception as e:  # noqa: BLE001
+                    res[kind] = float("nan")
+                    print(f"  {kind} FAILED {type(e).__name__}: {str(e)[:500]}", flush=True)
+            print(f"TIME fwd+bwd D={D} N={N} B={B} H={H} causal={causal}: " + " ".join(
+                f"{kind} {ms:.3f}ms {flops / ms / 1e9:.0f}TF/s" for kind, ms in res.items())
+                + f" | hopper/cudnn {res['cudnn'] / res['hopper']:.3f}x portable/cudnn "
+                f"{res['cudnn'] / res['portable']:.3f}x", flush=True)
 
 
 SWEEP = {128: [HopperBwdConfig.default(128), HopperBwdConfig(64, 64, 2, 64, 64, 2),
@@ -167,7 +174,11 @@ def sweep():
         B, H = 16384 // N, 2048 // D
         for causal in (False, True):
             q, k, v, d_out, d_lse = inputs(B, N, N, H, H, D, jnp.bfloat16)
-            out, lse = hopper_fwd.hopper_forward(q, k, v, scale=D ** -0.5, is_causal=causal)
+            try:
+                out, lse = hopper_fwd.hopper_forward(q, k, v, scale=D ** -0.5, is_causal=causal)
+            except Exception as e:  # noqa: BLE001
+                print(f"SWEEP D={D} causal={causal}: forward FAILED {type(e).__name__}: {str(e)[:500]}", flush=True)
+                continue
             flops = 2.5 * 4 * B * H * N * N * D / (2 if causal else 1)
             for config in configs:
                 if elapsed() > BUDGET_S:
@@ -184,24 +195,59 @@ def sweep():
                           flush=True)
 
 
+def _child(flags, timeout_s, capture=True):
+    """Runs this script with `flags` in a fresh process, so that a kernel that hangs costs one case, not the
+    run. Returns the PASS count it printed (captured output, echoed), or None on a timeout."""
+    command = [sys.executable, os.path.abspath(__file__), *flags]
+    try:
+        result = subprocess.run(command, timeout=timeout_s, text=True,
+                                **(dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT) if capture else {}))
+    except subprocess.TimeoutExpired as e:
+        output = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        print(output, end="")
+        print(f"TIMEOUT after {timeout_s:.0f}s: {' '.join(flags)} (a hang? the lines above are what it printed)",
+              flush=True)
+        return None
+    if not capture:
+        return None
+    print(result.stdout, end="", flush=True)
+    return result.stdout.count(" PASS")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true", help="tile sweep of the backward alone at N=8192")
     parser.add_argument("--no-time", action="store_true", help="correctness only")
+    parser.add_argument("--cases", type=int, nargs=2, help="(internal) run the checks of GRID[a:b] here")
+    parser.add_argument("--phase", choices=("time", "sweep"), help="(internal) run the timings in this process")
+    parser.add_argument("--budget", type=float, help="(internal) seconds for new timings")
     args = parser.parse_args()
+    global BUDGET_S
+    if args.budget is not None:
+        BUDGET_S = args.budget
+    if args.cases is not None:
+        for case in GRID[args.cases[0]:args.cases[1]]:
+            for dtype in (jnp.bfloat16, jnp.float16):
+                check(case, dtype)
+        return
+    if args.phase == "time":
+        timings()
+        return
+    if args.phase == "sweep":
+        sweep()
+        return
     print("jax", jax.__version__, jax.devices()[0].device_kind, flush=True)
-    cases = [(case, dtype) for case in GRID for dtype in (jnp.bfloat16, jnp.float16)]
-    if args.sweep:
-        cases = cases[:4]
-    passed = [check(case, dtype) for case, dtype in cases]
-    print(f"CHECK SUMMARY {sum(passed)}/{len(passed)} passed ({elapsed():.0f}s)", flush=True)
-    if not all(passed):
+    num_cases = 2 if args.sweep else len(GRID)
+    chunks = [(i, min(i + CASES_PER_PROCESS, num_cases)) for i in range(0, num_cases, CASES_PER_PROCESS)]
+    passed = [_child(["--cases", str(a), str(b)], CASE_TIMEOUT_S) for a, b in chunks]
+    total = 2 * num_cases
+    print(f"CHECK SUMMARY {sum(p or 0 for p in passed)}/{total} passed ({elapsed():.0f}s)", flush=True)
+    if sum(p or 0 for p in passed) < total:
         print("not timing: some checks failed", flush=True)
         return
-    if args.sweep:
-        sweep()
-    elif not args.no_time:
-        timings()
+    if args.sweep or not args.no_time:
+        left = max(30.0, TOTAL_S - elapsed())
+        _child(["--phase", "sweep" if args.sweep else "time", "--budget", str(left - 45)], left, capture=False)
     print(f"done in {elapsed():.0f}s", flush=True)
 
 
