@@ -2,6 +2,7 @@
 its config validation and its lowering for the GPU (JAX's Mosaic GPU interpreter cannot run these kernels on
 CPU: it cannot read a transposed shared-memory ref; lowering runs the whole Mosaic GPU lowering without one)."""
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -89,3 +90,26 @@ def test_gradients_match_reference(shape, dtype, is_causal):
     for name, ours, ref, x in zip(("dq", "dk", "dv"), grads, want, (q, k, v)):
         assert ours.shape == x.shape and ours.dtype == x.dtype
         assert_close(ours, ref, dtype, table=GRADIENT, what=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_grad_of_mosaic_attention_uses_it(monkeypatch, is_causal):
+    """`jax.grad` of `flash_attention(implementation="mosaic")` with the switch on, against the reference."""
+    if not hopper_fwd.on_hopper():
+        pytest.skip("needs an sm90 GPU")
+    import pallas_flash as pf
+    monkeypatch.setenv("PALLAS_FLASH_HOPPER_BWD", "1")
+    q, k, v, d_out, _ = _inputs((2, 640, 640, 4, 2, 128), jnp.bfloat16, seed=2)
+
+    def loss(attend, *x):
+        return jnp.vdot(attend(*x).astype(jnp.float32), d_out.astype(jnp.float32))
+
+    ours = jax.grad(functools.partial(loss, lambda *x: pf.flash_attention(*x, is_causal=is_causal,
+                                                                          implementation="mosaic")),
+                    argnums=(0, 1, 2))(q, k, v)
+    ref = jax.grad(functools.partial(loss, lambda *x: reference.attention_reference(
+        *x, scale=128 ** -0.5, is_causal=is_causal)[0]), argnums=(0, 1, 2))(
+        *(x.astype(jnp.float32) for x in (q, k, v)))
+    for name, a, b in zip(("dq", "dk", "dv"), ours, ref):
+        assert_close(a, b, jnp.bfloat16, table=GRADIENT, what=name)
