@@ -57,6 +57,64 @@ class HopperConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class HopperBwdConfig:
+    """Tiles of the Hopper backward kernels (two passes: dK/dV, then dQ).
+
+    Attributes:
+      block_q_dkv: query rows per streamed Q/dO block of the dK/dV kernel; a multiple of 64 (the K of the
+        dV += P^T dO and dK += dS^T Q wgmmas).
+      block_kv_dkv: key rows per consumer warpgroup of the dK/dV kernel (a CTA owns 2 * block_kv_dkv keys);
+        a multiple of 64 (wgmma M).
+      num_stages_dkv: depth of the Q/dO shared-memory ring (>= 2).
+      block_q_dq: query rows per consumer warpgroup of the dQ kernel (a CTA owns 2 * block_q_dq queries);
+        a multiple of 64.
+      block_kv_dq: keys per streamed K/V block of the dQ kernel; a multiple of 64 (the K of dQ += dS K).
+      num_stages_dq: depth of the K/V shared-memory ring (>= 2).
+    """
+
+    block_q_dkv: int = 64
+    block_kv_dkv: int = 64
+    num_stages_dkv: int = 2
+    block_q_dq: int = 64
+    block_kv_dq: int = 64
+    num_stages_dq: int = 2
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"HopperBwdConfig.{field.name} must be an int, got {value!r}")
+            if field.name.startswith("block_") and not (64 <= value <= 256 and value % 64 == 0):
+                raise ValueError(f"HopperBwdConfig.{field.name} must be 64, 128, 192 or 256, got {value}")
+            if field.name.startswith("num_stages") and value < 2:
+                raise ValueError(f"HopperBwdConfig.{field.name} must be >= 2, got {value}")
+
+    def smem_bytes_dkv(self, head_dim: int, itemsize: int = 2) -> int:
+        k_and_v = 2 * NUM_CONSUMERS * self.block_kv_dkv * head_dim * itemsize
+        ring = self.num_stages_dkv * (2 * self.block_q_dkv * head_dim * itemsize + 2 * self.block_q_dkv * 4)
+        return k_and_v + ring + _HOPPER_SMEM_SLACK
+
+    def smem_bytes_dq(self, head_dim: int, itemsize: int = 2) -> int:
+        q_and_do = 2 * NUM_CONSUMERS * self.block_q_dq * head_dim * itemsize + 2 * NUM_CONSUMERS * self.block_q_dq * 4
+        ring = self.num_stages_dq * 2 * self.block_kv_dq * head_dim * itemsize
+        return q_and_do + ring + _HOPPER_SMEM_SLACK
+
+    @classmethod
+    def default(cls, head_dim: int) -> "HopperBwdConfig":
+        """Per padded head_dim (a multiple of 64). Not yet tuned on the H100 (pallas_flash/kernels/NOTES.md,
+        "Hopper backward"): register budgets of FA3's tiles; 128-wide S/dP tiles only where head_dim 64 leaves
+        the registers for them."""
+        if head_dim <= 64:
+            return cls(block_q_dkv=128, block_kv_dkv=64, num_stages_dkv=3, block_q_dq=64, block_kv_dq=128,
+                       num_stages_dq=3)
+        if head_dim <= 128:
+            return cls(block_q_dkv=64, block_kv_dkv=64, num_stages_dkv=3, block_q_dq=64, block_kv_dq=64,
+                       num_stages_dq=3)
+        # head_dim 256: K and V of 128 keys alone take 128 KiB of the dK/dV kernel's shared memory.
+        raise ValueError(f"the Hopper backward takes head_dim <= 128, got {head_dim}")
+
+
+@dataclasses.dataclass(frozen=True)
 class KernelConfig:
     """Block sizes and launch parameters of the portable Pallas kernels and of the XLA chunked path.
 
@@ -69,6 +127,7 @@ class KernelConfig:
         and loops over key blocks of block_kv_dq).
       xla_block_kv: key chunk of the XLA chunked path (its memory is O(q_len * xla_block_kv)).
       hopper: tiles of the Hopper (Mosaic GPU) forward kernel; None: `HopperConfig.default(head_dim)`.
+      hopper_bwd: tiles of the Hopper backward kernels; None: `HopperBwdConfig.default(head_dim)`.
     num_warps and num_stages are Triton launch parameters; num_stages is the software-pipelining depth of
     the key (or query) loop.
     """
@@ -87,12 +146,16 @@ class KernelConfig:
     num_stages_dq: int = 3
     xla_block_kv: int = 512
     hopper: HopperConfig | None = None
+    hopper_bwd: HopperBwdConfig | None = None
 
     def __post_init__(self):
         if self.hopper is not None and not isinstance(self.hopper, HopperConfig):
             raise TypeError(f"KernelConfig.hopper must be a HopperConfig or None, got {type(self.hopper).__name__}")
+        if self.hopper_bwd is not None and not isinstance(self.hopper_bwd, HopperBwdConfig):
+            raise TypeError("KernelConfig.hopper_bwd must be a HopperBwdConfig or None, got "
+                            f"{type(self.hopper_bwd).__name__}")
         for field in dataclasses.fields(self):
-            if field.name == "hopper":
+            if field.name in ("hopper", "hopper_bwd"):
                 continue
             value = getattr(self, field.name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

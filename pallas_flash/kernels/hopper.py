@@ -1,17 +1,25 @@
-"""The Hopper implementation as one differentiable function: the Mosaic GPU forward (`hopper_fwd`) and, until
-the Hopper backward kernels land, the portable backward kernels on the same residuals (q, k, v, o, lse).
+"""The Hopper implementation as one differentiable function: the Mosaic GPU forward (`hopper_fwd`) and a
+backward on the same residuals (q, k, v, o, lse): the Mosaic GPU backward (`hopper_bwd`, head_dim <= 128) where
+`PALLAS_FLASH_HOPPER_BWD=1`, else the portable backward kernels (the default until the Hopper backward is
+verified on an H100).
 
 Both forwards return the same natural-log LSE, so the portable backward cannot tell which forward ran.
 """
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 
 from pallas_flash import masks
-from pallas_flash.config import H100_SHARED_MEMORY, HopperConfig, KernelConfig
-from pallas_flash.kernels import hopper_fwd, portable
+from pallas_flash.config import H100_SHARED_MEMORY, HopperBwdConfig, HopperConfig, KernelConfig
+from pallas_flash.kernels import hopper_bwd, hopper_fwd, portable
+
+
+def use_hopper_backward() -> bool:
+    """Read at trace time, so a benchmark can compare both backwards in one process."""
+    return os.environ.get("PALLAS_FLASH_HOPPER_BWD", "0") == "1"
 
 
 def on_hopper_gpu() -> bool:
@@ -57,6 +65,11 @@ def _attention_fwd(q, k, v, scale, is_causal, config):
 
 def _attention_bwd(scale, is_causal, config, residuals, cotangents):
     q, k, v, out, lse = residuals
+    if use_hopper_backward() and hopper_fwd.padded_head_dim(q.shape[-1]) <= hopper_bwd.MAX_HEAD_DIM:
+        bwd_config = config.hopper_bwd or HopperBwdConfig.default(hopper_fwd.padded_head_dim(q.shape[-1]))
+        d_out, d_lse = cotangents
+        return hopper_bwd.hopper_backward(q, k, v, out, lse, d_out, d_lse, scale=scale, is_causal=is_causal,
+                                          config=bwd_config)
     dq, dk, dv, _, _ = portable.backward(q, k, v, out, lse, cotangents, scale=scale, band=masks.Band.of(is_causal),
                                          config=config, interpret=False)
     return dq, dk, dv

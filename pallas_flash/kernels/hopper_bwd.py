@@ -1,0 +1,405 @@
+"""FlashAttention backward for Hopper (sm90), written with Pallas's Mosaic GPU backend.
+
+Two deterministic passes on the forward's residuals (q, k, v, out, lse), after an XLA preprocess
+(delta = rowsum(dO * O) - d_lse in float32; lse2 = lse * log2(e), +inf for rows that saw no key and for
+padded rows, so that every recomputed P of such a row is exactly 0):
+
+  * dK/dV: one CTA per (batch, kv head, tile of `2 * block_kv_dkv` keys); three warpgroups: a TMA producer
+    streaming Q, dO, lse2 and delta blocks of `block_q_dkv` queries through a `num_stages_dkv` ring, and two
+    consumers, each owning `block_kv_dkv` key rows with K and V resident in shared memory. Per query block:
+    S^T = K Q^T, P^T = exp2(c S^T - lse2), dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - delta),
+    dK += dS^T Q, all on wgmma with float32 accumulators. Working in the transposed tiles puts P^T and dS^T
+    in registers in the layout the next wgmmas take as their left operand (no transposes). A CTA loops over
+    the query heads of its kv head's group (GQA), so dK/dV come out summed over the group.
+  * dQ: one CTA per (batch, head, tile of `2 * block_q_dq` queries); a producer streams K/V blocks of
+    `block_kv_dq` keys, two consumers of `block_q_dq` rows each with Q, dO, lse2, delta resident:
+    S = Q K^T, dP = dO V^T, dS = P (dP - delta), dQ += dS K.
+
+Causal (top-left aligned: query i sees key j <= i): the dK/dV CTA starts at the first query block that sees
+its keys, the dQ CTA stops at its last row's diagonal; only blocks that straddle the diagonal are masked.
+Ragged lengths are padded in the wrapper: padded query rows have lse2 = +inf and dO = 0 (no contribution),
+padded keys are masked in the dQ pass (their dK/dV rows are sliced off). head_dim is padded to a multiple
+of 64 (the wgmma contraction granule of a 128-byte swizzle).
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_flash.config import H100_SHARED_MEMORY, NUM_CONSUMERS, HopperBwdConfig
+from pallas_flash.kernels.hopper_fwd import (CONSUMER_REGISTERS, HEAD_DIM_TILE, LOG2E, PRODUCER_REGISTERS,
+                                             _pad_axis, _round_up, padded_head_dim)
+
+MAX_HEAD_DIM = 128  # at 256, K and V of a 128-key CTA alone take 128 KiB of shared memory
+
+# JAX 0.10 takes the index as a second argument of plgpu.load; 0.11 deprecates it (index the ref instead).
+_LOAD_TAKES_INDEX = inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty
+
+
+def _load(ref, layout):
+    """A whole shared-memory vector into registers in `layout`."""
+    if _LOAD_TAKES_INDEX:
+        return plgpu.load(ref, (), layout=layout)
+    return plgpu.load(ref, layout=layout)
+
+
+def _iota(shape, axis):
+    return plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA)
+
+
+def _zeros(shape):
+    return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+
+
+def _transforms():
+    # 128-byte swizzle over (8, 64)-element tiles: the layout wgmma reads without bank conflicts.
+    return (plgpu.TilingTransform((8, HEAD_DIM_TILE)), plgpu.SwizzleTransform(128))
+
+
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dk_ref, dv_ref, scoped, *, scale: float,
+                 is_causal: bool, group: int, config: HopperBwdConfig):
+    """Grid (batch, kv_heads, kv_tiles), 3 warpgroups ("wg"): 0 and 1 consume, 2 produces.
+
+    q_ref/do_ref [batch, q_pad, heads, d], k_ref/v_ref [batch, kv_pad, kv_heads, d], lse2_ref/delta_ref
+    [batch, heads, q_pad] float32, dk_ref/dv_ref like k_ref (summed over the group's query heads)."""
+    ((k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem), (k_ready, v_ready),
+     (q_ready, do_ready, lse_ready, delta_ready), free) = scoped
+    block_q, block_kv, num_stages = config.block_q_dkv, config.block_kv_dkv, config.num_stages_dkv
+    num_q_blocks = q_ref.shape[1] // block_q
+    dtype = q_ref.dtype
+    batch, kv_head = lax.axis_index("batch"), lax.axis_index("kv_heads")
+    tile_start = lax.axis_index("kv_tiles") * (NUM_CONSUMERS * block_kv)
+    # Query blocks this CTA visits per head: all, or (causal) from the first one that sees its first key.
+    first = lax.div(tile_start, block_q) if is_causal else jnp.int32(0)
+    q_steps = jnp.maximum(num_q_blocks - first, 0)
+    total_steps = group * q_steps
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg < NUM_CONSUMERS)
+    def _consumer():
+        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+        k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+        kv_start = tile_start + wg * block_kv
+        rows = (batch, pl.ds(kv_start, block_kv), kv_head)
+        plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, k_ready.at[wg])
+        plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, v_ready.at[wg])
+        plgpu.barrier_wait(k_ready.at[wg])
+        plgpu.barrier_wait(v_ready.at[wg])
+        c = scale * LOG2E  # exp(scale * s - lse) = exp2(c * s - lse2)
+        column = plgpu.Layout.WGMMA.reduce(0)  # a per-query vector, broadcast along the key rows of S^T
+
+        def step(q_block, carry, *, g, masked: bool):
+            dk, dv = carry
+            slot = lax.rem(g * q_steps + q_block - first, num_stages)
+            q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
+            plgpu.barrier_wait(q_ready.at[slot])
+            plgpu.barrier_wait(lse_ready.at[slot])
+
+            def s_t(acc_ref):
+                plgpu.wgmma(acc_ref, k_smem, plgpu.transpose_ref(q_tile, (1, 0)))
+                return acc_ref[...]
+
+            s = pl.run_scoped(s_t, plgpu.ACC((block_kv, block_q), jnp.float32))
+            lse2 = _load(lse_smem.at[slot], column)
+            p = jnp.exp2(s * c - lax.broadcast_in_dim(lse2, s.shape, [1]))
+            if masked:
+                visible = q_block * block_q + _iota(s.shape, 1) >= kv_start + _iota(s.shape, 0)
+                p = jnp.where(visible, p, 0.0)
+            plgpu.barrier_wait(do_ready.at[slot])
+            plgpu.barrier_wait(delta_ready.at[slot])
+
+            def dv_dp(refs):  # one wgmma group: a single wait for both
+                dv_ref, dp_ref = refs
+                plgpu.wgmma(dv_ref, p.astype(dtype), do_tile)
+                plgpu.wgmma(dp_ref, v_smem, plgpu.transpose_ref(do_tile, (1, 0)))
+
+            dv, dp = pl.run_state(dv_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(_zeros(s.shape))))
+            delta = _load(delta_smem.at[slot], column)
+            ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [1]))
+
+            def dk_update(dk_ref):
+                plgpu.wgmma(dk_ref, ds.astype(dtype), q_tile)
+
+            dk = pl.run_state(dk_update)(plgpu.ACC.init(dk))
+            plgpu.barrier_arrive(free.at[slot])
+            return dk, dv
+
+        def head(g, carry):
+            if not is_causal:
+                return lax.fori_loop(0, num_q_blocks, functools.partial(step, g=g, masked=False), carry)
+            # Query blocks below this warpgroup's last key see some of its keys only: masked.
+            unmasked_from = jnp.clip(pl.cdiv(kv_start + block_kv - 1, block_q), first, num_q_blocks)
+            carry = lax.fori_loop(first, unmasked_from, functools.partial(step, g=g, masked=True), carry)
+            return lax.fori_loop(unmasked_from, num_q_blocks, functools.partial(step, g=g, masked=False), carry)
+
+        shape = (block_kv, k_smem.shape[-1])
+        dk, dv = lax.fori_loop(0, group, head, (_zeros(shape), _zeros(shape)))
+        # K and V of this warpgroup are read by its own wgmmas only, all waited for: reuse them for the output.
+        k_smem[...] = (dk * scale).astype(dtype)
+        v_smem[...] = dv.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[rows], commit_group=False)
+        plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[rows], commit_group=False)
+        plgpu.commit_smem_to_gmem_group()
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == NUM_CONSUMERS)
+    def _producer():
+        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+
+        def load(step, slot, wait_free: bool):
+            per_head = jnp.maximum(q_steps, 1)
+            head = kv_head * group + lax.div(step, per_head)
+            q_start = (first + lax.rem(step, per_head)) * block_q
+            if wait_free:
+                plgpu.barrier_wait(free.at[slot])
+            rows = (batch, pl.ds(q_start, block_q), head)
+            plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_ready.at[slot])
+            plgpu.copy_gmem_to_smem(lse2_ref.at[batch, head, pl.ds(q_start, block_q)], lse_smem.at[slot],
+                                    lse_ready.at[slot])
+            plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_ready.at[slot])
+            plgpu.copy_gmem_to_smem(delta_ref.at[batch, head, pl.ds(q_start, block_q)], delta_smem.at[slot],
+                                    delta_ready.at[slot])
+
+        @pl.loop(0, jnp.minimum(num_stages, total_steps))
+        def _fill(step):
+            load(step, step, wait_free=False)
+
+        @pl.loop(num_stages, total_steps)
+        def _stream(step):
+            load(step, lax.rem(step, num_stages), wait_free=True)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dq_ref, scoped, *, scale: float,
+               is_causal: bool, kv_len: int, num_q_tiles: int, group: int, config: HopperBwdConfig):
+    """Grid (batch, heads, q_tiles), 3 warpgroups ("wg"): 0 and 1 consume, 2 produces.
+
+    Shapes as in `_dkdv_kernel`; dq_ref like q_ref."""
+    ((q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem), resident_ready, (k_ready, v_ready),
+     (k_free, v_free)) = scoped
+    block_q, block_kv, num_stages = config.block_q_dq, config.block_kv_dq, config.num_stages_dq
+    num_kv_blocks = k_ref.shape[1] // block_kv
+    dtype = q_ref.dtype
+    batch, head = lax.axis_index("batch"), lax.axis_index("heads")
+    tile = lax.axis_index("q_tiles")
+    if is_causal:  # the last query tiles visit the most key blocks: launch them first
+        tile = num_q_tiles - 1 - tile
+    tile_start = tile * (NUM_CONSUMERS * block_q)
+    if is_causal:  # key blocks up to the diagonal of the CTA's last row
+        kv_steps = jnp.minimum(pl.cdiv(tile_start + NUM_CONSUMERS * block_q, block_kv), num_kv_blocks)
+    else:
+        kv_steps = num_kv_blocks
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg < NUM_CONSUMERS)
+    def _consumer():
+        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+        q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
+        q_start = tile_start + wg * block_q
+        rows = (batch, pl.ds(q_start, block_q), head)
+        vector = (batch, head, pl.ds(q_start, block_q))
+        copies = ((q_ref.at[rows], q_smem), (do_ref.at[rows], do_smem),
+                  (lse2_ref.at[vector], lse_smem2.at[wg]), (delta_ref.at[vector], delta_smem2.at[wg]))
+        for (src, dst), ready in zip(copies, resident_ready):
+            plgpu.copy_gmem_to_smem(src, dst, ready.at[wg])
+        for ready in resident_ready:
+            plgpu.barrier_wait(ready.at[wg])
+        row = plgpu.Layout.WGMMA.reduce(1)  # a per-query vector, broadcast along the keys of S
+        lse2 = _load(lse_smem2.at[wg], row)
+        delta = _load(delta_smem2.at[wg], row)
+        c = scale * LOG2E
+
+        def step(kv_step, dq, *, masked: bool):
+            slot = lax.rem(kv_step, num_stages)
+            plgpu.barrier_wait(k_ready.at[slot])
+            plgpu.barrier_wait(v_ready.at[slot])
+
+            def s_dp(s_ref, dp_ref):  # one wgmma group: a single wait for both
+                plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                plgpu.wgmma(dp_ref, do_smem, plgpu.transpose_ref(v_smem.at[slot], (1, 0)))
+                return s_ref[...], dp_ref[...]
+
+            s, dp = pl.run_scoped(s_dp, plgpu.ACC((block_q, block_kv), jnp.float32),
+                                  plgpu.ACC((block_q, block_kv), jnp.float32))
+            plgpu.barrier_arrive(v_free.at[slot])
+            p = jnp.exp2(s * c - lax.broadcast_in_dim(lse2, s.shape, [0]))
+            if masked:
+                k_pos = kv_step * block_kv + _iota(s.shape, 1)
+                visible = k_pos <= q_start + _iota(s.shape, 0) if is_causal else None
+                if kv_len % block_kv:
+                    in_range = k_pos < kv_len
+                    visible = in_range if visible is None else jnp.logical_and(visible, in_range)
+                if visible is not None:  # None: traced for a loop that runs no iterations
+                    p = jnp.where(visible, p, 0.0)
+            ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))
+
+            def dq_update(dq_ref):
+                plgpu.wgmma(dq_ref, ds.astype(dtype), k_smem.at[slot])
+
+            dq = pl.run_state(dq_update)(plgpu.ACC.init(dq))
+            plgpu.barrier_arrive(k_free.at[slot])
+            return dq
+
+        # Blocks [0, first_masked) are visible to every row of this warpgroup (and hold no padded key).
+        if is_causal:
+            first_masked = jnp.minimum(kv_len // block_kv, q_start // block_kv)
+        else:
+            first_masked = kv_len // block_kv
+        dq = _zeros((block_q, q_smem.shape[-1]))
+        dq = lax.fori_loop(0, first_masked, functools.partial(step, masked=False), dq)
+        # The diagonal and ragged blocks (a loop even for one block: the step index must be a traced value).
+        dq = lax.fori_loop(first_masked, kv_steps, functools.partial(step, masked=True), dq)
+        q_smem[...] = (dq * scale).astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == NUM_CONSUMERS)
+    def _producer():
+        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+        kv_head = lax.div(head, group)
+
+        def load(kv_step, slot, wait_free: bool):
+            rows = (batch, pl.ds(kv_step * block_kv, block_kv), kv_head)
+            for ref, smem, ready, free in ((k_ref, k_smem, k_ready, k_free), (v_ref, v_smem, v_ready, v_free)):
+                if wait_free:
+                    plgpu.barrier_wait(free.at[slot])
+                plgpu.copy_gmem_to_smem(ref.at[rows], smem.at[slot], ready.at[slot])
+
+        @pl.loop(0, jnp.minimum(num_stages, kv_steps))
+        def _fill(kv_step):
+            load(kv_step, kv_step, wait_free=False)
+
+        @pl.loop(num_stages, kv_steps)
+        def _stream(kv_step):
+            load(kv_step, lax.rem(kv_step, num_stages), wait_free=True)
+
+
+def _dkdv(q, k, v, d_out, lse2, delta, *, scale: float, is_causal: bool, config: HopperBwdConfig):
+    batch, kv_pad, kv_heads, head_dim = k.shape
+    block_q, block_kv, num_stages = config.block_q_dkv, config.block_kv_dkv, config.num_stages_dkv
+    transforms = _transforms()
+
+    def entry(*refs):
+        smem = (
+            plgpu.SMEM((NUM_CONSUMERS, block_kv, head_dim), k.dtype, transforms=transforms),
+            plgpu.SMEM((NUM_CONSUMERS, block_kv, head_dim), v.dtype, transforms=transforms),
+            plgpu.SMEM((num_stages, block_q, head_dim), q.dtype, transforms=transforms),
+            plgpu.SMEM((num_stages, block_q, head_dim), d_out.dtype, transforms=transforms),
+            plgpu.SMEM((num_stages, block_q), jnp.float32),
+            plgpu.SMEM((num_stages, block_q), jnp.float32),
+        )
+        body = functools.partial(_dkdv_kernel, scale=scale, is_causal=is_causal, group=q.shape[2] // kv_heads,
+                                 config=config)
+        pl.run_scoped(
+            lambda *scoped: body(*refs, scoped),
+            smem,
+            (plgpu.Barrier(num_barriers=NUM_CONSUMERS),) * 2,
+            (plgpu.Barrier(num_barriers=num_stages),) * 4,
+            plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=num_stages),
+            collective_axes="wg",
+        )
+
+    return plgpu.kernel(
+        entry,
+        out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+        grid=(batch, kv_heads, kv_pad // (NUM_CONSUMERS * block_kv)),
+        grid_names=("batch", "kv_heads", "kv_tiles"),
+        num_threads=NUM_CONSUMERS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(q, k, v, d_out, lse2, delta)
+
+
+def _dq(q, k, v, d_out, lse2, delta, *, scale: float, is_causal: bool, kv_len: int, config: HopperBwdConfig):
+    batch, q_pad, heads, head_dim = q.shape
+    block_q, block_kv, num_stages = config.block_q_dq, config.block_kv_dq, config.num_stages_dq
+    num_q_tiles = q_pad // (NUM_CONSUMERS * block_q)
+    transforms = _transforms()
+
+    def entry(*refs):
+        smem = (
+            plgpu.SMEM((NUM_CONSUMERS, block_q, head_dim), q.dtype, transforms=transforms),
+            plgpu.SMEM((NUM_CONSUMERS, block_q, head_dim), d_out.dtype, transforms=transforms),
+            plgpu.SMEM((NUM_CONSUMERS, block_q), jnp.float32),
+            plgpu.SMEM((NUM_CONSUMERS, block_q), jnp.float32),
+            plgpu.SMEM((num_stages, block_kv, head_dim), k.dtype, transforms=transforms),
+            plgpu.SMEM((num_stages, block_kv, head_dim), v.dtype, transforms=transforms),
+        )
+        body = functools.partial(_dq_kernel, scale=scale, is_causal=is_causal, kv_len=kv_len,
+                                 num_q_tiles=num_q_tiles, group=heads // k.shape[2], config=config)
+        pl.run_scoped(
+            lambda *scoped: body(*refs, scoped),
+            smem,
+            (plgpu.Barrier(num_barriers=NUM_CONSUMERS),) * 4,
+            (plgpu.Barrier(num_barriers=num_stages),) * 2,
+            (plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=num_stages),) * 2,
+            collective_axes="wg",
+        )
+
+    return plgpu.kernel(
+        entry,
+        out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        grid=(batch, heads, num_q_tiles),
+        grid_names=("batch", "heads", "q_tiles"),
+        num_threads=NUM_CONSUMERS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(q, k, v, d_out, lse2, delta)
+
+
+def check_config(config: HopperBwdConfig, head_dim: int, itemsize: int = 2) -> None:
+    """Raises ValueError if the tiles do not fit an H100's shared memory at this (padded) head_dim."""
+    for name, needed in (("dK/dV", config.smem_bytes_dkv(head_dim, itemsize)),
+                         ("dQ", config.smem_bytes_dq(head_dim, itemsize))):
+        if needed > H100_SHARED_MEMORY:
+            raise ValueError(f"{config} needs {needed} bytes of shared memory in the {name} kernel at head_dim "
+                             f"{head_dim} (the limit is {H100_SHARED_MEMORY})")
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "is_causal", "config"))
+def hopper_backward(q, k, v, out, lse, d_out, d_lse, *, scale: float, is_causal: bool,
+                    config: HopperBwdConfig | None = None):
+    """Gradients of attention on Hopper from the forward's residuals.
+
+    q [batch, q_len, heads, head_dim], k/v [batch, kv_len, kv_heads, head_dim] (bf16/fp16), out like q,
+    lse [batch, heads, q_len] float32 natural log; cotangents d_out like out and d_lse like lse (or None).
+    Returns (dq, dk, dv) shaped and typed like (q, k, v); dk/dv are summed over each kv head's group."""
+    batch, q_len, heads, head_dim = q.shape
+    kv_len, kv_heads = k.shape[1], k.shape[2]
+    if heads % kv_heads:
+        raise ValueError(f"key has {kv_heads} heads; query's {heads} heads must be a multiple of it")
+    padded_dim = padded_head_dim(head_dim)
+    if padded_dim > MAX_HEAD_DIM:
+        raise ValueError(f"the Hopper backward takes head_dim <= {MAX_HEAD_DIM}, got {head_dim}")
+    config = config or HopperBwdConfig.default(padded_dim)
+    check_config(config, padded_dim, q.dtype.itemsize)
+
+    # dL/dS = P * (dP - delta); a cotangent on the LSE output adds P * d_lse, i.e. delta -= d_lse.
+    delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    if d_lse is not None:
+        delta = delta - d_lse.astype(jnp.float32)
+    lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(jnp.float32) * LOG2E)
+
+    q_pad = _round_up(q_len, math.lcm(config.block_q_dkv, NUM_CONSUMERS * config.block_q_dq))
+    kv_pad = _round_up(kv_len, math.lcm(NUM_CONSUMERS * config.block_kv_dkv, config.block_kv_dq))
+
+    def pad(x, rows):
+        return _pad_axis(_pad_axis(x, 1, rows), 3, padded_dim)
+
+    qp, dop = pad(q, q_pad), pad(d_out.astype(q.dtype), q_pad)
+    kp, vp = pad(k, kv_pad), pad(v, kv_pad)
+    # Padded query rows: lse2 = +inf makes their P exactly 0 in both passes.
+    lse2 = jnp.pad(lse2, ((0, 0), (0, 0), (0, q_pad - q_len)), constant_values=jnp.inf)
+    delta = _pad_axis(delta, 2, q_pad)
+
+    dk, dv = _dkdv(qp, kp, vp, dop, lse2, delta, scale=scale, is_causal=is_causal, config=config)
+    dq = _dq(qp, kp, vp, dop, lse2, delta, scale=scale, is_causal=is_causal, kv_len=kv_len, config=config)
+    return dq[:, :q_len, :, :head_dim], dk[:, :kv_len, :, :head_dim], dv[:, :kv_len, :, :head_dim]

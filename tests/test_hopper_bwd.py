@@ -1,0 +1,115 @@
+"""The Hopper backward (`kernels/hopper_bwd.py`): gradients against the float32 reference on sm90, and on CPU
+its config validation and its lowering for the GPU (JAX's Mosaic GPU interpreter cannot run these kernels on
+CPU: it cannot read a transposed shared-memory ref; lowering runs the whole Mosaic GPU lowering without one)."""
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_flash import reference
+from pallas_flash.config import H100_SHARED_MEMORY, HopperBwdConfig, KernelConfig
+from pallas_flash.kernels import hopper_bwd, hopper_fwd
+from tests.tolerances import GRADIENT, assert_close
+
+# (batch, q_len, kv_len, heads, kv_heads, head_dim)
+GPU_GRID = [(1, 256, 256, 2, 2, 64), (2, 1000, 1000, 4, 2, 128), (1, 777, 1531, 4, 1, 64),
+            (1, 1531, 513, 4, 4, 128), (1, 300, 300, 2, 2, 96)]
+
+
+def _inputs(shape, dtype, seed=0):
+    batch, q_len, kv_len, heads, kv_heads, head_dim = shape
+    ks = jax.random.split(jax.random.key(seed), 5)
+    q = jax.random.normal(ks[0], (batch, q_len, heads, head_dim), dtype)
+    k = jax.random.normal(ks[1], (batch, kv_len, kv_heads, head_dim), dtype)
+    v = jax.random.normal(ks[2], (batch, kv_len, kv_heads, head_dim), dtype)
+    d_out = jax.random.normal(ks[3], q.shape, dtype)
+    d_lse = 0.1 * jax.random.normal(ks[4], (batch, heads, q_len), jnp.float32)
+    return q, k, v, d_out, d_lse
+
+
+def test_config_validation():
+    assert HopperBwdConfig() == HopperBwdConfig(64, 64, 2, 64, 64, 2)
+    for bad in (dict(block_q_dkv=32), dict(block_kv_dq=100), dict(block_kv_dkv=320), dict(num_stages_dq=1),
+                dict(block_q_dq=64.0), dict(num_stages_dkv=True)):
+        with pytest.raises(ValueError):
+            HopperBwdConfig(**bad)
+    with pytest.raises(TypeError):
+        KernelConfig(hopper_bwd=dict(block_q_dkv=64))
+    assert KernelConfig(hopper_bwd=HopperBwdConfig()).hopper_bwd == HopperBwdConfig()
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_default_tiles_fit_shared_memory(head_dim):
+    config = HopperBwdConfig.default(head_dim)
+    assert config.smem_bytes_dkv(head_dim) <= H100_SHARED_MEMORY
+    assert config.smem_bytes_dq(head_dim) <= H100_SHARED_MEMORY
+    hopper_bwd.check_config(config, head_dim)
+    with pytest.raises(ValueError, match="shared memory"):
+        hopper_bwd.check_config(dataclasses.replace(config, num_stages_dkv=8), head_dim)
+
+
+def test_head_dim_256_is_refused():
+    with pytest.raises(ValueError, match="head_dim <= 128"):
+        HopperBwdConfig.default(256)
+    x = jnp.zeros((1, 64, 1, 256), jnp.bfloat16)
+    with pytest.raises(ValueError, match="head_dim <= 128"):
+        hopper_bwd.hopper_backward(x, x, x, x, jnp.zeros((1, 1, 64)), x, None, scale=1.0, is_causal=False)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("shape,dtype", [((1, 300, 200, 4, 2, 64), jnp.bfloat16),
+                                         ((1, 200, 333, 2, 1, 96), jnp.float16)])
+def test_lowers_for_gpu(shape, dtype, is_causal):
+    """Both kernels go through Mosaic GPU's lowering (ragged lengths, GQA, padded head_dim)."""
+    q, k, v, d_out, d_lse = (jax.ShapeDtypeStruct(x.shape, x.dtype) for x in _inputs(shape, dtype))
+    lse = d_lse
+
+    def backward(*args):
+        return hopper_bwd.hopper_backward(*args, scale=0.125, is_causal=is_causal)
+
+    lowered = jax.jit(backward).trace(q, k, v, q, lse, d_out, d_lse).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("shape", GPU_GRID)
+def test_gradients_match_reference(shape, dtype, is_causal):
+    if not hopper_fwd.on_hopper():
+        pytest.skip("needs an sm90 GPU")
+    q, k, v, d_out, d_lse = _inputs(shape, dtype, seed=1)
+    scale = shape[-1] ** -0.5
+    out, lse = hopper_fwd.hopper_forward(q, k, v, scale=scale, is_causal=is_causal)
+    grads = hopper_bwd.hopper_backward(q, k, v, out, lse, d_out, d_lse, scale=scale, is_causal=is_causal)
+    _, vjp = jax.vjp(lambda *x: reference.attention_reference(*x, scale=scale, is_causal=is_causal),
+                     *(x.astype(jnp.float32) for x in (q, k, v)))
+    want = vjp((d_out.astype(jnp.float32), d_lse))
+    for name, ours, ref, x in zip(("dq", "dk", "dv"), grads, want, (q, k, v)):
+        assert ours.shape == x.shape and ours.dtype == x.dtype
+        assert_close(ours, ref, dtype, table=GRADIENT, what=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_grad_of_mosaic_attention_uses_it(monkeypatch, is_causal):
+    """`jax.grad` of `flash_attention(implementation="mosaic")` with the switch on, against the reference."""
+    if not hopper_fwd.on_hopper():
+        pytest.skip("needs an sm90 GPU")
+    import pallas_flash as pf
+    monkeypatch.setenv("PALLAS_FLASH_HOPPER_BWD", "1")
+    q, k, v, d_out, _ = _inputs((2, 640, 640, 4, 2, 128), jnp.bfloat16, seed=2)
+
+    def loss(attend, *x):
+        return jnp.vdot(attend(*x).astype(jnp.float32), d_out.astype(jnp.float32))
+
+    ours = jax.grad(functools.partial(loss, lambda *x: pf.flash_attention(*x, is_causal=is_causal,
+                                                                          implementation="mosaic")),
+                    argnums=(0, 1, 2))(q, k, v)
+    ref = jax.grad(functools.partial(loss, lambda *x: reference.attention_reference(
+        *x, scale=128 ** -0.5, is_causal=is_causal)[0]), argnums=(0, 1, 2))(
+        *(x.astype(jnp.float32) for x in (q, k, v)))
+    for name, a, b in zip(("dq", "dk", "dv"), ours, ref):
+        assert_close(a, b, jnp.bfloat16, table=GRADIENT, what=name)
