@@ -45,9 +45,13 @@ def _integer_cotangent(x):
     return None if x is None else np.zeros(x.shape, jax.dtypes.float0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _flash(q, k, v, q_segment_ids, kv_segment_ids, scale, band, config, interpret):
-    return _flash_fwd(q, k, v, q_segment_ids, kv_segment_ids, scale, band, config, interpret)[0]
+def _zeros_like(x):  # the ALiBi slopes are constants (stop_gradient at the API)
+    return None if x is None else jnp.zeros_like(x)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def _flash(q, k, v, q_segment_ids, kv_segment_ids, mod_arrays, scale, band, config, interpret, mods):
+    return _flash_fwd(q, k, v, q_segment_ids, kv_segment_ids, mod_arrays, scale, band, config, interpret, mods)[0]
 
 
 def _pad_segments(q_segment_ids, kv_segment_ids, q_pad, kv_pad):
@@ -57,7 +61,7 @@ def _pad_segments(q_segment_ids, kv_segment_ids, q_pad, kv_pad):
             _pad_to(kv_segment_ids, 1, kv_pad, masks.KEY_PADDING_ID))
 
 
-def _flash_fwd(q, k, v, q_segment_ids, kv_segment_ids, scale, band, config, interpret):
+def _flash_fwd(q, k, v, q_segment_ids, kv_segment_ids, mod_arrays, scale, band, config, interpret, mods):
     q_len, kv_len, head_dim = q.shape[1], k.shape[1], q.shape[3]
     block_q, block_kv = _fit(config.block_q, q_len), _fit(config.block_kv, kv_len)
     q_pad, kv_pad = _round_up(q_len, block_q), _round_up(kv_len, block_kv)
@@ -66,14 +70,15 @@ def _flash_fwd(q, k, v, q_segment_ids, kv_segment_ids, scale, band, config, inte
     k_p = _pad_to(_pad_to(k, 1, kv_pad), 3, dim_pad)
     v_p = _pad_to(_pad_to(v, 1, kv_pad), 3, dim_pad)
     out, lse = portable_fwd.forward(q_p, k_p, v_p, *_pad_segments(q_segment_ids, kv_segment_ids, q_pad, kv_pad),
-                                    scale=scale, band=band, kv_len=kv_len, block_q=block_q, block_kv=block_kv,
-                                    num_warps=config.num_warps, num_stages=config.num_stages, interpret=interpret)
+                                    mod_arrays, scale=scale, band=band, kv_len=kv_len, block_q=block_q,
+                                    block_kv=block_kv, num_warps=config.num_warps, num_stages=config.num_stages,
+                                    interpret=interpret, mods=mods)
     out, lse = out[:, :q_len, :, :head_dim], lse[:, :, :q_len]
-    return (out, lse), (q, k, v, q_segment_ids, kv_segment_ids, out, lse)
+    return (out, lse), (q, k, v, q_segment_ids, kv_segment_ids, mod_arrays, out, lse)
 
 
-def _flash_bwd(scale, band, config, interpret, residuals, cotangents):
-    q, k, v, q_segment_ids, kv_segment_ids, out, lse = residuals
+def _flash_bwd(scale, band, config, interpret, mods, residuals, cotangents):
+    q, k, v, q_segment_ids, kv_segment_ids, mod_arrays, out, lse = residuals
     d_out, d_lse = cotangents
     q_len, kv_len, head_dim = q.shape[1], k.shape[1], q.shape[3]
     # dL/dS = P * (dP - delta); a cotangent on the LSE output adds P * d_lse, i.e. delta -= d_lse.
@@ -91,20 +96,28 @@ def _flash_bwd(scale, band, config, interpret, residuals, cotangents):
     def pad_rows(x, rows):
         return _pad_to(_pad_to(x, 1, rows), 3, dim_pad)
 
-    dq, dk, dv = portable_bwd.backward(
+    dq, dk, dv, dbias = portable_bwd.backward(
         pad_rows(q, q_pad), pad_rows(k, kv_pad), pad_rows(v, kv_pad), pad_rows(d_out.astype(q.dtype), q_pad),
         _pad_to(lse2, 2, q_pad, jnp.inf), _pad_to(delta, 2, q_pad),
-        *_pad_segments(q_segment_ids, kv_segment_ids, q_pad, kv_pad),
-        scale=scale, band=band, kv_len=kv_len, config=fitted, interpret=interpret)
+        *_pad_segments(q_segment_ids, kv_segment_ids, q_pad, kv_pad), mod_arrays,
+        scale=scale, band=band, kv_len=kv_len, config=fitted, interpret=interpret, mods=mods)
+    d_mods = masks.ModArrays(None, _integer_cotangent(mod_arrays.mask), _zeros_like(mod_arrays.alibi_slopes),
+                             _integer_cotangent(mod_arrays.dropout_seed))
+    if dbias is not None:
+        bias = mod_arrays.bias
+        d_mods = d_mods._replace(bias=dbias[:, :, :bias.shape[2], :bias.shape[3]].astype(bias.dtype))
     return (dq[:, :q_len, :, :head_dim], dk[:, :kv_len, :, :head_dim], dv[:, :kv_len, :, :head_dim],
-            _integer_cotangent(q_segment_ids), _integer_cotangent(kv_segment_ids))
+            _integer_cotangent(q_segment_ids), _integer_cotangent(kv_segment_ids), d_mods)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 def flash_attention_portable(query, key, value, *, scale: float, band: masks.Band, config: KernelConfig,
-                             interpret: bool, q_segment_ids=None, kv_segment_ids=None):
-    """Shapes and results as `reference.attention_reference`; differentiable in query, key and value
-    (and through the returned LSE)."""
-    return _flash(query, key, value, q_segment_ids, kv_segment_ids, scale, band, config, interpret)
+                             interpret: bool, q_segment_ids=None, kv_segment_ids=None,
+                             mods: masks.ScoreMods = masks.ScoreMods(),
+                             mod_arrays: masks.ModArrays = masks.ModArrays()):
+    """Shapes and results as `reference.attention_reference`; differentiable in query, key, value and the
+    bias (and through the returned LSE). The score modifiers are those checked by `api.flash_attention`."""
+    return _flash(query, key, value, q_segment_ids, kv_segment_ids, mod_arrays, scale, band, config, interpret,
+                  mods)

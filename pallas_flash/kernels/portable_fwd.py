@@ -4,7 +4,9 @@ Grid: (query block, batch, head). Each program owns `block_q` query rows of one 
 their output accumulator on chip, and loops over key blocks of its kv head with online softmax in the
 log2 domain (scale * log2(e) folded into the logits, so the exponentials are exp2). It visits only the
 key blocks inside its band (causal: at or below the diagonal; a local window: near it), and only tiles
-that cross the band's edges, hold the padded key tail, or carry segment ids pay for the mask.
+that cross the band's edges, hold the padded key tail, or carry segment ids pay for the band mask. Score
+modifiers (bias, boolean mask, ALiBi, soft cap, dropout; `tiles.modified_logits`) apply in every tile it
+visits; their operands follow the segment ids (`tiles.mod_operands`).
 Outputs: O [batch, q_len, heads, head_dim] and the natural-log LSE [batch, heads, q_len], the
 backward's only residual besides the inputs.
 """
@@ -22,12 +24,12 @@ from pallas_flash._compat import SQUEEZED, triton_params
 from pallas_flash.kernels import tiles
 
 
-def _forward_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, num_kv_blocks, has_segments):
-    if has_segments:
-        q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref = refs
-    else:
-        (q_ref, k_ref, v_ref, o_ref, lse_ref), q_seg_ref, kv_seg_ref = refs, None, None
+def _forward_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, num_kv_blocks, has_segments,
+                    mods):
+    (q_ref, k_ref, v_ref), (q_seg_ref, kv_seg_ref), mod_refs, (o_ref, lse_ref) = tiles.split_refs(
+        refs, 3, has_segments, mods)
     q_block = tiles.launch_order(pl.program_id(0), num_q_blocks, reverse=band.right == 0)
+    batch, head = pl.program_id(1), pl.program_id(2)  # read here: interpret mode has no program_id in loops
     q = q_ref[...]
     q_seg = q_seg_ref[...] if has_segments else None
     logit_scale = scale * tiles.LOG2E
@@ -35,7 +37,13 @@ def _forward_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks,
     def visit(kv_block, carry, *, masked):
         acc, row_max, row_sum = carry
         k_slice = pl.ds(kv_block * block_kv, block_kv)
-        s = tiles.dot(q, k_ref[k_slice, :], trans_b=True) * logit_scale
+        s = tiles.dot(q, k_ref[k_slice, :], trans_b=True)
+        position = dict(batch=batch, head=head, q_start=q_block * block_q,
+                        k_start=kv_block * block_kv, block_q=block_q, block_kv=block_kv)
+        if mods.active:  # the plain kernel keeps its single multiply
+            s, _ = tiles.modified_logits(s * scale, mods, mod_refs, **position)
+        else:
+            s = s * logit_scale
         if masked:
             mask = tiles.tile_mask(q_block * block_q, kv_block * block_kv, block_q, block_kv, band=band,
                                    kv_len=kv_len, q_segment=q_seg,
@@ -45,7 +53,10 @@ def _forward_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks,
         shift = tiles.safe_exp_shift(new_max)
         p = jnp.exp2(s - shift[:, None])
         correction = jnp.exp2(row_max - shift)
-        row_sum = correction * row_sum + jnp.sum(p, axis=1)
+        row_sum = correction * row_sum + jnp.sum(p, axis=1)  # un-dropped: the LSE is dropout's input's
+        dropout = tiles.dropout_multiplier(mods, mod_refs, **position)
+        if dropout is not None:
+            p = p * dropout
         v = v_ref[k_slice, :]
         acc = correction[:, None] * acc + tiles.dot(p.astype(v.dtype), v)
         return acc, new_max, row_sum
@@ -66,13 +77,15 @@ def _forward_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks,
     lse_ref[...] = jnp.where(empty, -jnp.inf, (row_max + jnp.log2(safe_sum)) * tiles.LN2)
 
 
-def forward(q, k, v, q_segment_ids=None, kv_segment_ids=None, *, scale, band: masks.Band, kv_len, block_q,
-            block_kv, num_warps, num_stages, interpret):
+def forward(q, k, v, q_segment_ids=None, kv_segment_ids=None, mod_arrays=masks.ModArrays(), *, scale,
+            band: masks.Band, kv_len, block_q, block_kv, num_warps, num_stages, interpret,
+            mods: masks.ScoreMods = masks.ScoreMods()):
     """Padded inputs -> (O, LSE).
 
     q: [batch, q_pad, heads, head_dim_pad]; k, v: [batch, kv_pad, kv_heads, head_dim_pad], with q_pad a
     multiple of block_q, kv_pad of block_kv, head_dim_pad a power of two; optional segment ids int32
-    [batch, q_pad] / [batch, kv_pad]. `kv_len` is the unpadded key length. Returns o like q and
+    [batch, q_pad] / [batch, kv_pad]; the score modifiers `mods` with their unpadded `mod_arrays`
+    (`tiles.mod_operands` pads them). `kv_len` is the unpadded key length. Returns o like q and
     lse [batch, heads, q_pad] float32.
     """
     batch, q_pad, heads, head_dim = q.shape
@@ -92,9 +105,11 @@ def forward(q, k, v, q_segment_ids=None, kv_segment_ids=None, *, scale, band: ma
         in_specs += [pl.BlockSpec((SQUEEZED, block_q), lambda i, b, h: (b, q_block_of(i))),
                      pl.BlockSpec((SQUEEZED, kv_pad), lambda i, b, h: (b, 0))]
         operands += [q_segment_ids, kv_segment_ids]
+    mod_ops, mod_specs = tiles.mod_operands(mods, mod_arrays, q_pad, kv_pad)
+    in_specs, operands = in_specs + mod_specs, operands + mod_ops
     kernel = functools.partial(_forward_kernel, scale=scale, band=band, kv_len=kv_len, block_q=block_q,
                                block_kv=block_kv, num_q_blocks=num_q_blocks, num_kv_blocks=num_kv_blocks,
-                               has_segments=has_segments)
+                               has_segments=has_segments, mods=mods)
     return pl.pallas_call(
         kernel,
         grid=(num_q_blocks, batch, heads),
