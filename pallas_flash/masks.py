@@ -17,8 +17,8 @@ import typing
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 import numpy as np
+from jax import lax
 
 # Segment ids given to padding positions; they never equal each other. The two most negative int32
 # values are reserved for them (documented in `flash_attention`).
@@ -118,6 +118,13 @@ class ModArrays(typing.NamedTuple):
     mask: typing.Any = None
     alibi_slopes: typing.Any = None
     dropout_seed: typing.Any = None
+
+    def cotangents(self, dbias=None) -> "ModArrays":
+        """The cotangent of these arrays in a custom_vjp: `dbias` for the bias, float0 for the mask and seed
+        (not differentiable), zeros for the ALiBi slopes (constants: the API stops their gradient)."""
+        integer = lambda x: None if x is None else np.zeros(x.shape, jax.dtypes.float0)
+        slopes = None if self.alibi_slopes is None else jnp.zeros_like(self.alibi_slopes)
+        return ModArrays(dbias, integer(self.mask), slopes, integer(self.dropout_seed))
 
 
 def soft_cap(x, cap: float):

@@ -117,27 +117,38 @@ def _scan_inputs(k, v, kv_segment_ids, mods, mod_arrays, kv_heads, block_kv):
     return xs, (bias if bias_blocks is None else None), (mask if mask_blocks is None else None)
 
 
+def _visit(blk, q, q_segment_ids, mod_arrays, bias_const, mask_const, *, scale, band, kv_len, block_kv, mods):
+    """One scanned key block -> (k block, v block, log2 logits, soft-cap factor or None, dropout
+    multiplier or None)."""
+    batch, q_len, kv_heads, group, _ = q.shape
+    idx, k_blk, v_blk, seg_blk, bias_blk, mask_blk = blk
+    start = idx * block_kv
+    s, grad_factor = _block_logits2(q, k_blk, start, seg_blk, q_segment_ids,
+                                    bias_const if bias_blk is None else bias_blk,
+                                    mask_const if mask_blk is None else mask_blk, mod_arrays,
+                                    scale=scale, band=band, kv_len=kv_len, mods=mods)
+    dropout = _dropout_scale(mods, mod_arrays, (batch, kv_heads, group, q_len), start, block_kv)
+    return k_blk, v_blk, s, grad_factor, dropout
+
+
 def _forward(q, k, v, q_segment_ids, kv_segment_ids, mod_arrays, scale, band, block_kv, mods):
     batch, q_len, kv_heads, group, dim = q.shape
     kv_len = k.shape[1]
     block_kv = min(block_kv, kv_len)
     xs, bias_const, mask_const = _scan_inputs(k, v, kv_segment_ids, mods, mod_arrays, kv_heads, block_kv)
+    visit = functools.partial(_visit, q=q, q_segment_ids=q_segment_ids, mod_arrays=mod_arrays,
+                              bias_const=bias_const, mask_const=mask_const, scale=scale, band=band, kv_len=kv_len,
+                              block_kv=block_kv, mods=mods)
 
     def step(carry, blk):
         acc, m, l = carry
-        idx, k_blk, v_blk, seg_blk, bias_blk, mask_blk = blk
-        start = idx * block_kv
-        s, _ = _block_logits2(q, k_blk, start, seg_blk, q_segment_ids,
-                              bias_const if bias_blk is None else bias_blk,
-                              mask_const if mask_blk is None else mask_blk, mod_arrays,
-                              scale=scale, band=band, kv_len=kv_len, mods=mods)
+        _, v_blk, s, _, dropout = visit(blk)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         # Rows with nothing visible yet keep m = -inf; shift them by 0 so exp2 gives 0, not NaN.
         shift = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
         p = jnp.exp2(s - shift[..., None])
         alpha = jnp.exp2(m - shift)
         l = alpha * l + jnp.sum(p, axis=-1)  # the un-dropped normaliser
-        dropout = _dropout_scale(mods, mod_arrays, (batch, kv_heads, group, q_len), start, block_kv)
         if dropout is not None:
             p = p * dropout
         pv = _einsum("bhgqk,bkhd->bhgqd", p.astype(v_blk.dtype), v_blk)
@@ -172,8 +183,7 @@ def _reduce_to(x, shape):
 def _chunked_bwd(scale, band, block_kv, mods, residuals, cotangents):
     q, k, v, q_segment_ids, kv_segment_ids, mod_arrays, out, lse = residuals
     d_out, d_lse = cotangents
-    batch, q_len, kv_heads, group, _ = q.shape
-    kv_len = k.shape[1]
+    kv_heads, kv_len = k.shape[2], k.shape[1]
     block_kv = min(block_kv, kv_len)
     # dL/ds = p * (dp - delta) with delta = rowsum(dO * O); a cotangent on lse adds p * d_lse.
     delta = jnp.sum(d_out * out, axis=-1) - d_lse
@@ -185,16 +195,14 @@ def _chunked_bwd(scale, band, block_kv, mods, residuals, cotangents):
     bias_blocked = has_bias and xs[4] is not None
     bias_shape = None if not has_bias else (bias_const.shape if not bias_blocked else xs[4].shape[1:])
 
+    visit = functools.partial(_visit, q=q, q_segment_ids=q_segment_ids, mod_arrays=mod_arrays,
+                              bias_const=bias_const, mask_const=mask_const, scale=scale, band=band, kv_len=kv_len,
+                              block_kv=block_kv, mods=mods)
+
     def step(carry, blk):
         dq, dbias_acc = carry
-        idx, k_blk, v_blk, seg_blk, bias_blk, mask_blk = blk
-        start = idx * block_kv
-        s, grad_factor = _block_logits2(q, k_blk, start, seg_blk, q_segment_ids,
-                                        bias_const if bias_blk is None else bias_blk,
-                                        mask_const if mask_blk is None else mask_blk, mod_arrays,
-                                        scale=scale, band=band, kv_len=kv_len, mods=mods)
+        k_blk, v_blk, s, grad_factor, dropout = visit(blk)
         p = jnp.exp2(s - lse2[..., None])
-        dropout = _dropout_scale(mods, mod_arrays, (batch, kv_heads, group, q_len), start, block_kv)
         p_out = p if dropout is None else p * dropout  # the weights that multiplied V
         dv_blk = _einsum("bhgqk,bhgqd->bkhd", p_out.astype(q.dtype), d_out_lowp)
         dp = _einsum("bhgqd,bkhd->bhgqk", d_out_lowp, v_blk)
@@ -220,23 +228,18 @@ def _chunked_bwd(scale, band, block_kv, mods, residuals, cotangents):
         x = x.swapaxes(0, 1)
         return x.reshape(x.shape[0], -1, *x.shape[3:])[:, :kv_len]
 
-    d_mods = masks.ModArrays(None, _integer_cotangent(mod_arrays.mask), _zeros_like(mod_arrays.alibi_slopes),
-                             _integer_cotangent(mod_arrays.dropout_seed))
     if has_bias:
         if bias_blocked:  # [num_blocks, ..., block_kv] -> [..., kv_len]
             dbias = jnp.moveaxis(dbias_blocks, 0, -2)
             dbias = dbias.reshape(*dbias.shape[:-2], -1)[..., :kv_len]
-        d_mods = d_mods._replace(bias=dbias.reshape(mod_arrays.bias.shape).astype(mod_arrays.bias.dtype))
+        dbias = dbias.reshape(mod_arrays.bias.shape).astype(mod_arrays.bias.dtype)
+    d_mods = mod_arrays.cotangents(dbias if has_bias else None)
     return ((dq * scale).astype(q.dtype), (unblock(dk) * scale).astype(k.dtype), unblock(dv).astype(v.dtype),
             _integer_cotangent(q_segment_ids), _integer_cotangent(kv_segment_ids), d_mods)
 
 
 def _integer_cotangent(x):
     return None if x is None else np.zeros(x.shape, jax.dtypes.float0)
-
-
-def _zeros_like(x):  # the ALiBi slopes are constants (stop_gradient at the API)
-    return None if x is None else jnp.zeros_like(x)
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)

@@ -45,10 +45,6 @@ def _integer_cotangent(x):
     return None if x is None else np.zeros(x.shape, jax.dtypes.float0)
 
 
-def _zeros_like(x):  # the ALiBi slopes are constants (stop_gradient at the API)
-    return None if x is None else jnp.zeros_like(x)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
 def _flash(q, k, v, q_segment_ids, kv_segment_ids, mod_arrays, scale, band, config, interpret, mods):
     return _flash_fwd(q, k, v, q_segment_ids, kv_segment_ids, mod_arrays, scale, band, config, interpret, mods)[0]
@@ -101,11 +97,10 @@ def _flash_bwd(scale, band, config, interpret, mods, residuals, cotangents):
         _pad_to(lse2, 2, q_pad, jnp.inf), _pad_to(delta, 2, q_pad),
         *_pad_segments(q_segment_ids, kv_segment_ids, q_pad, kv_pad), mod_arrays,
         scale=scale, band=band, kv_len=kv_len, config=fitted, interpret=interpret, mods=mods)
-    d_mods = masks.ModArrays(None, _integer_cotangent(mod_arrays.mask), _zeros_like(mod_arrays.alibi_slopes),
-                             _integer_cotangent(mod_arrays.dropout_seed))
-    if dbias is not None:
+    if dbias is not None:  # unpad, in the bias's dtype
         bias = mod_arrays.bias
-        d_mods = d_mods._replace(bias=dbias[:, :, :bias.shape[2], :bias.shape[3]].astype(bias.dtype))
+        dbias = dbias[:, :, :bias.shape[2], :bias.shape[3]].astype(bias.dtype)
+    d_mods = mod_arrays.cotangents(dbias)
     return (dq[:, :q_len, :, :head_dim], dk[:, :kv_len, :, :head_dim], dv[:, :kv_len, :, :head_dim],
             _integer_cotangent(q_segment_ids), _integer_cotangent(kv_segment_ids), d_mods)
 
