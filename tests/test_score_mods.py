@@ -57,10 +57,9 @@ def _reference_kwargs(kwargs):
     return kwargs
 
 
-def check_against_reference(impl, shape, dtype, is_causal, kwargs, config, seed=0, table_dtype=None):
+def check_against_reference(impl, shape, dtype, is_causal, kwargs, config, seed=0):
     """Outputs, LSE, dq/dk/dv and (with a bias) dbias of `impl` against the reference with the same
     modifiers; rows that see no key must give zeros and LSE -inf, and every gradient must be finite."""
-    table_dtype = dtype if table_dtype is None else table_dtype
     q, k, v, cotangent = make_inputs(shape, dtype, seed)
     bias = kwargs.get("bias")
     rest = {name: value for name, value in kwargs.items() if name != "bias"}
@@ -78,7 +77,7 @@ def check_against_reference(impl, shape, dtype, is_causal, kwargs, config, seed=
     out, lse = ours(q, k, v, bias)
     ref_out, ref_lse = ref(q, k, v, bias)
     assert out.dtype == q.dtype and out.shape == q.shape
-    assert_close(out, ref_out, table_dtype)
+    assert_close(out, ref_out, dtype)
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
     finite = np.isfinite(np.asarray(ref_lse))
     assert_close(np.where(finite, lse, 0.0), np.where(finite, ref_lse, 0.0), jnp.float32, what="lse")
@@ -95,7 +94,7 @@ def check_against_reference(impl, shape, dtype, is_causal, kwargs, config, seed=
         assert g.shape == rg.shape, name
         if name == "dbias":
             assert g.dtype == bias.dtype
-        assert_close(g, rg, table_dtype, table=GRADIENT, what=name)
+        assert_close(g, rg, dtype, table=GRADIENT, what=name)
     return empty
 
 
