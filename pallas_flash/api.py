@@ -9,11 +9,11 @@ import jax.numpy as jnp
 
 from pallas_flash import masks, reference, xla_chunked
 from pallas_flash.config import H100_SHARED_MEMORY, KernelConfig
-from pallas_flash.kernels import portable
+from pallas_flash.kernels import hopper, portable
 
 logger = logging.getLogger("pallas_flash")
 
-IMPLEMENTATIONS = ("pallas", "xla_chunked", "xla")
+IMPLEMENTATIONS = ("mosaic", "pallas", "xla_chunked", "xla")
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 
@@ -66,13 +66,25 @@ def _check_inputs(query, key, value):
         raise ValueError(f"head_dim is {head_dim}; allowed: {MIN_HEAD_DIM} to {MAX_HEAD_DIM}")
 
 
-def _choose_implementation(implementation):
+def _choose_implementation(implementation, hopper_unsupported):
+    """The implementation that runs a call. `hopper_unsupported()` is why the Hopper kernel cannot serve
+    it (None if it can)."""
     if implementation is None:
-        chosen = "pallas" if _on_nvidia_gpu() else "xla_chunked"
+        if not _on_nvidia_gpu():
+            chosen = "xla_chunked"
+        else:
+            reason = hopper_unsupported()
+            chosen = "mosaic" if reason is None else "pallas"
+            if reason is not None and hopper.on_hopper_gpu():
+                _log_once(f"pallas_flash: the Hopper kernel cannot serve this call ({reason}); running 'pallas'")
         _log_once(f"pallas_flash: implementation=None ran {chosen!r} on backend {jax.default_backend()!r}")
         return chosen
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}, got {implementation!r}")
+    if implementation == "mosaic":
+        reason = hopper_unsupported()
+        if reason is not None:
+            raise ValueError(f"implementation='mosaic' cannot serve this call: {reason}")
     if implementation == "pallas" and not _on_nvidia_gpu():
         _log_once("pallas_flash: implementation='pallas' without an NVIDIA GPU runs the kernels in Pallas "
                   "interpret mode (slow; for tests and debugging)")
@@ -226,8 +238,10 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, segment_i
         broadcast_dropout); otherwise each (batch, head) draws its own.
       return_lse: also return the log-sum-exp of the logits, [batch, heads, q_len] float32 (after soft cap,
         bias, ALiBi and masks; of the softmax before dropout).
-      implementation: None (best available: "pallas" on an NVIDIA GPU, else "xla_chunked"), or force
-        "pallas" (interpret mode without a GPU), "xla_chunked" or "xla" (dense reference).
+      implementation: None (best available: on a Hopper GPU "mosaic" where it serves the call, else
+        "pallas" on an NVIDIA GPU, else "xla_chunked"), or force "mosaic" (Hopper only: bf16/fp16, causal or
+        full attention, no score modifiers; raises where it cannot serve the call), "pallas" (interpret mode
+        without a GPU), "xla_chunked" or "xla" (dense reference).
       config: a `KernelConfig`; default `KernelConfig.default(head_dim)`.
     Returns:
       out [batch, q_len, heads, head_dim] in query's dtype, and lse if `return_lse`. A query that sees no
@@ -251,9 +265,17 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, segment_i
         raise TypeError(f"config must be a pallas_flash.KernelConfig, got {type(config).__name__}")
     scale = float(scale)
 
-    impl = _choose_implementation(implementation)
+    def hopper_unsupported():
+        if mods.active:
+            return "the Mosaic GPU kernel has no bias, mask, ALiBi, soft cap or dropout yet"
+        return hopper.unsupported_reason(query, key, band=band, has_segments=q_ids is not None, config=config)
+
+    impl = _choose_implementation(implementation, hopper_unsupported)
     masking = dict(q_segment_ids=q_ids, kv_segment_ids=kv_ids, mods=mods, mod_arrays=mod_arrays)
-    if impl == "pallas":
+    if impl == "mosaic":
+        out, lse = hopper.flash_attention_hopper(query, key, value, scale=scale, is_causal=band.right == 0,
+                                                 config=config)
+    elif impl == "pallas":
         out, lse = portable.flash_attention_portable(
             query, key, value, scale=scale, band=band, config=config, interpret=not _on_nvidia_gpu(), **masking)
     elif impl == "xla_chunked":

@@ -5,10 +5,55 @@ import dataclasses
 
 
 H100_SHARED_MEMORY = 227 * 1024  # per block, sm90 opt-in maximum
+NUM_CONSUMERS = 2  # Hopper forward: compute warpgroups per CTA; a third warpgroup is the TMA producer
+_HOPPER_SMEM_SLACK = 3072  # barriers and alignment (Mosaic GPU measured 2,648 bytes over our tiles)
 
 
 def _is_power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class HopperConfig:
+    """Tiles of the Hopper forward kernel.
+
+    Attributes:
+      block_q: query rows per consumer warpgroup (a CTA owns 2 * block_q rows); multiple of 64 (wgmma M).
+      block_kv: keys per K/V block: 64, 128, 192 or 256.
+      num_stages: depth of the K/V shared-memory ring (>= 2).
+    """
+
+    block_q: int = 64
+    block_kv: int = 128
+    num_stages: int = 2
+
+    def __post_init__(self):
+        if not isinstance(self.block_q, int) or self.block_q < 64 or self.block_q % 64:
+            raise ValueError(f"HopperConfig.block_q must be a positive multiple of 64, got {self.block_q!r}")
+        # block_kv is the contraction (K) of the P V wgmma, which Mosaic GPU takes in multiples of 64.
+        if not isinstance(self.block_kv, int) or not 64 <= self.block_kv <= 256 or self.block_kv % 64:
+            raise ValueError(f"HopperConfig.block_kv must be 64, 128, 192 or 256, got {self.block_kv!r}")
+        if not isinstance(self.num_stages, int) or self.num_stages < 2:
+            raise ValueError(f"HopperConfig.num_stages must be an int >= 2, got {self.num_stages!r}")
+
+    def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
+        q_and_o = NUM_CONSUMERS * self.block_q * head_dim * itemsize
+        kv_ring = 2 * self.num_stages * self.block_kv * head_dim * itemsize
+        lse = NUM_CONSUMERS * self.block_q * 4
+        return q_and_o + kv_ring + lse + _HOPPER_SMEM_SLACK
+
+    @classmethod
+    def default(cls, head_dim: int, kv_len: int | None = None, is_causal: bool = False) -> "HopperConfig":
+        """Per padded head_dim (a multiple of 64), from the H100 sweeps in pallas_flash/kernels/NOTES.md:
+        at head_dim 64, 256-key blocks (fewer, longer wgmmas per softmax) except for short causal rows,
+        where most blocks are diagonal and 128 wastes less; at 128, 128-key blocks, 2 stages (3 do not fit)."""
+        if head_dim <= 64:
+            if is_causal and kv_len is not None and kv_len <= 2048:
+                return cls(block_q=64, block_kv=128, num_stages=3)
+            return cls(block_q=64, block_kv=256, num_stages=2)
+        if head_dim <= 128:
+            return cls(block_q=64, block_kv=128, num_stages=2)
+        return cls(block_q=64, block_kv=64, num_stages=2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,6 +68,7 @@ class KernelConfig:
       block_q_dq, block_kv_dq, num_warps_dq, num_stages_dq: dQ kernel (a program owns block_q_dq queries
         and loops over key blocks of block_kv_dq).
       xla_block_kv: key chunk of the XLA chunked path (its memory is O(q_len * xla_block_kv)).
+      hopper: tiles of the Hopper (Mosaic GPU) forward kernel; None: `HopperConfig.default(head_dim)`.
     num_warps and num_stages are Triton launch parameters; num_stages is the software-pipelining depth of
     the key (or query) loop.
     """
@@ -40,9 +86,14 @@ class KernelConfig:
     num_warps_dq: int = 8
     num_stages_dq: int = 3
     xla_block_kv: int = 512
+    hopper: HopperConfig | None = None
 
     def __post_init__(self):
+        if self.hopper is not None and not isinstance(self.hopper, HopperConfig):
+            raise TypeError(f"KernelConfig.hopper must be a HopperConfig or None, got {type(self.hopper).__name__}")
         for field in dataclasses.fields(self):
+            if field.name == "hopper":
+                continue
             value = getattr(self, field.name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"KernelConfig.{field.name} must be a positive int, got {value!r}")

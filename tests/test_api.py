@@ -89,3 +89,27 @@ def test_bad_input_is_named(args, kwargs, error, words):
 def test_bad_config_is_named(field, value, words):
     with pytest.raises(ValueError, match=f"KernelConfig.{field}.*{words}"):
         pf.KernelConfig(**{field: value})
+
+
+def test_mosaic_is_refused_where_it_cannot_run():
+    """Forcing the Hopper kernel where it cannot serve the call raises and says why (never a silent fallback)."""
+    q = jnp.ones((1, 8, 2, 64), jnp.float32)
+    with pytest.raises(ValueError, match="implementation='mosaic' cannot serve"):
+        pf.flash_attention(q, q, q, implementation="mosaic")
+
+
+@pytest.mark.gpu
+def test_default_implementation_on_hopper_is_mosaic_where_it_serves(caplog):
+    """On sm90, None runs the Hopper kernel for bf16 causal attention and says so; float32 goes to 'pallas'."""
+    from pallas_flash.kernels import hopper
+    if not hopper.on_hopper_gpu():
+        pytest.skip("needs an sm90 GPU")
+    q, k, v, _ = make_inputs((1, 256, 256, 2, 2, 64), jnp.bfloat16, seed=13)
+    api._logged.clear()
+    with caplog.at_level(logging.DEBUG, logger="pallas_flash"):
+        pf.flash_attention(q, k, v, is_causal=True)
+    assert any("implementation=None ran 'mosaic'" in r.getMessage() for r in caplog.records)
+    api._logged.clear()
+    with caplog.at_level(logging.DEBUG, logger="pallas_flash"):
+        pf.flash_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32))
+    assert any("cannot serve this call" in r.getMessage() and "float32" in r.getMessage() for r in caplog.records)

@@ -257,6 +257,13 @@ def test_bad_modifier_arguments_are_named(kwargs, error, words):
         pf.flash_attention(q, q, q, **kwargs)
 
 
+def test_hopper_kernel_refuses_modifiers():
+    """The Mosaic GPU forward has no modifiers: forcing it raises (and None dispatches them to 'pallas')."""
+    q = jnp.ones((1, 8, 2, 16), jnp.bfloat16)
+    with pytest.raises(ValueError, match="no bias, mask, ALiBi, soft cap or dropout"):
+        pf.flash_attention(q, q, q, logits_soft_cap=5.0, implementation="mosaic")
+
+
 # ---- GPU: the compiled kernels at realistic sizes ---------------------------------------------------------------
 
 def _gpu_case(name, shape):

@@ -24,7 +24,6 @@ Residuals: the kernel returns (out, lse); lse [batch, heads, q_len] float32 in n
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -34,57 +33,18 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_flash.config import NUM_CONSUMERS, HopperConfig
+
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
 HEAD_DIM_TILE = 64  # a 128-byte swizzle row of 16-bit elements: the wgmma contraction granule
 MAX_HEAD_DIM = 256
-NUM_CONSUMERS = 2  # compute warpgroups per CTA; the third warpgroup is the TMA producer
-SMEM_BYTES = 227 * 1024  # H100 shared memory per CTA
-SMEM_SLACK = 2048  # barriers and alignment
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
 # setmaxnreg budgets (multiples of 8, sum over warpgroups <= 64K / 128 threads): consumers hold the
 # accumulator, the producer only issues TMAs.
 CONSUMER_REGISTERS = 232
 PRODUCER_REGISTERS = 40
-
-
-@dataclasses.dataclass(frozen=True)
-class HopperConfig:
-    """Tiles of the Hopper forward kernel.
-
-    Attributes:
-      block_q: query rows per consumer warpgroup (a CTA owns 2 * block_q rows); multiple of 64 (wgmma M).
-      block_kv: keys per K/V block; multiple of 64.
-      num_stages: depth of the K/V shared-memory ring (>= 2).
-    """
-
-    block_q: int = 64
-    block_kv: int = 128
-    num_stages: int = 2
-
-    def __post_init__(self):
-        for name in ("block_q", "block_kv"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 64 or value % 64:
-                raise ValueError(f"HopperConfig.{name} must be a positive multiple of 64, got {value!r}")
-        if not isinstance(self.num_stages, int) or self.num_stages < 2:
-            raise ValueError(f"HopperConfig.num_stages must be an int >= 2, got {self.num_stages!r}")
-
-    def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
-        q_and_o = NUM_CONSUMERS * self.block_q * head_dim * itemsize
-        kv_ring = 2 * self.num_stages * self.block_kv * head_dim * itemsize
-        lse = NUM_CONSUMERS * self.block_q * 4
-        return q_and_o + kv_ring + lse + SMEM_SLACK
-
-    @classmethod
-    def default(cls, head_dim: int) -> "HopperConfig":
-        """Per padded head_dim; see HOPPER_NOTES.md for the measurements behind each."""
-        if head_dim <= 64:
-            return cls(block_q=64, block_kv=128, num_stages=3)
-        if head_dim <= 128:
-            return cls(block_q=64, block_kv=128, num_stages=2)
-        return cls(block_q=64, block_kv=64, num_stages=2)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -105,21 +65,9 @@ def on_hopper() -> bool:
     return getattr(jax.devices()[0], "compute_capability", "") == "9.0"
 
 
-def hopper_supports(query, key, value, config: HopperConfig | None = None) -> str | None:
-    """None if `hopper_forward` runs these inputs on this machine, else the reason (for the dispatcher's
-    log). Shapes are assumed already checked by the API (rank 4, matching batch/head_dim, heads % kv_heads)."""
-    if not on_hopper():
-        return f"the Mosaic GPU kernel needs an sm90 GPU; backend is {jax.default_backend()!r}"
-    if not any(query.dtype == d for d in SUPPORTED_DTYPES):
-        return f"the Mosaic GPU kernel takes bfloat16 or float16, got {query.dtype}"
-    head_dim = query.shape[-1]
-    if head_dim > MAX_HEAD_DIM:
-        return f"the Mosaic GPU kernel takes head_dim <= {MAX_HEAD_DIM}, got {head_dim}"
-    padded = _round_up(head_dim, HEAD_DIM_TILE)
-    config = config or HopperConfig.default(padded)
-    if config.smem_bytes(padded) > SMEM_BYTES:
-        return f"{config} needs {config.smem_bytes(padded)} bytes of shared memory at head_dim {padded}"
-    return None
+def padded_head_dim(head_dim: int) -> int:
+    """head_dim as the kernel runs it: a multiple of the 64-element swizzle tile."""
+    return _round_up(head_dim, HEAD_DIM_TILE)
 
 
 def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scoped, *, scale: float, is_causal: bool, kv_len: int,
@@ -196,7 +144,8 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scoped, *, scale: float, is_c
                 if kv_len % block_kv:
                     in_range = k_pos < kv_len
                     visible = in_range if visible is None else jnp.logical_and(visible, in_range)
-                s = jnp.where(visible, s, -jnp.inf)
+                if visible is not None:  # None: traced for a loop that runs no iterations
+                    s = jnp.where(visible, s, -jnp.inf)
             # c > 0, so max(c * s) = c * max(s); key 0 is visible to every row, so m is finite from the
             # first block on and exp2 never sees (-inf) - (-inf).
             m_new = jnp.maximum(m, s.max(axis=1) * c)
@@ -234,8 +183,8 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scoped, *, scale: float, is_c
         else:
             first_masked = kv_len // block_kv
             carry = lax.fori_loop(0, first_masked, functools.partial(step, masked=False), carry)
-            if first_masked < kv_steps:  # the ragged last block
-                carry = step(jnp.int32(first_masked), carry, masked=True)
+            # The ragged last block, if any (a loop, not a call: the step index must be a traced value).
+            carry = lax.fori_loop(first_masked, kv_steps, functools.partial(step, masked=True), carry)
         acc, m, l = carry
         pl.when(wg == 0)(take_turn)  # balance consumer 1's opening turn
 
@@ -321,8 +270,8 @@ def hopper_forward(query, key, value, *, scale: float, is_causal: bool, config: 
     `interpret`: None compiles for the GPU; an `InterpretGPUParams` (private in JAX 0.10-0.11:
     jax._src.pallas.mosaic_gpu.interpret.params) runs the kernel in the Mosaic GPU interpreter on CPU."""
     q_len, kv_len, head_dim = query.shape[1], key.shape[1], query.shape[3]
-    padded_dim = _round_up(head_dim, HEAD_DIM_TILE)
-    config = config or HopperConfig.default(padded_dim)
+    padded_dim = padded_head_dim(head_dim)
+    config = config or HopperConfig.default(padded_dim, kv_len, is_causal)
     q = _pad_axis(_pad_axis(query, 1, _round_up(q_len, NUM_CONSUMERS * config.block_q)), 3, padded_dim)
     k = _pad_axis(_pad_axis(key, 1, _round_up(kv_len, config.block_kv)), 3, padded_dim)
     v = _pad_axis(_pad_axis(value, 1, _round_up(kv_len, config.block_kv)), 3, padded_dim)

@@ -75,6 +75,17 @@ def _flash_fwd(q, k, v, q_segment_ids, kv_segment_ids, mod_arrays, scale, band, 
 
 def _flash_bwd(scale, band, config, interpret, mods, residuals, cotangents):
     q, k, v, q_segment_ids, kv_segment_ids, mod_arrays, out, lse = residuals
+    return backward(q, k, v, out, lse, cotangents, scale=scale, band=band, config=config, interpret=interpret,
+                    q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, mods=mods, mod_arrays=mod_arrays)
+
+
+def backward(q, k, v, out, lse, cotangents, *, scale, band, config, interpret, q_segment_ids=None,
+             kv_segment_ids=None, mods: masks.ScoreMods = masks.ScoreMods(),
+             mod_arrays: masks.ModArrays = masks.ModArrays()):
+    """The backward kernels on forward residuals (unpadded q, k, v, out and the natural-log lse) and the
+    cotangents (d_out, d_lse): returns (dq, dk, dv, float0 cotangents for the segment ids, and the score
+    modifiers' cotangents (`ModArrays.cotangents`, with dbias)). Any forward that returns this lse can use it
+    (the Hopper forward does)."""
     d_out, d_lse = cotangents
     q_len, kv_len, head_dim = q.shape[1], k.shape[1], q.shape[3]
     # dL/dS = P * (dP - delta); a cotangent on the LSE output adds P * d_lse, i.e. delta -= d_lse.

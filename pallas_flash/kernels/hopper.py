@@ -1,0 +1,71 @@
+"""The Hopper implementation as one differentiable function: the Mosaic GPU forward (`hopper_fwd`) and, until
+the Hopper backward kernels land, the portable backward kernels on the same residuals (q, k, v, o, lse).
+
+Both forwards return the same natural-log LSE, so the portable backward cannot tell which forward ran.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from pallas_flash import masks
+from pallas_flash.config import H100_SHARED_MEMORY, HopperConfig, KernelConfig
+from pallas_flash.kernels import hopper_fwd, portable
+
+
+def on_hopper_gpu() -> bool:
+    return hopper_fwd.on_hopper()
+
+
+def _hopper_config(config: KernelConfig, head_dim: int, kv_len: int, is_causal: bool) -> HopperConfig:
+    return config.hopper or HopperConfig.default(hopper_fwd.padded_head_dim(head_dim), kv_len, is_causal)
+
+
+def unsupported_reason(query, key, *, band: masks.Band, has_segments: bool, config: KernelConfig) -> str | None:
+    """None if the Hopper kernel serves this call on this machine, else why not (for the dispatcher)."""
+    if not on_hopper_gpu():
+        return ("the Mosaic GPU kernel needs an sm90 (Hopper) GPU (JAX 0.10.2's Mosaic GPU interpreter cannot run "
+                "it on CPU: its wgmma rejects the transposed K tile)")
+    if not any(query.dtype == d for d in hopper_fwd.SUPPORTED_DTYPES):
+        return f"the Mosaic GPU kernel takes bfloat16 or float16, got {query.dtype}"
+    if has_segments:
+        return "the Mosaic GPU kernel has no segment ids or sequence lengths yet"
+    if not (band.is_full or (band.left is None and band.right == 0)):
+        return "the Mosaic GPU kernel has no local window yet (causal or full attention only)"
+    head_dim = query.shape[-1]
+    if head_dim > hopper_fwd.MAX_HEAD_DIM:
+        return f"the Mosaic GPU kernel takes head_dim <= {hopper_fwd.MAX_HEAD_DIM}, got {head_dim}"
+    hopper_config = _hopper_config(config, head_dim, key.shape[1], band.right == 0)
+    needed = hopper_config.smem_bytes(hopper_fwd.padded_head_dim(head_dim))
+    if needed > H100_SHARED_MEMORY:
+        return f"{hopper_config} needs {needed} bytes of shared memory at head_dim {head_dim}"
+    return None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _attention(q, k, v, scale, is_causal, config):
+    return _attention_fwd(q, k, v, scale, is_causal, config)[0]
+
+
+def _attention_fwd(q, k, v, scale, is_causal, config):
+    out, lse = hopper_fwd.hopper_forward(q, k, v, scale=scale, is_causal=is_causal,
+                                         config=_hopper_config(config, q.shape[-1], k.shape[1], is_causal))
+    return (out, lse), (q, k, v, out, lse)
+
+
+def _attention_bwd(scale, is_causal, config, residuals, cotangents):
+    q, k, v, out, lse = residuals
+    dq, dk, dv, *_ = portable.backward(q, k, v, out, lse, cotangents, scale=scale, band=masks.Band.of(is_causal),
+                                       config=config, interpret=False)
+    return dq, dk, dv
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def flash_attention_hopper(query, key, value, *, scale: float, is_causal: bool, config: KernelConfig):
+    """Shapes and results as `reference.attention_reference` (bf16/fp16, causal or full attention, on sm90);
+    differentiable in query, key and value (and through the returned LSE)."""
+    return _attention(query, key, value, scale, is_causal, config)
+
