@@ -9,6 +9,7 @@ import pytest
 
 import pallas_flash as pf
 from pallas_flash import masks
+from tests.conftest import has_nvidia_gpu
 from tests.test_attention import SMALL_BLOCKS, make_inputs
 from tests.tolerances import GRADIENT, assert_close
 
@@ -211,7 +212,8 @@ def test_dropout_lse_is_the_undropped_one():
     _, lse = pf.flash_attention(q, k, v, return_lse=True, implementation="pallas", config=SMALL_BLOCKS)
     _, lse_dropped = pf.flash_attention(q, k, v, return_lse=True, implementation="pallas", config=SMALL_BLOCKS,
                                         dropout_rate=0.5, dropout_rng=jax.random.key(0))
-    np.testing.assert_array_equal(lse, lse_dropped)
+    # Not bit-equal: the modifier path scales the logits in two multiplies (scale, then log2(e)).
+    np.testing.assert_allclose(lse, lse_dropped, rtol=1e-6)
 
 
 # ---- the dbias kernel is dropped when unused ------------------------------------------------------------------
@@ -220,6 +222,7 @@ def _while_loops(fn, *args):
     return jax.jit(fn).lower(*args).compile().as_text().count(" while(")
 
 
+@pytest.mark.skipif(has_nvidia_gpu(), reason="counts interpret mode's while loops; compiled kernels are custom calls")
 def test_dbias_kernel_is_dead_code_without_a_bias_cotangent():
     """In interpret mode each pallas_call is a while loop over its grid: differentiating only in q must
     compile one loop fewer than differentiating in q and the bias."""
