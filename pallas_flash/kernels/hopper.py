@@ -57,8 +57,8 @@ def _attention_fwd(q, k, v, scale, is_causal, config):
 
 def _attention_bwd(scale, is_causal, config, residuals, cotangents):
     q, k, v, out, lse = residuals
-    dq, dk, dv, _, _ = portable.backward(q, k, v, out, lse, cotangents, scale=scale, band=masks.Band.of(is_causal),
-                                         config=config, interpret=False)
+    dq, dk, dv, *_ = portable.backward(q, k, v, out, lse, cotangents, scale=scale, band=masks.Band.of(is_causal),
+                                       config=config, interpret=False)
     return dq, dk, dv
 
 
