@@ -277,6 +277,41 @@ def test_hopper_kernel_refuses_modifiers(name, kwargs, monkeypatch):
         pf.flash_attention(q, q, q, implementation="mosaic", **kwargs)
 
 
+# ---- with a block mask ----------------------------------------------------------------------------------------
+
+def _block_mask(shape):
+    """A random per-head BlockMask of 16 x 16 blocks for `shape`, with a query block of head 0 that sees
+    nothing and a key block of head 1 that nobody sees."""
+    _, q_len, kv_len, heads, _, _ = shape
+    nq, nk = -(-q_len // 16), -(-kv_len // 16)
+    blocks = np.random.default_rng(70).random((1, heads, nq, nk)) < 0.6
+    blocks[0, 0, 1, :] = False
+    blocks[0, 1, :, 2] = False
+    return pf.BlockMask(blocks, 16, 16)
+
+
+def _block_mask_case(name, shape):
+    batch, q_len, kv_len, heads, _, _ = shape
+    return {
+        # dbias sums dS over query blocks: the hidden tiles must add nothing
+        "bias_heads_keys": dict(bias=_normal(71, (1, heads, 1, kv_len), 2.0)),
+        "mask": dict(mask=_random_mask(72, (batch, 1, q_len, kv_len))),
+        "dropout_bias": dict(dropout_rate=0.3, dropout_rng=jax.random.key(73),
+                             bias=_normal(74, (batch, 1, q_len, 1))),
+    }[name]
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("case, is_causal", [("bias_heads_keys", True), ("mask", False), ("dropout_bias", False)],
+                         ids=lambda x: str(x))
+def test_modifiers_with_block_mask(case, is_causal, impl):
+    """A BlockMask and score modifiers in one call: outputs, LSE, dq/dk/dv and dbias against the reference
+    given both (with dropout, the same keep mask)."""
+    kwargs = dict(_block_mask_case(case, SHAPE), block_mask=_block_mask(SHAPE))
+    empty = check_against_reference(impl, SHAPE, jnp.float32, is_causal, kwargs, SMALL_BLOCKS)
+    assert empty.any(), "the block mask hides a whole query block of head 0"
+
+
 # ---- GPU: the compiled kernels at realistic sizes ---------------------------------------------------------------
 
 def _gpu_case(name, shape):
