@@ -149,9 +149,74 @@ def _check_block_mask(block_mask, query, key):
     return None if block_mask.mask.all() else block_mask
 
 
+def _broadcast_dims(name, x, full_shape):
+    """Which of [batch, heads, q_len, kv_len] an array broadcastable to `full_shape` spans, and the array
+    as rank 4 with each dim 1 or full (NumPy broadcasting: missing leading dims are 1)."""
+    if x.ndim > 4:
+        raise ValueError(f"{name} must have rank <= 4, broadcastable to [batch, heads, q_len, kv_len] = "
+                         f"{full_shape}, got shape {tuple(x.shape)}")
+    x = x.reshape((1,) * (4 - x.ndim) + tuple(x.shape))
+    if any(n not in (1, full) for n, full in zip(x.shape, full_shape)):
+        raise ValueError(f"{name} has shape {tuple(x.shape)}; it must broadcast to [batch, heads, q_len, kv_len] "
+                         f"= {full_shape} (each dim 1 or full)")
+    return tuple(n != 1 or full == 1 for n, full in zip(x.shape, full_shape)), x
+
+
+def _score_mods(query, key, bias, mask, alibi_slopes, logits_soft_cap, dropout_rate, dropout_rng,
+                broadcast_dropout):
+    """Checked score modifiers: (masks.ScoreMods, masks.ModArrays)."""
+    batch, q_len, heads, _ = query.shape
+    full_shape = (batch, heads, q_len, key.shape[1])
+    bias_dims = mask_dims = None
+    if bias is not None:
+        if not hasattr(bias, "dtype") or not jnp.issubdtype(bias.dtype, jnp.floating):
+            raise TypeError(f"bias must be a float array, got {getattr(bias, 'dtype', type(bias).__name__)}")
+        bias_dims, bias = _broadcast_dims("bias", bias, full_shape)
+    if mask is not None:
+        if not hasattr(mask, "dtype") or mask.dtype != jnp.bool_:
+            raise TypeError(f"mask must be a bool array (True = attend), got "
+                            f"{getattr(mask, 'dtype', type(mask).__name__)}")
+        mask_dims, mask = _broadcast_dims("mask", mask, full_shape)
+    if alibi_slopes is not None:
+        if not hasattr(alibi_slopes, "dtype") or not jnp.issubdtype(alibi_slopes.dtype, jnp.floating):
+            raise TypeError("alibi_slopes must be a float array, got "
+                            f"{getattr(alibi_slopes, 'dtype', type(alibi_slopes).__name__)}")
+        if tuple(alibi_slopes.shape) not in ((heads,), (batch, heads)):
+            raise ValueError(f"alibi_slopes must have shape ({heads},) or ({batch}, {heads}), "
+                             f"got {tuple(alibi_slopes.shape)}")
+        # Slopes are constants of the model: no gradient flows into them.
+        alibi_slopes = jnp.broadcast_to(jax.lax.stop_gradient(alibi_slopes).astype(jnp.float32), (batch, heads))
+    if logits_soft_cap is not None:
+        if (not isinstance(logits_soft_cap, (int, float)) or isinstance(logits_soft_cap, bool)
+                or not math.isfinite(logits_soft_cap) or logits_soft_cap <= 0):
+            raise ValueError(f"logits_soft_cap must be None or a finite Python float > 0, got {logits_soft_cap!r}")
+        logits_soft_cap = float(logits_soft_cap)
+    if (not isinstance(dropout_rate, (int, float)) or isinstance(dropout_rate, bool)
+            or not 0.0 <= dropout_rate < 1.0):
+        raise ValueError(f"dropout_rate must be a Python float in [0, 1), got {dropout_rate!r}")
+    if not isinstance(broadcast_dropout, bool):
+        raise TypeError(f"broadcast_dropout must be a bool, got {broadcast_dropout!r}")
+    seed = None
+    if dropout_rate > 0.0:
+        if dropout_rng is None:
+            raise ValueError(f"dropout_rate={dropout_rate} needs dropout_rng (a JAX PRNG key)")
+        is_key = hasattr(dropout_rng, "dtype") and jnp.issubdtype(dropout_rng.dtype, jax.dtypes.prng_key)
+        is_raw = hasattr(dropout_rng, "dtype") and dropout_rng.dtype == jnp.uint32 and dropout_rng.shape == (2,)
+        if not (is_key and dropout_rng.shape == ()) and not is_raw:
+            raise TypeError("dropout_rng must be one JAX PRNG key (jax.random.key) or uint32 [2] key data, got "
+                            f"{getattr(dropout_rng, 'dtype', type(dropout_rng).__name__)} "
+                            f"{tuple(getattr(dropout_rng, 'shape', ()))}")
+        seed = masks.dropout_seed(dropout_rng)
+    mods = masks.ScoreMods(bias_dims=bias_dims, mask_dims=mask_dims, alibi=alibi_slopes is not None,
+                           soft_cap=logits_soft_cap, dropout_rate=float(dropout_rate),
+                           broadcast_dropout=broadcast_dropout and dropout_rate > 0.0)
+    return mods, masks.ModArrays(bias, mask, alibi_slopes, seed)
+
+
 def flash_attention(query, key, value, *, scale=None, is_causal=False, segment_ids=None, kv_segment_ids=None,
                     query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None, block_mask=None,
-                    return_lse=False, implementation=None, config=None):
+                    bias=None, mask=None, alibi_slopes=None, logits_soft_cap=None, dropout_rate=0.0,
+                    dropout_rng=None, broadcast_dropout=False, return_lse=False, implementation=None, config=None):
     """Exact scaled dot-product attention in O(seq) memory.
 
     Args:
@@ -170,11 +235,27 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, segment_i
       block_mask: a `BlockMask` (block-sparse attention): query i sees key j only if the mask's block
         (i // block_q, j // block_kv) is True, ANDed with the above. The kernels never load False blocks
         (forward and backward); their tiles shrink to divide the mask's blocks.
-      return_lse: also return the log-sum-exp of the scaled logits, [batch, heads, q_len] float32.
+      bias: float array broadcastable to [batch, heads, q_len, kv_len] (rank <= 4, each dim 1 or full, e.g.
+        Flax's [batch, heads, q_len, kv_len] or [1, heads, 1, kv_len]), added to the logits. It is read
+        tile by tile, never broadcast in memory; differentiable (its gradient has the bias's own shape).
+      mask: bool array broadcastable the same way; False hides the key (True = attend).
+      alibi_slopes: float [heads] or [batch, heads]: adds -slope * |key_pos - query_pos| to the logits
+        (FlashAttention-2's convention; with is_causal that is slope * (key_pos - query_pos)). Treated as
+        constants (no gradient).
+      logits_soft_cap: float c > 0 or None: logits = c * tanh(logits / c), applied to the scaled logits
+        before bias and ALiBi.
+      dropout_rate, dropout_rng, broadcast_dropout: dropout on the attention probabilities, kept ones scaled
+        by 1 / (1 - rate). dropout_rng is a JAX PRNG key (or uint32 [2] key data), needed when rate > 0.
+        The keep mask is `masks.dropout_keep_mask` of (seed, batch, head, query pos, key pos): the same in
+        every implementation and for every block size (it is not `jax.random.bernoulli`'s draw). With
+        broadcast_dropout one mask is shared by every batch element and head (as Flax's
+        broadcast_dropout); otherwise each (batch, head) draws its own.
+      return_lse: also return the log-sum-exp of the logits, [batch, heads, q_len] float32 (after soft cap,
+        bias, ALiBi and masks; of the softmax before dropout).
       implementation: None (best available: on a Hopper GPU "mosaic" where it serves the call, else
         "pallas" on an NVIDIA GPU, else "xla_chunked"), or force "mosaic" (Hopper only: bf16/fp16, causal or
-        full attention; raises where it cannot serve the call), "pallas" (interpret mode without a GPU),
-        "xla_chunked" or "xla" (dense reference).
+        full attention, no score modifiers or block mask; raises where it cannot serve the call), "pallas"
+        (interpret mode without a GPU), "xla_chunked" or "xla" (dense reference).
       config: a `KernelConfig`; default `KernelConfig.default(head_dim)`.
     Returns:
       out [batch, q_len, heads, head_dim] in query's dtype, and lse if `return_lse`. A query that sees no
@@ -184,6 +265,8 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, segment_i
     band = masks.Band.of(is_causal if isinstance(is_causal, bool) else False, _check_window(local_window_size))
     q_ids, kv_ids = _segments(query, key, segment_ids, kv_segment_ids, query_seq_lengths, key_value_seq_lengths)
     block_mask = _check_block_mask(block_mask, query, key)
+    mods, mod_arrays = _score_mods(query, key, bias, mask, alibi_slopes, logits_soft_cap, dropout_rate,
+                                   dropout_rng, broadcast_dropout)
     head_dim = query.shape[-1]
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
@@ -198,20 +281,28 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, segment_i
     scale = float(scale)
 
     # Features the Hopper kernel does not have yet; a call using any of them runs elsewhere.
-    unserved = [name for name, used in (("segment ids or sequence lengths", q_ids is not None),
-                                        ("block_mask", block_mask is not None)) if used]
+    features = (("segment ids or sequence lengths", q_ids is not None), ("block_mask", block_mask is not None),
+                ("bias", mods.bias_dims is not None), ("mask", mods.mask_dims is not None),
+                ("alibi_slopes", mods.alibi), ("logits_soft_cap", mods.soft_cap is not None),
+                ("dropout", mods.dropout_rate > 0.0))
+    unserved = [name for name, used in features if used]
     impl = _choose_implementation(implementation, lambda: hopper.unsupported_reason(
         query, key, band=band, unserved=unserved, config=config))
-    segments = dict(q_segment_ids=q_ids, kv_segment_ids=kv_ids, block_mask=block_mask)
+    masking = dict(q_segment_ids=q_ids, kv_segment_ids=kv_ids, block_mask=block_mask, mods=mods,
+                   mod_arrays=mod_arrays)
     if impl == "mosaic":
         out, lse = hopper.flash_attention_hopper(query, key, value, scale=scale, is_causal=band.right == 0,
                                                  config=config)
     elif impl == "pallas":
         out, lse = portable.flash_attention_portable(
-            query, key, value, scale=scale, band=band, config=config, interpret=not _on_nvidia_gpu(), **segments)
+            query, key, value, scale=scale, band=band, config=config, interpret=not _on_nvidia_gpu(), **masking)
     elif impl == "xla_chunked":
         out, lse = xla_chunked.attention_chunked(
-            query, key, value, scale=scale, band=band, block_kv=config.xla_block_kv, **segments)
+            query, key, value, scale=scale, band=band, block_kv=config.xla_block_kv, **masking)
     else:
-        out, lse = reference.attention_reference(query, key, value, scale=scale, band=band, **segments)
+        out, lse = reference.attention_reference(
+            query, key, value, scale=scale, band=band, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
+            block_mask=block_mask, bias=mod_arrays.bias, mask=mod_arrays.mask, alibi_slopes=mod_arrays.alibi_slopes,
+            logits_soft_cap=mods.soft_cap, dropout_rate=mods.dropout_rate, dropout_seed=mod_arrays.dropout_seed,
+            broadcast_dropout=mods.broadcast_dropout)
     return (out, lse) if return_lse else out

@@ -224,6 +224,18 @@ def kernel_block(block: int, mask_block: int) -> int:
     return min(block, mask_block & -mask_block)
 
 
+def visible_tiles(block_mask: BlockMask, *, block_q: int, block_kv: int, q_pad: int, kv_pad: int) -> np.ndarray:
+    """The block mask at the resolution of kernel tiles of block_q x block_kv over padded lengths: bool
+    [batch or 1, heads or 1, q_pad // block_q, kv_pad // block_kv]. The kernel blocks must divide the mask's,
+    so each tile lies in one mask block."""
+    if block_mask.block_q % block_q or block_mask.block_kv % block_kv:
+        raise ValueError(f"kernel blocks {block_q} x {block_kv} must divide the block mask's "
+                         f"{block_mask.block_q} x {block_mask.block_kv}")
+    rows = np.arange(q_pad // block_q) * block_q // block_mask.block_q
+    cols = np.arange(kv_pad // block_kv) * block_kv // block_mask.block_kv
+    return block_mask.mask[:, :, rows][:, :, :, cols]
+
+
 @functools.lru_cache(maxsize=64)
 def visit_tables(block_mask: BlockMask, *, block_q: int, block_kv: int, q_pad: int, kv_pad: int, kv_len: int,
                  band: masks.Band, always_mask: bool):
@@ -236,12 +248,8 @@ def visit_tables(block_mask: BlockMask, *, block_q: int, block_kv: int, q_pad: i
     every tile when `always_mask`, i.e. segment ids); blocks not listed are never loaded. `width` is a
     power of two (Triton block shapes) holding the longest row.
     """
-    if block_mask.block_q % block_q or block_mask.block_kv % block_kv:
-        raise ValueError(f"kernel blocks {block_q} x {block_kv} must divide the block mask's "
-                         f"{block_mask.block_q} x {block_mask.block_kv}")
     rows, cols = np.arange(q_pad // block_q), np.arange(kv_pad // block_kv)
-    allowed = block_mask.mask[:, :, rows * block_q // block_mask.block_q][:, :, :, cols * block_kv //
-                                                                              block_mask.block_kv]
+    allowed = visible_tiles(block_mask, block_q=block_q, block_kv=block_kv, q_pad=q_pad, kv_pad=kv_pad)
     q_first, q_last = rows[:, None] * block_q, rows[:, None] * block_q + block_q - 1
     k_first, k_last = cols[None, :] * block_kv, cols[None, :] * block_kv + block_kv - 1
     # Some pair of the tile visible / every pair visible, under the band and the padded tail.

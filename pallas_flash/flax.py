@@ -1,10 +1,17 @@
 """An `attention_fn` for Flax: `linen.MultiHeadDotProductAttention(attention_fn=attention_fn)` and
 `nnx.MultiHeadAttention(attention_fn=attention_fn)` run `flash_attention` instead of dense attention.
 
-The adapter takes every argument those modules pass and honours each one. What the kernels serve today
-(causal, a key-padding mask, MHA/GQA, float32/bfloat16/float16) goes to `flash_attention`; anything else (a
-general `mask` or `bias`, attention dropout, sowing the weights for `module`, custom einsums) is computed exactly by
-a dense float32 path, logged once per argument. `_dense_reasons` is the single place that decides.
+The adapter takes every argument those modules pass and honours each one. Causal attention, masks, bias,
+attention dropout, MHA/GQA and float32/bfloat16/float16 go to `flash_attention` (a key-padding mask as segment
+ids, any other mask and the bias read tile by tile); what the kernels cannot serve (sowing the weights for
+`module`, custom einsums, other dtypes or head sizes) is computed exactly by a dense float32 path, logged once
+per argument. `_dense_reasons` is the single place that decides.
+
+Dropout differs from Flax's in its bits, not its distribution: Flax draws the keep mask with
+`jax.random.bernoulli(dropout_rng, ...)`, which would need the [batch, heads, q_len, kv_len] mask in memory; the
+kernels regenerate theirs tile by tile from a counter-based hash of (dropout_rng, batch, head, query, key)
+(`pallas_flash.masks.dropout_keep_mask`). Each weight is kept with the same probability 1 - dropout_rate and
+scaled by 1 / (1 - dropout_rate), and `broadcast_dropout` shares one mask across batch and heads as in Flax.
 """
 from __future__ import annotations
 
@@ -56,8 +63,9 @@ def make_attention_fn(*, is_causal: bool = False, implementation: str | None = N
           key, value: [batch..., kv_len, kv_heads, head_dim], heads % kv_heads == 0.
           bias, mask: broadcastable to [batch..., heads, q_len, kv_len]; a key is hidden where mask is
             False (or 0). A query whose keys are all masked gets the mean of the values, as in Flax.
-          broadcast_dropout, dropout_rng, dropout_rate, deterministic: attention dropout, drawn exactly
-            as Flax draws it (same key, same shape, same keep mask).
+          broadcast_dropout, dropout_rng, dropout_rate, deterministic: attention dropout with Flax's
+            distribution, but not its bits (see the module docstring). A query that sees no key gets the
+            mean of the values without dropout (Flax would drop some of its uniform weights).
           dtype: computation and output dtype; default the promoted dtype of query, key and value.
           precision: every path multiplies float32 at full precision with float32 accumulation, at least
             the precision any setting asks for.
@@ -84,13 +92,13 @@ def make_attention_fn(*, is_causal: bool = False, implementation: str | None = N
         dtype = jnp.result_type(query, key, value) if dtype is None else jnp.dtype(dtype)
         query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
 
-        key_mask = _key_padding(mask, query, key)
-        reasons = _dense_reasons(query, key, value, bias=bias, mask=None if key_mask is not None else mask,
-                                 dropout=dropout, module=module,
+        reasons = _dense_reasons(query, key, value, module=module,
                                  einsums=(qk_attn_weights_einsum, attn_weights_value_einsum))
         if not reasons:
-            return _flash(query, key, value, key_mask=key_mask, is_causal=causal, implementation=implementation,
-                          config=config)
+            dropout_args = dict(dropout_rate=float(dropout_rate), dropout_rng=dropout_rng,
+                                broadcast_dropout=bool(broadcast_dropout)) if dropout else {}
+            return _flash(query, key, value, mask=mask, bias=bias, is_causal=causal, implementation=implementation,
+                          config=config, **dropout_args)
         for argument, why in reasons:
             _log_once(argument, f"{why}; computing this attention densely (memory grows as q_len * kv_len)")
         if causal:
@@ -111,20 +119,9 @@ def make_attention_fn(*, is_causal: bool = False, implementation: str | None = N
 attention_fn = make_attention_fn()
 
 
-def _dense_reasons(query, key, value, *, bias, mask, dropout, module, einsums):
-    """(argument, why) for each argument the kernels cannot serve yet; empty when `flash_attention` is exact.
-
-    A key-padding mask ([batch..., 1, 1, kv_len]) never reaches this list: the kernels take it as segment
-    ids. TODO(masks-and-dropout issue): pass general `mask`s, `bias` and dropout to the kernels too.
-    """
+def _dense_reasons(query, key, value, *, module, einsums):
+    """(argument, why) for each argument the kernels cannot serve; empty when `flash_attention` is exact."""
     reasons = []
-    if mask is not None:
-        reasons.append(("mask", "a dense `mask` is not served by the flash kernels yet"))
-    if bias is not None:
-        reasons.append(("bias", "`bias` is not served by the flash kernels yet"))
-    if dropout:
-        reasons.append(("dropout_rate", "attention dropout (`dropout_rate` > 0, not `deterministic`) is not "
-                                        "served by the flash kernels yet"))
     if module is not None:
         reasons.append(("module", "`module` asks for the attention weights to be sown, which flash never forms"))
     if any(e is not None for e in einsums):
@@ -152,31 +149,49 @@ def _key_padding(mask, query, key):
         return None
 
 
-def _flash(query, key, value, *, key_mask, is_causal, implementation, config):
+def _fold(x, batch_dims):
+    """An array broadcastable to [batch..., heads, q_len, kv_len] as rank 4 [B | 1, ...]: the leading batch
+    dims fold into one, kept at size 1 when x does not span them (a mask or bias shared by the batch stays
+    unbroadcast; one that spans only some batch dims is broadcast over the rest)."""
+    x = x.reshape((1,) * (len(batch_dims) + 3 - x.ndim) + x.shape)
+    x_batch = x.shape[:len(batch_dims)]
+    if any(n != 1 for n in x_batch) and x_batch != batch_dims:
+        x = jnp.broadcast_to(x, batch_dims + x.shape[len(batch_dims):])
+    return x.reshape((math.prod(x.shape[:len(batch_dims)]),) + x.shape[len(batch_dims):])
+
+
+def _flash(query, key, value, *, mask, bias, is_causal, implementation, config, **dropout):
     """`flash_attention` over any number of leading batch dims, folded into one. A key-padding mask becomes
-    kv segment ids (query id 0; hidden keys 1)."""
+    kv segment ids (query id 0; hidden keys 1); any other mask and the bias are passed as they are."""
     batch_dims = query.shape[:-3]
     batch = math.prod(batch_dims)
     fold = lambda x: x.reshape((batch,) + x.shape[len(batch_dims):])
-    segments = {}
+    key_mask = _key_padding(mask, query, key)
+    kwargs = dict(dropout)
+    if bias is not None:
+        kwargs["bias"] = _fold(jnp.asarray(bias), batch_dims)
     if key_mask is not None:
         key_mask = fold(key_mask)
-        segments = dict(segment_ids=jnp.zeros((batch, query.shape[-3]), jnp.int32),
-                        kv_segment_ids=jnp.where(key_mask, 0, 1).astype(jnp.int32))
+        kwargs.update(segment_ids=jnp.zeros((batch, query.shape[-3]), jnp.int32),
+                      kv_segment_ids=jnp.where(key_mask, 0, 1).astype(jnp.int32))
+        visible = key_mask[:, None, None, :]  # [batch, 1, 1, kv_len]
+    elif mask is not None:
+        visible = kwargs["mask"] = _fold(jnp.asarray(mask).astype(bool), batch_dims)
     out = flash_attention(fold(query), fold(key), fold(value), is_causal=is_causal,
-                          implementation=implementation, config=config, **segments)
-    if key_mask is not None:
+                          implementation=implementation, config=config, **kwargs)
+    if mask is not None:
         # Flax replaces hidden logits by the lowest float, so a query that sees no key attends uniformly to
-        # all keys; the kernels give such a row zeros. Restore Flax's value for those rows: O(N), exact.
+        # all keys; the kernels give such a row zeros. Restore Flax's value for those rows, from the mask
+        # alone (no pass over q_len * kv_len logits).
         q_pos = jnp.arange(query.shape[-3])
-        first_visible = jnp.argmax(key_mask, axis=-1)  # 0 when no key is visible; guarded below
-        any_visible = jnp.any(key_mask, axis=-1)
-        sees_none = ~any_visible[:, None]
+        first_visible = jnp.argmax(visible, axis=-1)  # [B|1, H|1, Tq|1]; 0 when none is visible, guarded below
+        sees_none = ~jnp.any(visible, axis=-1)
         if is_causal:
-            sees_none = sees_none | (first_visible[:, None] > q_pos[None, :])
+            sees_none = sees_none | (first_visible > q_pos)
+        sees_none = jnp.broadcast_to(sees_none, (batch, query.shape[-2], query.shape[-3])).transpose(0, 2, 1)
         heads, kv_heads = query.shape[-2], key.shape[-2]
         uniform = jnp.repeat(jnp.mean(fold(value).astype(jnp.float32), axis=1), heads // kv_heads, axis=1)
-        out = jnp.where(sees_none[:, :, None, None], uniform[:, None].astype(out.dtype), out)
+        out = jnp.where(sees_none[..., None], uniform[:, None].astype(out.dtype), out)
     return out.reshape(query.shape)
 
 

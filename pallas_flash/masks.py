@@ -13,8 +13,12 @@ positions they hold, so the semantics cannot drift between them.
 from __future__ import annotations
 
 import dataclasses
+import typing
 
+import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
 # Segment ids given to padding positions; they never equal each other. The two most negative int32
 # values are reserved for them (documented in `flash_attention`).
@@ -69,3 +73,134 @@ def segments_from_lengths(segment_ids, lengths, length: int, padding_id: int):
     valid = jnp.arange(length)[None, :] < lengths[:, None]
     ids = jnp.zeros((lengths.shape[0], length), jnp.int32) if segment_ids is None else segment_ids
     return jnp.where(valid, ids, padding_id)
+
+
+# ---- Score modifiers: bias, boolean mask, ALiBi, logit soft-capping and dropout ----------------------------
+#
+# Every implementation computes, per (batch, head, query i, key j):
+#   x      = scale * q_i . k_j
+#   x      = soft_cap * tanh(x / soft_cap)                 (if logits_soft_cap; before bias and ALiBi)
+#   logit  = x + bias[b, h, i, j] - slope[b, h] * |j - i|  (bias, ALiBi)
+#   hidden where mask[b, h, i, j] is False or `visible` is False (logit -inf)
+#   p      = softmax_j(logit);  lse = logsumexp_j(logit)   (the LSE of the un-dropped softmax)
+#   out_i  = sum_j p_ij * keep_ij / (1 - rate) * v_j       (dropout)
+# The helpers below are that definition; the reference, the XLA chunked path and the kernels call them on
+# whatever tile of positions they hold.
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreMods:
+    """The static half of a call's score modifiers (their arrays travel as `ModArrays`).
+
+    bias_dims / mask_dims: which of [batch, heads, q_len, kv_len] the bias / mask spans (False: size 1,
+      broadcast), or None without one. alibi: slopes given. soft_cap: logits_soft_cap or None.
+    dropout_rate: in [0, 1). broadcast_dropout: one keep mask shared by every batch element and head.
+    """
+
+    bias_dims: tuple | None = None
+    mask_dims: tuple | None = None
+    alibi: bool = False
+    soft_cap: float | None = None
+    dropout_rate: float = 0.0
+    broadcast_dropout: bool = False
+
+    @property
+    def active(self) -> bool:
+        return self != ScoreMods()
+
+
+class ModArrays(typing.NamedTuple):
+    """The arrays of the score modifiers, None where absent. bias: float [Bb, Hb, Tqb, Tkb] and mask:
+    bool [Bm, Hm, Tqm, Tkm], each dim 1 or full; alibi_slopes: float32 [batch, heads]; dropout_seed:
+    uint32 [2]."""
+
+    bias: typing.Any = None
+    mask: typing.Any = None
+    alibi_slopes: typing.Any = None
+    dropout_seed: typing.Any = None
+
+    def cotangents(self, dbias=None) -> "ModArrays":
+        """The cotangent of these arrays in a custom_vjp: `dbias` for the bias, float0 for the mask and seed
+        (not differentiable), zeros for the ALiBi slopes (constants: the API stops their gradient)."""
+        integer = lambda x: None if x is None else np.zeros(x.shape, jax.dtypes.float0)
+        slopes = None if self.alibi_slopes is None else jnp.zeros_like(self.alibi_slopes)
+        return ModArrays(dbias, integer(self.mask), slopes, integer(self.dropout_seed))
+
+
+def soft_cap(x, cap: float):
+    return cap * jnp.tanh(x / cap)
+
+
+def soft_cap_grad(capped, cap: float):
+    """d capped / d x, from the capped value: 1 - tanh^2."""
+    t = capped / cap
+    return 1.0 - t * t
+
+
+def alibi(slope, q_pos, k_pos):
+    """ALiBi's additive bias -slope * |j - i| (FlashAttention-2's convention; with is_causal it is
+    slope * (j - i) on every visible key). Positions count from each sequence's start (top-left)."""
+    return -slope * jnp.abs(k_pos - q_pos).astype(jnp.float32)
+
+
+def add_biases(x, *, q_pos, k_pos, bias=None, slope=None):
+    """(Soft-capped) scaled logits -> the softmax's logits: + bias, + ALiBi (where given). The mask is
+    applied by the caller, with the visibility mask."""
+    if bias is not None:
+        x = x + bias.astype(jnp.float32)
+    if slope is not None:
+        x = x + alibi(slope, q_pos, k_pos)
+    return x
+
+
+# Dropout keep mask: a counter-based hash of (seed, batch, head, query, key), so any implementation with any
+# tiling regenerates the same bits (and the backward regenerates the forward's). Mixing is murmur3's 32-bit
+# finalizer (fmix32); each coordinate enters through an odd multiplier, so distinct inputs do not collide
+# trivially. Only uint32 multiplies (which wrap), xors and logical shifts: the same ops lower on Triton.
+_FMIX1, _FMIX2 = 0x85EBCA6B, 0xC2B2AE35
+_BATCH_MUL, _HEAD_MUL, _QUERY_MUL, _KEY_MUL = 0x9E3779B1, 0x7FEB352D, 0x846CA68B, 0xCC9E2D51
+_KEEP_BITS = 24  # the keep test compares the hash's top 24 bits, as non-negative int32
+
+
+def _u32(x):
+    if isinstance(x, int):  # constants above 2^31 would not fit JAX's default int32
+        return np.uint32(x)
+    return jnp.asarray(x).astype(jnp.uint32)
+
+
+def _fmix32(h):
+    h = h ^ lax.shift_right_logical(h, _u32(16))
+    h = h * _u32(_FMIX1)
+    h = h ^ lax.shift_right_logical(h, _u32(13))
+    h = h * _u32(_FMIX2)
+    return h ^ lax.shift_right_logical(h, _u32(16))
+
+
+def dropout_row_hash(seed0, seed1, batch, head, q_pos):
+    """The hash state after (seed, batch, head, query): computed once per row, then mixed with each key."""
+    h = _fmix32(_u32(seed0) ^ (_u32(batch) * _u32(_BATCH_MUL)))
+    h = _fmix32(h ^ _u32(seed1) ^ (_u32(head) * _u32(_HEAD_MUL)))
+    return _fmix32(h ^ (_u32(q_pos) * _u32(_QUERY_MUL)))
+
+
+def dropout_keep_threshold(rate: float) -> int:
+    return min(int(round(rate * (1 << _KEEP_BITS))), (1 << _KEEP_BITS) - 1)
+
+
+def dropout_keep(row_hash, k_pos, rate: float):
+    """Keep (True) with probability 1 - rate (to 2^-24), from a row's hash and key positions."""
+    bits = _fmix32(row_hash ^ (_u32(k_pos) * _u32(_KEY_MUL)))
+    top = lax.shift_right_logical(bits, _u32(32 - _KEEP_BITS)).astype(jnp.int32)
+    return top >= dropout_keep_threshold(rate)
+
+
+def dropout_keep_mask(seed, batch, head, q_pos, k_pos, rate: float):
+    """The dropout keep mask in plain JAX: bool, the broadcast shape of the integer index arrays `batch`,
+    `head` (query head), `q_pos`, `k_pos`. `seed` is uint32 [2] (`dropout_seed`). With broadcast_dropout
+    the implementations pass batch = head = 0."""
+    return dropout_keep(dropout_row_hash(seed[0], seed[1], batch, head, q_pos), k_pos, rate)
+
+
+def dropout_seed(rng):
+    """uint32 [2] seed of the keep mask from a JAX PRNG key (typed, or raw uint32 [2] key data)."""
+    return jax.random.bits(rng, (2,), jnp.uint32)

@@ -12,7 +12,9 @@ from pallas_flash import block_sparse, masks
 
 
 def attention_reference(query, key, value, *, scale: float, is_causal: bool = False, band=None,
-                        q_segment_ids=None, kv_segment_ids=None, block_mask=None):
+                        q_segment_ids=None, kv_segment_ids=None, block_mask=None, bias=None, mask=None,
+                        alibi_slopes=None, logits_soft_cap=None, dropout_rate: float = 0.0, dropout_seed=None,
+                        broadcast_dropout: bool = False):
     """Exact attention, computed densely in float32.
 
     Args:
@@ -23,6 +25,10 @@ def attention_reference(query, key, value, *, scale: float, is_causal: bool = Fa
       q_segment_ids, kv_segment_ids: optional int32 [batch, q_len] / [batch, kv_len]; a query sees only
         keys of its own segment.
       block_mask: optional `BlockMask`; query i sees key j only where its block is True.
+      bias, mask: float / bool arrays broadcastable to [batch, heads, q_len, kv_len] (mask True = attend).
+      alibi_slopes: float [heads] or [batch, heads]. logits_soft_cap: float or None.
+      dropout_rate, dropout_seed (uint32 [2], `masks.dropout_seed`), broadcast_dropout: attention dropout
+        with `masks.dropout_keep_mask`. The order of all of these is defined in `masks` (score modifiers).
     Returns:
       (out [batch, q_len, heads, head_dim] in query's dtype, lse [batch, heads, q_len] float32, natural log).
       A query that sees no key gets out = 0 and lse = -inf.
@@ -36,23 +42,40 @@ def attention_reference(query, key, value, *, scale: float, is_causal: bool = Fa
     v = value.astype(jnp.float32)
     hp = jax.lax.Precision.HIGHEST
     logits = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, precision=hp) * scale
+    q_pos, k_pos = jnp.arange(q_len)[:, None], jnp.arange(kv_len)[None, :]
+    slope = None
+    if alibi_slopes is not None:  # [heads] or [batch, heads] -> [batch, heads, 1, 1]
+        slope = jnp.broadcast_to(alibi_slopes.astype(jnp.float32), (batch, heads))[:, :, None, None]
+    if logits_soft_cap is not None:
+        logits = masks.soft_cap(logits, logits_soft_cap)
+    logits = masks.add_biases(logits.reshape(batch, heads, q_len, kv_len), q_pos=q_pos, k_pos=k_pos, bias=bias,
+                              slope=slope).reshape(logits.shape)
     segments = {}
     if q_segment_ids is not None:  # [batch, 1, 1, q_len, 1] against [batch, 1, 1, 1, kv_len]
         segments = dict(q_segment=q_segment_ids[:, None, None, :, None],
                         kv_segment=kv_segment_ids[:, None, None, None, :])
-    mask = masks.visible(jnp.arange(q_len)[:, None], jnp.arange(kv_len)[None, :], band=band, **segments)
+    seen = masks.visible(q_pos, k_pos, band=band, **segments)
     if block_mask is not None:
         block_mask.check(batch, heads, q_len, kv_len)
         tokens = block_sparse.grouped(jnp.asarray(block_mask.expand(q_len, kv_len)), kv_heads)
-        mask = block_sparse.combine(mask, tokens)
+        seen = block_sparse.combine(seen, tokens)
     if mask is not None:
-        logits = jnp.where(mask, logits, -jnp.inf)
+        mask = jnp.broadcast_to(mask, (batch, heads, q_len, kv_len)).reshape(logits.shape)
+        seen = mask if seen is None else jnp.logical_and(seen, mask)
+    if seen is not None:
+        logits = jnp.where(seen, logits, -jnp.inf)
     row_max = jnp.max(logits, axis=-1, keepdims=True)
     # A fully masked row has max -inf; shifting by 0 instead keeps exp() at exactly 0 rather than NaN.
     row_max = jnp.where(jnp.isneginf(row_max), 0.0, jax.lax.stop_gradient(row_max))
     weights = jnp.exp(logits - row_max)
     denom = jnp.sum(weights, axis=-1, keepdims=True)
     probs = weights / jnp.where(denom == 0.0, 1.0, denom)
+    if dropout_rate > 0.0:
+        b, h = (0, 0) if broadcast_dropout else (jnp.arange(batch)[:, None, None, None],
+                                                 jnp.arange(heads)[None, :, None, None])
+        keep = masks.dropout_keep_mask(dropout_seed, b, h, q_pos, k_pos, dropout_rate)
+        keep = jnp.broadcast_to(keep, (batch, heads, q_len, kv_len)).reshape(probs.shape)
+        probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
     out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v, precision=hp)
     # log(0) = -inf for fully masked rows, taken through a safe log so the gradient stays finite.
     lse = jnp.where(denom == 0.0, -jnp.inf, jnp.log(jnp.where(denom == 0.0, 1.0, denom)) + row_max)[..., 0]

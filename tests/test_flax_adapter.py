@@ -11,7 +11,7 @@ import pytest
 from flax import linen, nnx
 
 import pallas_flash.flax as pf
-from pallas_flash import KernelConfig
+from pallas_flash import KernelConfig, flash_attention
 from tests.tolerances import GRADIENT, OUTPUT, assert_close
 
 BATCH, Q_LEN, KV_LEN, FEATURES, HEADS = 2, 16, 24, 32, 2  # head_dim 16, the kernels' smallest
@@ -120,17 +120,28 @@ def test_function_extra_batch_dims_gqa_bias_mask(kv_heads, dtype):
 
 
 @pytest.mark.parametrize("broadcast_dropout", [True, False])
-def test_dropout_draws_flax_keep_mask(broadcast_dropout, caplog):
+def test_dropout_runs_in_the_kernels(broadcast_dropout, caplog):
+    """Dropout is served by flash_attention (nothing logged), with its counter-based keep mask: the same as
+    flash_attention's with the same key, not Flax's bernoulli draw (same distribution, other bits)."""
     query, key, value = (_normal(i, (BATCH, Q_LEN, HEADS, 16)) for i in range(3))
+    mask = _mask("random", Q_LEN, Q_LEN)
     kwargs = dict(dropout_rng=jax.random.key(11), dropout_rate=0.4, broadcast_dropout=broadcast_dropout,
                   deterministic=False)
     with caplog.at_level(logging.WARNING, logger="pallas_flash"):
-        out = pf.attention_fn(query, key, value, **kwargs)
-    assert_close(out, linen.dot_product_attention(query, key, value, **kwargs), jnp.float32)
-    assert "dropout_rate" in caplog.text
-    no_dropout = pf.attention_fn(query, key, value, deterministic=True, dropout_rate=0.4)
+        out = FLASH(query, key, value, mask=mask, **kwargs)
+    assert caplog.records == []
+    ours = flash_attention(query, key, value, mask=mask, dropout_rate=0.4, dropout_rng=jax.random.key(11),
+                           broadcast_dropout=broadcast_dropout, implementation="xla")
+    # Query 3 sees no key: Flax's uniform row (the mean of the values), undropped.
+    ours = ours.at[:, 3].set(jnp.mean(value, axis=1))
+    assert_close(out, ours, jnp.float32)
+    no_dropout = FLASH(query, key, value, deterministic=True, dropout_rate=0.4)
     assert_close(no_dropout, linen.dot_product_attention(query, key, value), jnp.float32)
-    assert not np.allclose(out, no_dropout, atol=1e-3)
+    assert not np.allclose(out, FLASH(query, key, value, mask=mask), atol=1e-3)
+    if broadcast_dropout:  # one keep mask for every batch element and head: equal inputs, equal outputs
+        same = jnp.broadcast_to(query[:1, :, :1], query.shape)
+        shared = FLASH(same, same, same, **kwargs)
+        np.testing.assert_allclose(shared[0, :, 0], shared[1, :, 1], rtol=1e-6)
 
 
 def test_dropout_without_rng_is_an_error():
@@ -177,17 +188,17 @@ def test_custom_einsums_are_used():
 
 def test_fallback_logs_once_naming_the_argument(caplog):
     query, key, value = (_normal(i, (BATCH, Q_LEN, HEADS, 16)) for i in range(3))
-    mask = _mask("random", Q_LEN, Q_LEN)  # a general mask; key-padding masks run in the kernels
+    mask = _mask("random", Q_LEN, Q_LEN)
     bias = _normal(4, (BATCH, HEADS, Q_LEN, Q_LEN))
     with caplog.at_level(logging.WARNING, logger="pallas_flash"):
         pf.attention_fn(query, key, value)
-        assert caplog.records == [], "the flash path must not log"
+        pf.attention_fn(query, key, value, mask=mask, bias=bias)
+        assert caplog.records == [], "masks and bias run in the kernels and must not log"
         for _ in range(3):
-            pf.attention_fn(query, key, value, mask=mask)
-            pf.attention_fn(query, key, value, bias=bias)
+            pf.attention_fn(query[..., :8], key[..., :8], value[..., :8])  # head_dim 8: below the kernels' 16
     messages = [r.getMessage() for r in caplog.records]
-    assert len(messages) == 2, messages
-    assert "`mask`" in messages[0] and "`bias`" in messages[1]
+    assert len(messages) == 1, messages
+    assert "head_dim" in messages[0]
 
 
 def _compiled_hlo(attention_fn, seq):

@@ -77,8 +77,8 @@ def _attention_bwd(scale, is_causal, config, residuals, cotangents):
     if use_hopper_backward():
         _logger.debug("pallas_flash: the Hopper backward takes head_dim <= %d; head_dim %d runs the portable "
                       "backward", hopper_bwd.MAX_HEAD_DIM, q.shape[-1])
-    dq, dk, dv, _, _ = portable.backward(q, k, v, out, lse, cotangents, scale=scale, band=masks.Band.of(is_causal),
-                                         config=config, interpret=False)
+    dq, dk, dv, *_ = portable.backward(q, k, v, out, lse, cotangents, scale=scale, band=masks.Band.of(is_causal),
+                                       config=config, interpret=False)
     return dq, dk, dv
 
 

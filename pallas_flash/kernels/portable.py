@@ -67,9 +67,10 @@ def _integer_cotangent(x):
     return None if x is None else np.zeros(x.shape, jax.dtypes.float0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
-def _flash(q, k, v, q_segment_ids, kv_segment_ids, scale, band, config, interpret, block_mask):
-    return _flash_fwd(q, k, v, q_segment_ids, kv_segment_ids, scale, band, config, interpret, block_mask)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
+def _flash(q, k, v, q_segment_ids, kv_segment_ids, mod_arrays, scale, band, config, interpret, mods, block_mask):
+    return _flash_fwd(q, k, v, q_segment_ids, kv_segment_ids, mod_arrays, scale, band, config, interpret, mods,
+                      block_mask)[0]
 
 
 def _pad_segments(q_segment_ids, kv_segment_ids, q_pad, kv_pad):
@@ -79,7 +80,8 @@ def _pad_segments(q_segment_ids, kv_segment_ids, q_pad, kv_pad):
             _pad_to(kv_segment_ids, 1, kv_pad, masks.KEY_PADDING_ID))
 
 
-def _flash_fwd(q, k, v, q_segment_ids, kv_segment_ids, scale, band, config, interpret, block_mask):
+def _flash_fwd(q, k, v, q_segment_ids, kv_segment_ids, mod_arrays, scale, band, config, interpret, mods,
+               block_mask):
     q_len, kv_len, head_dim = q.shape[1], k.shape[1], q.shape[3]
     fitted = _fitted(config, q_len, kv_len, block_mask)
     block_q, block_kv = fitted.block_q, fitted.block_kv
@@ -91,23 +93,27 @@ def _flash_fwd(q, k, v, q_segment_ids, kv_segment_ids, scale, band, config, inte
     visits = _visits(block_mask, block_q=block_q, block_kv=block_kv, q_pad=q_pad, kv_pad=kv_pad, kv_len=kv_len,
                      band=band, has_segments=q_segment_ids is not None, by="query")
     out, lse = portable_fwd.forward(q_p, k_p, v_p, *_pad_segments(q_segment_ids, kv_segment_ids, q_pad, kv_pad),
-                                    visits, scale=scale, band=band, kv_len=kv_len, block_q=block_q, block_kv=block_kv,
-                                    num_warps=config.num_warps, num_stages=config.num_stages, interpret=interpret)
+                                    mod_arrays, visits, scale=scale, band=band, kv_len=kv_len, block_q=block_q,
+                                    block_kv=block_kv, num_warps=config.num_warps, num_stages=config.num_stages,
+                                    interpret=interpret, mods=mods)
     out, lse = out[:, :q_len, :, :head_dim], lse[:, :, :q_len]
-    return (out, lse), (q, k, v, q_segment_ids, kv_segment_ids, out, lse)
+    return (out, lse), (q, k, v, q_segment_ids, kv_segment_ids, mod_arrays, out, lse)
 
 
-def _flash_bwd(scale, band, config, interpret, block_mask, residuals, cotangents):
-    q, k, v, q_segment_ids, kv_segment_ids, out, lse = residuals
+def _flash_bwd(scale, band, config, interpret, mods, block_mask, residuals, cotangents):
+    q, k, v, q_segment_ids, kv_segment_ids, mod_arrays, out, lse = residuals
     return backward(q, k, v, out, lse, cotangents, scale=scale, band=band, config=config, interpret=interpret,
-                    q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, block_mask=block_mask)
+                    q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, block_mask=block_mask, mods=mods,
+                    mod_arrays=mod_arrays)
 
 
 def backward(q, k, v, out, lse, cotangents, *, scale, band, config, interpret, q_segment_ids=None,
-             kv_segment_ids=None, block_mask=None):
+             kv_segment_ids=None, block_mask=None, mods: masks.ScoreMods = masks.ScoreMods(),
+             mod_arrays: masks.ModArrays = masks.ModArrays()):
     """The backward kernels on forward residuals (unpadded q, k, v, out and the natural-log lse) and the
-    cotangents (d_out, d_lse): returns (dq, dk, dv, and float0 cotangents for the segment ids). Any forward
-    that returns this lse can use it (the Hopper forward does)."""
+    cotangents (d_out, d_lse): returns (dq, dk, dv, float0 cotangents for the segment ids, and the score
+    modifiers' cotangents (`ModArrays.cotangents`, with dbias)). Any forward that returns this lse can use it
+    (the Hopper forward does)."""
     d_out, d_lse = cotangents
     q_len, kv_len, head_dim = q.shape[1], k.shape[1], q.shape[3]
     # dL/dS = P * (dP - delta); a cotangent on the LSE output adds P * d_lse, i.e. delta -= d_lse.
@@ -123,24 +129,41 @@ def backward(q, k, v, out, lse, cotangents, *, scale, band, config, interpret, q
     def pad_rows(x, rows):
         return _pad_to(_pad_to(x, 1, rows), 3, dim_pad)
 
-    tables = dict(q_pad=q_pad, kv_pad=kv_pad, kv_len=kv_len, band=band, has_segments=q_segment_ids is not None)
-    dkdv_visits = _visits(block_mask, block_q=fitted.block_q_dkv, block_kv=fitted.block_kv_dkv, by="key", **tables)
-    dq_visits = _visits(block_mask, block_q=fitted.block_q_dq, block_kv=fitted.block_kv_dq, by="query", **tables)
+    block_tables = None
+    if block_mask is not None:
+        tables = dict(q_pad=q_pad, kv_pad=kv_pad, kv_len=kv_len, band=band, has_segments=q_segment_ids is not None)
+        dkdv_visits = _visits(block_mask, block_q=fitted.block_q_dkv, block_kv=fitted.block_kv_dkv, by="key",
+                              **tables)
+        dq_visits = _visits(block_mask, block_q=fitted.block_q_dq, block_kv=fitted.block_kv_dq, by="query",
+                            **tables)
+        # dbias runs on the dQ kernel's tiles; it loops over all of them, so it needs the hidden ones named.
+        visible = jnp.asarray(block_sparse.visible_tiles(block_mask, block_q=fitted.block_q_dq,
+                                                         block_kv=fitted.block_kv_dq, q_pad=q_pad, kv_pad=kv_pad),
+                              jnp.int32)
+        block_tables = (dkdv_visits, dq_visits, visible)
 
-    dq, dk, dv = portable_bwd.backward(
+    dq, dk, dv, dbias = portable_bwd.backward(
         pad_rows(q, q_pad), pad_rows(k, kv_pad), pad_rows(v, kv_pad), pad_rows(d_out.astype(q.dtype), q_pad),
         _pad_to(lse2, 2, q_pad, jnp.inf), _pad_to(delta, 2, q_pad),
-        *_pad_segments(q_segment_ids, kv_segment_ids, q_pad, kv_pad), dkdv_visits, dq_visits,
-        scale=scale, band=band, kv_len=kv_len, config=fitted, interpret=interpret)
+        *_pad_segments(q_segment_ids, kv_segment_ids, q_pad, kv_pad), mod_arrays, block_tables,
+        scale=scale, band=band, kv_len=kv_len, config=fitted, interpret=interpret, mods=mods)
+    if dbias is not None:  # unpad, in the bias's dtype
+        bias = mod_arrays.bias
+        dbias = dbias[:, :, :bias.shape[2], :bias.shape[3]].astype(bias.dtype)
+    d_mods = mod_arrays.cotangents(dbias)
     return (dq[:, :q_len, :, :head_dim], dk[:, :kv_len, :, :head_dim], dv[:, :kv_len, :, :head_dim],
-            _integer_cotangent(q_segment_ids), _integer_cotangent(kv_segment_ids))
+            _integer_cotangent(q_segment_ids), _integer_cotangent(kv_segment_ids), d_mods)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 def flash_attention_portable(query, key, value, *, scale: float, band: masks.Band, config: KernelConfig,
-                             interpret: bool, q_segment_ids=None, kv_segment_ids=None, block_mask=None):
-    """Shapes and results as `reference.attention_reference`; differentiable in query, key and value
-    (and through the returned LSE). `block_mask`: a `BlockMask` whose False blocks are never loaded."""
-    return _flash(query, key, value, q_segment_ids, kv_segment_ids, scale, band, config, interpret, block_mask)
+                             interpret: bool, q_segment_ids=None, kv_segment_ids=None, block_mask=None,
+                             mods: masks.ScoreMods = masks.ScoreMods(),
+                             mod_arrays: masks.ModArrays = masks.ModArrays()):
+    """Shapes and results as `reference.attention_reference`; differentiable in query, key, value and the
+    bias (and through the returned LSE). `block_mask`: a `BlockMask` whose False blocks are never loaded. The
+    score modifiers are those checked by `api.flash_attention`."""
+    return _flash(query, key, value, q_segment_ids, kv_segment_ids, mod_arrays, scale, band, config, interpret,
+                  mods, block_mask)

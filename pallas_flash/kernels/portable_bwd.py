@@ -10,12 +10,16 @@ Two kernels, both deterministic (each output tile is owned by one program; no at
     transposed tiles S^T = K Q^T, so that P^T and dS^T come out of the matmuls in the layout the next
     matmuls (P^T dO, dS^T Q) consume, with no transposes of register tiles.
   * dQ: grid (query block, batch, head); loops over the key blocks the query block sees (band or visit table).
+  * dBias (only with a bias): grid over the bias's own blocks; see `dbias`.
 A visit table (`block_sparse.visit_tables`) is the optional first operand; blocks it does not list are never
-loaded.
+loaded. Score modifiers are recomputed per tile as in the forward; with a soft cap, dS is multiplied by
+1 - tanh^2 before it meets Q or K (dBias is dS before that factor); with dropout Z = keep / (1 - rate),
+dV = (P * Z)^T dO and dP = Z * (dO V^T).
 """
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -27,13 +31,12 @@ from pallas_flash._compat import SQUEEZED, triton_params
 from pallas_flash.kernels import tiles
 
 
-def _dkdv_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, group, has_segments, has_visits):
+def _dkdv_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, group, has_segments, has_visits,
+                 mods):
     visits_ref, refs = (refs[0], refs[1:]) if has_visits else (None, refs)
-    if has_segments:
-        q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_seg_ref, kv_seg_ref, dk_ref, dv_ref = refs
-    else:
-        (q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dk_ref, dv_ref), q_seg_ref = refs, None
-    kv_block = pl.program_id(0)
+    (q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref), (q_seg_ref, kv_seg_ref), mod_refs, (dk_ref, dv_ref) = (
+        tiles.split_refs(refs, 6, has_segments, mods))
+    kv_block, batch, kv_head = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     k, v = k_ref[...], v_ref[...]
     kv_seg = kv_seg_ref[...] if has_segments else None
     k_start = kv_block * block_kv
@@ -43,16 +46,30 @@ def _dkdv_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, gr
         dk, dv = carry
         q_slice = pl.ds(q_block * block_q, block_q)
         q, do = q_ref[q_slice, head, :], do_ref[q_slice, head, :]
-        s_t = tiles.dot(k, q, trans_b=True) * logit_scale  # [block_kv, block_q]
+        s_t = tiles.dot(k, q, trans_b=True)  # [block_kv, block_q]
+        position = dict(batch=batch, head=kv_head * group + head, q_start=q_block * block_q,
+                        k_start=k_start, block_q=block_q, block_kv=block_kv, keys_major=True)
+        grad_factor = None
+        if mods.active:
+            s_t, grad_factor = tiles.modified_logits(s_t * scale, mods, mod_refs, **position)
+        else:
+            s_t = s_t * logit_scale
         if masked:
             mask = tiles.tile_mask(q_block * block_q, k_start, block_q, block_kv, band=band, kv_len=kv_len,
                                    q_segment=q_seg_ref[q_slice] if has_segments else None, kv_segment=kv_seg,
                                    keys_major=True)
             s_t = jnp.where(mask, s_t, -jnp.inf)
         p_t = jnp.exp2(s_t - lse2_ref[head, q_slice][None, :])
-        dv = dv + tiles.dot(p_t.astype(do.dtype), do)
         dp_t = tiles.dot(v, do, trans_b=True)
+        dropout = tiles.dropout_multiplier(mods, mod_refs, **position)
+        if dropout is None:
+            dv = dv + tiles.dot(p_t.astype(do.dtype), do)
+        else:  # O = (P * Z) V with Z = keep / (1 - rate): dV = (P * Z)^T dO, dP = Z * dO V^T
+            dv = dv + tiles.dot((p_t * dropout).astype(do.dtype), do)
+            dp_t = dp_t * dropout
         ds_t = p_t * (dp_t - delta_ref[head, q_slice][None, :])
+        if grad_factor is not None:  # through the soft cap
+            ds_t = ds_t * grad_factor
         dk = dk + tiles.dot(ds_t.astype(q.dtype), q)
         return dk, dv
 
@@ -75,13 +92,13 @@ def _dkdv_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, gr
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, num_kv_blocks, has_segments, has_visits):
+def _dq_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, num_kv_blocks, has_segments, has_visits,
+               mods):
     visits_ref, refs = (refs[0], refs[1:]) if has_visits else (None, refs)
-    if has_segments:
-        q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_seg_ref, kv_seg_ref, dq_ref = refs
-    else:
-        (q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dq_ref), kv_seg_ref = refs, None
+    (q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref), (q_seg_ref, kv_seg_ref), mod_refs, (dq_ref,) = (
+        tiles.split_refs(refs, 6, has_segments, mods))
     q_block = tiles.launch_order(pl.program_id(0), num_q_blocks, reverse=band.right == 0)
+    batch, head = pl.program_id(1), pl.program_id(2)
     q, do = q_ref[...], do_ref[...]
     lse2, delta = lse2_ref[...], delta_ref[...]
     q_seg = q_seg_ref[...] if has_segments else None
@@ -90,7 +107,14 @@ def _dq_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, num_
     def visit(kv_block, dq, *, masked):
         k_slice = pl.ds(kv_block * block_kv, block_kv)
         k, v = k_ref[k_slice, :], v_ref[k_slice, :]
-        s = tiles.dot(q, k, trans_b=True) * logit_scale
+        s = tiles.dot(q, k, trans_b=True)
+        position = dict(batch=batch, head=head, q_start=q_block * block_q,
+                        k_start=kv_block * block_kv, block_q=block_q, block_kv=block_kv)
+        grad_factor = None
+        if mods.active:
+            s, grad_factor = tiles.modified_logits(s * scale, mods, mod_refs, **position)
+        else:
+            s = s * logit_scale
         if masked:
             mask = tiles.tile_mask(q_block * block_q, kv_block * block_kv, block_q, block_kv, band=band,
                                    kv_len=kv_len, q_segment=q_seg,
@@ -98,7 +122,12 @@ def _dq_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, num_
             s = jnp.where(mask, s, -jnp.inf)
         p = jnp.exp2(s - lse2[:, None])
         dp = tiles.dot(do, v, trans_b=True)
+        dropout = tiles.dropout_multiplier(mods, mod_refs, **position)
+        if dropout is not None:
+            dp = dp * dropout
         ds = p * (dp - delta[:, None])
+        if grad_factor is not None:
+            ds = ds * grad_factor
         return dq + tiles.dot(ds.astype(k.dtype), k)
 
     dq = jnp.zeros(q.shape, jnp.float32)
@@ -114,8 +143,9 @@ def _dq_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, num_
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
-def dkdv(q, k, v, do, lse2, delta, q_segment_ids=None, kv_segment_ids=None, visits=None, *, scale, band: masks.Band,
-         kv_len, block_q, block_kv, num_warps, num_stages, interpret):
+def dkdv(q, k, v, do, lse2, delta, q_segment_ids=None, kv_segment_ids=None, mod_arrays=masks.ModArrays(),
+         visits=None, *, scale, band: masks.Band, kv_len, mods: masks.ScoreMods = masks.ScoreMods(),
+         block_q, block_kv, num_warps, num_stages, interpret):
     """dK, dV [batch, kv_pad, kv_heads, head_dim_pad] from padded inputs (see `backward`)."""
     batch, q_pad, heads, head_dim = q.shape
     kv_pad, kv_heads = k.shape[1], k.shape[2]
@@ -123,7 +153,7 @@ def dkdv(q, k, v, do, lse2, delta, q_segment_ids=None, kv_segment_ids=None, visi
     has_segments = q_segment_ids is not None
     kernel = functools.partial(_dkdv_kernel, scale=scale, band=band, kv_len=kv_len, block_q=block_q,
                                block_kv=block_kv, num_q_blocks=q_pad // block_q, group=group,
-                               has_segments=has_segments, has_visits=visits is not None)
+                               has_segments=has_segments, has_visits=visits is not None, mods=mods)
     # A program reads all query rows of the `group` query heads that share its kv head.
     q_group_spec = pl.BlockSpec((SQUEEZED, q_pad, group, head_dim), lambda j, b, h: (b, 0, h, 0))
     row_group_spec = pl.BlockSpec((SQUEEZED, group, q_pad), lambda j, b, h: (b, h, 0))
@@ -134,6 +164,8 @@ def dkdv(q, k, v, do, lse2, delta, q_segment_ids=None, kv_segment_ids=None, visi
         in_specs += [pl.BlockSpec((SQUEEZED, q_pad), lambda j, b, h: (b, 0)),
                      pl.BlockSpec((SQUEEZED, block_kv), lambda j, b, h: (b, j))]
         operands += [q_segment_ids, kv_segment_ids]
+    mod_ops, mod_specs = tiles.mod_operands(mods, mod_arrays, q_pad, kv_pad, keys_major=True)
+    in_specs, operands = in_specs + mod_specs, operands + mod_ops
     if visits is not None:
         in_specs = [tiles.visits_spec(visits.shape, lambda j: j, group=group)] + in_specs
         operands = [visits] + operands
@@ -149,8 +181,9 @@ def dkdv(q, k, v, do, lse2, delta, q_segment_ids=None, kv_segment_ids=None, visi
     )(*operands)
 
 
-def dq(q, k, v, do, lse2, delta, q_segment_ids=None, kv_segment_ids=None, visits=None, *, scale, band: masks.Band,
-       kv_len, block_q, block_kv, num_warps, num_stages, interpret):
+def dq(q, k, v, do, lse2, delta, q_segment_ids=None, kv_segment_ids=None, mod_arrays=masks.ModArrays(),
+       visits=None, *, scale, band: masks.Band, kv_len, mods: masks.ScoreMods = masks.ScoreMods(),
+       block_q, block_kv, num_warps, num_stages, interpret):
     """dQ [batch, q_pad, heads, head_dim_pad] from padded inputs (see `backward`)."""
     batch, q_pad, heads, head_dim = q.shape
     kv_pad, kv_heads = k.shape[1], k.shape[2]
@@ -159,7 +192,7 @@ def dq(q, k, v, do, lse2, delta, q_segment_ids=None, kv_segment_ids=None, visits
     has_segments = q_segment_ids is not None
     kernel = functools.partial(_dq_kernel, scale=scale, band=band, kv_len=kv_len, block_q=block_q,
                                block_kv=block_kv, num_q_blocks=num_q_blocks, num_kv_blocks=kv_pad // block_kv,
-                               has_segments=has_segments, has_visits=visits is not None)
+                               has_segments=has_segments, has_visits=visits is not None, mods=mods)
 
     def q_block_of(i):
         return tiles.launch_order(i, num_q_blocks, reverse=band.right == 0)
@@ -173,6 +206,8 @@ def dq(q, k, v, do, lse2, delta, q_segment_ids=None, kv_segment_ids=None, visits
         in_specs += [pl.BlockSpec((SQUEEZED, block_q), lambda i, b, h: (b, q_block_of(i))),
                      pl.BlockSpec((SQUEEZED, kv_pad), lambda i, b, h: (b, 0))]
         operands += [q_segment_ids, kv_segment_ids]
+    mod_ops, mod_specs = tiles.mod_operands(mods, mod_arrays, q_pad, kv_pad)
+    in_specs, operands = in_specs + mod_specs, operands + mod_ops
     if visits is not None:
         in_specs, operands = [tiles.visits_spec(visits.shape, q_block_of)] + in_specs, [visits] + operands
     return pl.pallas_call(
@@ -187,22 +222,122 @@ def dq(q, k, v, do, lse2, delta, q_segment_ids=None, kv_segment_ids=None, visits
     )(*operands)
 
 
-def backward(q, k, v, do, lse2, delta, q_segment_ids=None, kv_segment_ids=None, dkdv_visits=None, dq_visits=None,
-             *, scale, band, kv_len, config, interpret):
-    """Padded inputs -> (dq, dk, dv).
+def _dbias_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, num_kv_blocks, batch, heads,
+                  group, has_segments, has_tiles, mods):
+    tiles_ref, refs = (refs[0], refs[1:]) if has_tiles else (None, refs)
+    (q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref), (q_seg_ref, kv_seg_ref), mod_refs, (dbias_ref,) = (
+        tiles.split_refs(refs, 6, has_segments, mods))
+    spans_b, spans_h, spans_q, spans_k = (int(d) for d in mods.bias_dims)
+    # The program's dbias tile sums dS over the positions the bias broadcasts over: every batch element,
+    # head, query block or key block along a dim of size 1, one (the program's own) along a full dim.
+    counts = (1 if spans_b else batch, 1 if spans_h else heads, 1 if spans_q else num_q_blocks,
+              1 if spans_k else num_kv_blocks)
+    firsts = tuple(pl.program_id(axis) * spans for axis, spans in ((2, spans_b), (3, spans_h), (0, spans_q),
+                                                                   (1, spans_k)))
+
+    def visit(step, dbias):
+        index = []  # decode step into (batch, head, q block, kv block) offsets, the last fastest
+        for count in reversed(counts):
+            index.append(step % count)
+            step = step // count
+        b, h, q_block, kv_block = (first + offset for first, offset in zip(firsts, reversed(index)))
+        q_slice, k_slice = pl.ds(q_block * block_q, block_q), pl.ds(kv_block * block_kv, block_kv)
+        q, do = q_ref[b, q_slice, h, :], do_ref[b, q_slice, h, :]
+        k, v = k_ref[b, k_slice, h // group, :], v_ref[b, k_slice, h // group, :]
+        position = dict(batch=b, head=h, q_start=q_block * block_q, k_start=kv_block * block_kv,
+                        block_q=block_q, block_kv=block_kv)
+        s, _ = tiles.modified_logits(tiles.dot(q, k, trans_b=True) * scale, mods, mod_refs, **position)
+        mask = tiles.tile_mask(q_block * block_q, kv_block * block_kv, block_q, block_kv, band=band, kv_len=kv_len,
+                               q_segment=q_seg_ref[b, q_slice] if has_segments else None,
+                               kv_segment=kv_seg_ref[b, k_slice] if has_segments else None)
+        if has_tiles:  # a block hidden by the block mask: P = 0 there (the LSE never saw it)
+            tile_b, tile_h = b * int(tiles_ref.shape[0] > 1), h * int(tiles_ref.shape[1] > 1)
+            visible = tiles_ref[tile_b, tile_h, q_block, kv_block] != 0
+            mask = visible if mask is None else jnp.logical_and(mask, visible)
+        if mask is not None:
+            s = jnp.where(mask, s, -jnp.inf)
+        p = jnp.exp2(s - lse2_ref[b, h, q_slice][:, None])
+        dp = tiles.dot(do, v, trans_b=True)
+        dropout = tiles.dropout_multiplier(mods, mod_refs, **position)
+        if dropout is not None:
+            dp = dp * dropout
+        ds = p * (dp - delta_ref[b, h, q_slice][:, None])  # d loss / d logit = d loss / d bias
+        if not spans_q:
+            ds = jnp.sum(ds, axis=0, keepdims=True)
+        if not spans_k:
+            ds = jnp.sum(ds, axis=1, keepdims=True)
+        return dbias + ds
+
+    shape = (block_q if spans_q else 1, block_kv if spans_k else 1)
+    dbias = lax.fori_loop(0, math.prod(counts), visit, jnp.zeros(shape, jnp.float32))
+    dbias_ref[...] = dbias.astype(dbias_ref.dtype)
+
+
+def dbias(q, k, v, do, lse2, delta, q_segment_ids=None, kv_segment_ids=None, mod_arrays=masks.ModArrays(),
+          visible_tiles=None, *, scale, band: masks.Band, kv_len, mods: masks.ScoreMods, block_q, block_kv,
+          num_warps, num_stages, interpret):
+    """d loss / d bias in the bias's own broadcast shape, padded: float32 [Bb, Hb, Tqb, Tkb] (Tqb = q_pad or
+    1, Tkb = kv_pad or 1). Its own pallas_call, so that XLA drops it when nothing consumes the bias's gradient.
+    With a block mask, `visible_tiles` (`block_sparse.visible_tiles`, int32 [batch or 1, heads or 1,
+    q_pad // block_q, kv_pad // block_kv]) is the optional first operand: hidden tiles contribute nothing.
+
+    Grid (bias query block, bias key block, bias batch, bias head): each program owns one tile of dbias and
+    loops over the batch elements, heads and blocks that the bias broadcasts over, recomputing P and dP
+    there (so no reduction crosses programs and nothing of size [batch, heads, q_len, kv_len] is stored).
+    """
+    batch, q_pad, heads, head_dim = q.shape
+    kv_pad, kv_heads = k.shape[1], k.shape[2]
+    spans_b, spans_h, spans_q, spans_k = mods.bias_dims
+    num_q_blocks, num_kv_blocks = q_pad // block_q, kv_pad // block_kv
+    out_shape = (batch if spans_b else 1, heads if spans_h else 1, q_pad if spans_q else 1,
+                 kv_pad if spans_k else 1)
+    operands = [q, k, v, do, lse2, delta]
+    if q_segment_ids is not None:
+        operands += [q_segment_ids, kv_segment_ids]
+    if visible_tiles is not None:
+        operands = [visible_tiles] + operands
+    mod_ops, mod_specs = tiles.mod_operands(mods, mod_arrays, q_pad, kv_pad)
+    kernel = functools.partial(_dbias_kernel, scale=scale, band=band, kv_len=kv_len, block_q=block_q,
+                               block_kv=block_kv, num_q_blocks=num_q_blocks, num_kv_blocks=num_kv_blocks,
+                               batch=batch, heads=heads, group=heads // kv_heads,
+                               has_segments=q_segment_ids is not None, has_tiles=visible_tiles is not None,
+                               mods=mods)
+    out_block = (SQUEEZED, SQUEEZED, block_q if spans_q else 1, block_kv if spans_k else 1)
+    return pl.pallas_call(
+        kernel,
+        grid=(num_q_blocks if spans_q else 1, num_kv_blocks if spans_k else 1, out_shape[0], out_shape[1]),
+        in_specs=[tiles.whole_block_spec(x) for x in operands] + mod_specs,
+        out_specs=pl.BlockSpec(out_block, lambda i, j, b, h: (b, h, i, j)),
+        out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32),
+        compiler_params=triton_params(num_warps, num_stages),
+        interpret=interpret,
+        name="flash_backward_dbias",
+    )(*operands, *mod_ops)
+
+
+def backward(q, k, v, do, lse2, delta, q_segment_ids=None, kv_segment_ids=None, mod_arrays=masks.ModArrays(),
+             block_tables=None, *, scale, band, kv_len, config, interpret, mods: masks.ScoreMods = masks.ScoreMods()):
+    """Padded inputs -> (dq, dk, dv, dbias or None).
 
     q, do: [batch, q_pad, heads, head_dim_pad]; k, v: [batch, kv_pad, kv_heads, head_dim_pad];
     lse2, delta: [batch, heads, q_pad] float32, lse2 = LSE * log2(e) with +inf on rows that saw no key
     (their recomputed P is then exactly 0); optional segment ids int32 [batch, q_pad] / [batch, kv_pad];
-    optional visit tables (`block_sparse.visit_tables`): per key block of the dK/dV kernel the query blocks
-    to visit, per query block of the dQ kernel the key blocks.
-    q_pad must be a multiple of both query blocks of `config`, kv_pad of both key blocks; `kv_len` is the
-    unpadded key length.
+    the score modifiers with their unpadded arrays; with a block mask, `block_tables` = (dkdv_visits,
+    dq_visits, visible_tiles): per key block of the dK/dV kernel the query blocks to visit, per query block
+    of the dQ kernel the key blocks (`block_sparse.visit_tables`), and the dQ tiling's visible tiles for
+    dbias. q_pad must be a multiple of both query blocks of `config`, kv_pad of both key blocks; `kv_len` is
+    the unpadded key length. dbias (see `dbias`) is computed when there is a bias; XLA removes it when its
+    result is unused.
     """
-    common = dict(scale=scale, band=band, kv_len=kv_len, interpret=interpret)
-    segments = (q_segment_ids, kv_segment_ids)
-    dk, dv = dkdv(q, k, v, do, lse2, delta, *segments, dkdv_visits, block_q=config.block_q_dkv, block_kv=config.block_kv_dkv,
+    dkdv_visits, dq_visits, visible_tiles = block_tables or (None, None, None)
+    common = dict(scale=scale, band=band, kv_len=kv_len, interpret=interpret, mods=mods)
+    inputs = (q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, mod_arrays)
+    dk, dv = dkdv(*inputs, dkdv_visits, block_q=config.block_q_dkv, block_kv=config.block_kv_dkv,
                   num_warps=config.num_warps_dkv, num_stages=config.num_stages_dkv, **common)
-    dq_ = dq(q, k, v, do, lse2, delta, *segments, dq_visits, block_q=config.block_q_dq, block_kv=config.block_kv_dq,
+    dq_ = dq(*inputs, dq_visits, block_q=config.block_q_dq, block_kv=config.block_kv_dq,
              num_warps=config.num_warps_dq, num_stages=config.num_stages_dq, **common)
-    return dq_, dk, dv
+    dbias_ = None
+    if mods.bias_dims is not None:
+        dbias_ = dbias(*inputs, visible_tiles, block_q=config.block_q_dq, block_kv=config.block_kv_dq,
+                       num_warps=config.num_warps_dq, num_stages=config.num_stages_dq, **common)
+    return dq_, dk, dv, dbias_

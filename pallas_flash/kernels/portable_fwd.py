@@ -4,9 +4,11 @@ Grid: (query block, batch, head). Each program owns `block_q` query rows of one 
 their output accumulator on chip, and loops over key blocks of its kv head with online softmax in the
 log2 domain (scale * log2(e) folded into the logits, so the exponentials are exp2). It visits only the
 key blocks inside its band (causal: at or below the diagonal; a local window: near it), and only tiles
-that cross the band's edges, hold the padded key tail, or carry segment ids pay for the mask. With a block
-mask, the optional first operand is a visit table (`block_sparse.visit_tables`): the program loops over
-the key blocks its row lists, fully visible ones first, and never loads the others.
+that cross the band's edges, hold the padded key tail, or carry segment ids pay for the band mask. With a
+block mask, the optional first operand is a visit table (`block_sparse.visit_tables`): the program loops over
+the key blocks its row lists, fully visible ones first, and never loads the others. Score modifiers (bias,
+boolean mask, ALiBi, soft cap, dropout; `tiles.modified_logits`) apply in every tile it visits; their
+operands follow the segment ids (`tiles.mod_operands`).
 Outputs: O [batch, q_len, heads, head_dim] and the natural-log LSE [batch, heads, q_len], the
 backward's only residual besides the inputs.
 """
@@ -25,13 +27,12 @@ from pallas_flash.kernels import tiles
 
 
 def _forward_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, num_kv_blocks, has_segments,
-                    has_visits):
+                    has_visits, mods):
     visits_ref, refs = (refs[0], refs[1:]) if has_visits else (None, refs)
-    if has_segments:
-        q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref = refs
-    else:
-        (q_ref, k_ref, v_ref, o_ref, lse_ref), q_seg_ref, kv_seg_ref = refs, None, None
+    (q_ref, k_ref, v_ref), (q_seg_ref, kv_seg_ref), mod_refs, (o_ref, lse_ref) = tiles.split_refs(
+        refs, 3, has_segments, mods)
     q_block = tiles.launch_order(pl.program_id(0), num_q_blocks, reverse=band.right == 0)
+    batch, head = pl.program_id(1), pl.program_id(2)  # read here: interpret mode has no program_id in loops
     q = q_ref[...]
     q_seg = q_seg_ref[...] if has_segments else None
     logit_scale = scale * tiles.LOG2E
@@ -39,7 +40,13 @@ def _forward_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks,
     def visit(kv_block, carry, *, masked):
         acc, row_max, row_sum = carry
         k_slice = pl.ds(kv_block * block_kv, block_kv)
-        s = tiles.dot(q, k_ref[k_slice, :], trans_b=True) * logit_scale
+        s = tiles.dot(q, k_ref[k_slice, :], trans_b=True)
+        position = dict(batch=batch, head=head, q_start=q_block * block_q,
+                        k_start=kv_block * block_kv, block_q=block_q, block_kv=block_kv)
+        if mods.active:  # the plain kernel keeps its single multiply
+            s, _ = tiles.modified_logits(s * scale, mods, mod_refs, **position)
+        else:
+            s = s * logit_scale
         if masked:
             mask = tiles.tile_mask(q_block * block_q, kv_block * block_kv, block_q, block_kv, band=band,
                                    kv_len=kv_len, q_segment=q_seg,
@@ -49,7 +56,10 @@ def _forward_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks,
         shift = tiles.safe_exp_shift(new_max)
         p = jnp.exp2(s - shift[:, None])
         correction = jnp.exp2(row_max - shift)
-        row_sum = correction * row_sum + jnp.sum(p, axis=1)
+        row_sum = correction * row_sum + jnp.sum(p, axis=1)  # un-dropped: the LSE is dropout's input's
+        dropout = tiles.dropout_multiplier(mods, mod_refs, **position)
+        if dropout is not None:
+            p = p * dropout
         v = v_ref[k_slice, :]
         acc = correction[:, None] * acc + tiles.dot(p.astype(v.dtype), v)
         return acc, new_max, row_sum
@@ -73,16 +83,18 @@ def _forward_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks,
     lse_ref[...] = jnp.where(empty, -jnp.inf, (row_max + jnp.log2(safe_sum)) * tiles.LN2)
 
 
-def forward(q, k, v, q_segment_ids=None, kv_segment_ids=None, visits=None, *, scale, band: masks.Band, kv_len,
-            block_q, block_kv, num_warps, num_stages, interpret):
+def forward(q, k, v, q_segment_ids=None, kv_segment_ids=None, mod_arrays=masks.ModArrays(), visits=None, *,
+            scale, band: masks.Band, kv_len, block_q, block_kv, num_warps, num_stages, interpret,
+            mods: masks.ScoreMods = masks.ScoreMods()):
     """Padded inputs -> (O, LSE).
 
     q: [batch, q_pad, heads, head_dim_pad]; k, v: [batch, kv_pad, kv_heads, head_dim_pad], with q_pad a
     multiple of block_q, kv_pad of block_kv, head_dim_pad a power of two; optional segment ids int32
     [batch, q_pad] / [batch, kv_pad]. `kv_len` is the unpadded key length. Optional `visits`: int32
     [batch or 1, heads or 1, q_pad // block_q, width], the key blocks of each query block
-    (`block_sparse.visit_tables`); without it the band decides. Returns o like q and lse [batch, heads,
-    q_pad] float32.
+    (`block_sparse.visit_tables`); without it the band decides. The score modifiers `mods` come with their
+    unpadded `mod_arrays` (`tiles.mod_operands` pads them). Returns o like q and lse [batch, heads, q_pad]
+    float32.
     """
     batch, q_pad, heads, head_dim = q.shape
     kv_pad, kv_heads = k.shape[1], k.shape[2]
@@ -101,11 +113,13 @@ def forward(q, k, v, q_segment_ids=None, kv_segment_ids=None, visits=None, *, sc
         in_specs += [pl.BlockSpec((SQUEEZED, block_q), lambda i, b, h: (b, q_block_of(i))),
                      pl.BlockSpec((SQUEEZED, kv_pad), lambda i, b, h: (b, 0))]
         operands += [q_segment_ids, kv_segment_ids]
+    mod_ops, mod_specs = tiles.mod_operands(mods, mod_arrays, q_pad, kv_pad)
+    in_specs, operands = in_specs + mod_specs, operands + mod_ops
     if visits is not None:
         in_specs, operands = [tiles.visits_spec(visits.shape, q_block_of)] + in_specs, [visits] + operands
     kernel = functools.partial(_forward_kernel, scale=scale, band=band, kv_len=kv_len, block_q=block_q,
                                block_kv=block_kv, num_q_blocks=num_q_blocks, num_kv_blocks=num_kv_blocks,
-                               has_segments=has_segments, has_visits=visits is not None)
+                               has_segments=has_segments, has_visits=visits is not None, mods=mods)
     return pl.pallas_call(
         kernel,
         grid=(num_q_blocks, batch, heads),

@@ -1,9 +1,11 @@
-"""Tile-level helpers shared by the portable forward and backward kernels: the matmul, the tile mask, and
-which blocks a program must visit (and which of those need the mask): a band's range, or a block-sparse
-visit table."""
+"""Tile-level helpers shared by the portable forward and backward kernels: the matmul, the tile mask, which
+blocks a program must visit (and which of those need the mask): a band's range or a block-sparse visit table,
+and the score modifiers."""
 from __future__ import annotations
 
+import functools
 import math
+import typing
 
 import jax.numpy as jnp
 from jax import lax
@@ -131,3 +133,113 @@ def launch_order(program, num_q_blocks: int, reverse: bool):
     """Query block handled by a program. With a causal band, query blocks near the end visit the most
     key blocks: launching them first keeps the longest programs from trailing behind in the last wave."""
     return num_q_blocks - 1 - program if reverse else program
+
+
+# ---- Score modifiers on a tile (see masks.py for their definition) ------------------------------------------
+
+
+class ModRefs(typing.NamedTuple):
+    """The kernels' refs to the score modifiers' operands, None where absent (see `mod_operands`)."""
+
+    bias: typing.Any = None
+    mask: typing.Any = None
+    slopes: typing.Any = None
+    seed: typing.Any = None
+
+
+def mod_operands(mods: masks.ScoreMods, mod_arrays: masks.ModArrays, q_pad: int, kv_pad: int, *,
+                 keys_major: bool = False):
+    """The modifiers' arrays as one operand group appended to a pallas_call's operands, and their specs.
+
+    Every operand is passed whole (its block is the full array; a kernel indexes the tile it needs), so the
+    group is the same for every grid. bias: float [Bb, Hb, Tqb, Tkb] with each dim 1 or full, lengths padded
+    with 0 to q_pad / kv_pad; mask: the same as int32 (1 = attend; padding 0), as Triton loads int32 more
+    reliably than bool; with `keys_major` both are transposed to [.., Tkb, Tqb] for the transposed tiles of
+    the dK/dV kernel. slopes: float32 [batch, heads]; seed: uint32 [2].
+    """
+    def pad(x, dims, value):
+        widths = [(0, 0), (0, 0), (0, q_pad - x.shape[2] if dims[2] else 0), (0, kv_pad - x.shape[3] if dims[3] else 0)]
+        x = jnp.pad(x, widths, constant_values=value)
+        return jnp.swapaxes(x, 2, 3) if keys_major else x
+
+    operands = []
+    if mods.bias_dims is not None:
+        operands.append(pad(mod_arrays.bias, mods.bias_dims, 0))
+    if mods.mask_dims is not None:
+        operands.append(pad(mod_arrays.mask.astype(jnp.int32), mods.mask_dims, 0))
+    if mods.alibi:
+        operands.append(mod_arrays.alibi_slopes)
+    if mods.dropout_rate > 0.0:
+        operands.append(mod_arrays.dropout_seed)
+    return operands, [whole_block_spec(x) for x in operands]
+
+
+def whole_block_spec(x):
+    """A BlockSpec whose block is all of x, for any grid."""
+    return pl.BlockSpec(x.shape, lambda *program_ids: (0,) * x.ndim)
+
+
+def split_refs(refs, num_inputs: int, has_segments: bool, mods: masks.ScoreMods):
+    """A kernel's refs -> (inputs, (q_segment, kv_segment) or (None, None), ModRefs, outputs): the fixed
+    inputs come first, then the segment-id group, then the modifier group, then the outputs. (A block-sparse
+    visit table precedes them all: kernels take it off before calling this.)"""
+    inputs, rest = refs[:num_inputs], refs[num_inputs:]
+    segments = (None, None)
+    if has_segments:
+        segments, rest = rest[:2], rest[2:]
+    present = (mods.bias_dims is not None, mods.mask_dims is not None, mods.alibi, mods.dropout_rate > 0.0)
+    found = []
+    for flag in present:
+        found.append(rest[0] if flag else None)
+        rest = rest[1:] if flag else rest
+    return inputs, segments, ModRefs(*found), rest
+
+
+def _positions(start, block):
+    return start + lax.iota(jnp.int32, block)
+
+
+def _mod_tile(ref, dims, batch, head, q_start, k_start, block_q, block_kv, keys_major):
+    """The [block_q | 1, block_kv | 1] tile of a broadcastable [B, H, Tq, Tk] operand ([.., Tk, Tq] and
+    transposed with `keys_major`); batch/head indices are multiplied by 0 where the operand has size 1 (no
+    scalar select, which the Triton lowering lacks)."""
+    q_slice = pl.ds(q_start, block_q) if dims[2] else pl.ds(0, 1)
+    k_slice = pl.ds(k_start, block_kv) if dims[3] else pl.ds(0, 1)
+    b, h = batch * int(dims[0]), head * int(dims[1])
+    return ref[b, h, k_slice, q_slice] if keys_major else ref[b, h, q_slice, k_slice]
+
+
+def modified_logits(x, mods: masks.ScoreMods, refs: ModRefs, *, batch, head, q_start, k_start, block_q: int,
+                    block_kv: int, keys_major: bool = False):
+    """Scaled logits x (natural units) of a tile -> (logits in log2 units, -inf where the mask hides the key;
+    d logits / d x for a soft cap, else None). Tiles are [block_q, block_kv], or [block_kv, block_q] with
+    `keys_major`."""
+    q_pos, k_pos = _positions(q_start, block_q), _positions(k_start, block_kv)
+    q_pos, k_pos = (q_pos[None, :], k_pos[:, None]) if keys_major else (q_pos[:, None], k_pos[None, :])
+    grad_factor = None
+    if mods.soft_cap is not None:
+        x = masks.soft_cap(x, mods.soft_cap)
+        grad_factor = masks.soft_cap_grad(x, mods.soft_cap)
+    tile = functools.partial(_mod_tile, batch=batch, head=head, q_start=q_start, k_start=k_start,
+                             block_q=block_q, block_kv=block_kv, keys_major=keys_major)
+    bias = tile(refs.bias, mods.bias_dims) if mods.bias_dims is not None else None
+    slope = refs.slopes[batch, head] if mods.alibi else None
+    s = masks.add_biases(x, q_pos=q_pos, k_pos=k_pos, bias=bias, slope=slope) * LOG2E
+    if mods.mask_dims is not None:
+        s = jnp.where(tile(refs.mask, mods.mask_dims) != 0, s, -jnp.inf)
+    return s, grad_factor
+
+
+def dropout_multiplier(mods: masks.ScoreMods, refs: ModRefs, *, batch, head, q_start, k_start, block_q: int,
+                       block_kv: int, keys_major: bool = False):
+    """keep / (1 - rate) on a tile (laid out as in `modified_logits`), or None without dropout. The hash
+    runs once per query row, then once per element (`masks.dropout_row_hash`, `masks.dropout_keep`)."""
+    if mods.dropout_rate == 0.0:
+        return None
+    if mods.broadcast_dropout:
+        batch, head = 0, 0
+    q_pos, k_pos = _positions(q_start, block_q), _positions(k_start, block_kv)
+    q_pos, k_pos = (q_pos[None, :], k_pos[:, None]) if keys_major else (q_pos[:, None], k_pos[None, :])
+    row_hash = masks.dropout_row_hash(refs.seed[0], refs.seed[1], batch, head, q_pos)
+    keep = masks.dropout_keep(row_hash, k_pos, mods.dropout_rate)
+    return jnp.where(keep, 1.0 / (1.0 - mods.dropout_rate), 0.0)
