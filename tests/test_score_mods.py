@@ -9,6 +9,8 @@ import pytest
 
 import pallas_flash as pf
 from pallas_flash import masks
+from pallas_flash._compat import TritonCompilerParams
+from pallas_flash.kernels import portable
 from tests.conftest import has_nvidia_gpu
 from tests.test_attention import SMALL_BLOCKS, make_inputs
 from tests.tolerances import GRADIENT, assert_close
@@ -310,6 +312,31 @@ def test_modifiers_with_block_mask(case, is_causal, impl):
     kwargs = dict(_block_mask_case(case, SHAPE), block_mask=_block_mask(SHAPE))
     empty = check_against_reference(impl, SHAPE, jnp.float32, is_causal, kwargs, SMALL_BLOCKS)
     assert empty.any(), "the block mask hides a whole query block of head 0"
+
+
+@pytest.mark.skipif(TritonCompilerParams is None, reason="this JAX has no Pallas Triton lowering")
+def test_kernels_with_modifiers_and_block_mask_lower_to_triton_for_cuda():
+    """Forward, dK/dV, dQ and dbias with a bias, dropout and a per-head block mask, lowered for CUDA on this
+    machine (Pallas's Triton lowering runs without a GPU), so that what it rejects fails in CI."""
+    batch, q_len, kv_len, heads, kv_heads, head_dim = 2, 256, 200, 4, 2, 64
+    block_mask = pf.BlockMask(np.random.default_rng(80).random((1, heads, 4, 4)) < 0.5, 64, 64)
+    q = jax.ShapeDtypeStruct((batch, q_len, heads, head_dim), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((batch, kv_len, kv_heads, head_dim), jnp.bfloat16)
+    bias = jax.ShapeDtypeStruct((1, heads, 1, kv_len), jnp.float32)
+    mods = masks.ScoreMods(bias_dims=(False, True, False, True), dropout_rate=0.1)
+
+    def fwd_bwd(q, k, v, bias):  # the kernels' own entry point: flash_attention would pick interpret mode here
+        fn = lambda q, k, v, bias: portable.flash_attention_portable(
+            q, k, v, scale=0.1, band=masks.Band.of(True), config=pf.KernelConfig.default(head_dim),
+            interpret=False, block_mask=block_mask, mods=mods,
+            mod_arrays=masks.ModArrays(bias=bias, dropout_seed=jnp.array([1, 2], jnp.uint32)))
+        out, vjp = jax.vjp(fn, q, k, v, bias)
+        return vjp(out)
+
+    triton = "__gpu$xla.gpu.triton"
+    exported = jax.export.export(jax.jit(fwd_bwd), platforms=["cuda"],
+                                 disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)])(q, k, k, bias)
+    assert exported.mlir_module().count(f"stablehlo.custom_call @{triton}") == 4
 
 
 # ---- GPU: the compiled kernels at realistic sizes ---------------------------------------------------------------

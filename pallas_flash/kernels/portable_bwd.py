@@ -238,8 +238,10 @@ def _dbias_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, n
     def visit(step, dbias):
         index = []  # decode step into (batch, head, q block, kv block) offsets, the last fastest
         for count in reversed(counts):
-            index.append(step % count)
-            step = step // count
+            # lax.rem/div, not % and //: jnp's floor versions add a sign fix-up whose boolean operand the
+            # Triton lowering rejects (step >= 0, so truncating is the same).
+            index.append(lax.rem(step, count))
+            step = lax.div(step, count)
         b, h, q_block, kv_block = (first + offset for first, offset in zip(firsts, reversed(index)))
         q_slice, k_slice = pl.ds(q_block * block_q, block_q), pl.ds(kv_block * block_kv, block_kv)
         q, do = q_ref[b, q_slice, h, :], do_ref[b, q_slice, h, :]
