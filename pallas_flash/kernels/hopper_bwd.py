@@ -35,7 +35,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flash.config import H100_SHARED_MEMORY, NUM_CONSUMERS, HopperBwdConfig
 from pallas_flash.kernels.hopper_fwd import (CONSUMER_REGISTERS, HEAD_DIM_TILE, LOG2E, PRODUCER_REGISTERS,
-                                             _pad_axis, _round_up, padded_head_dim)
+                                             _pad_axis, _round_up, padded_head_dim, stream_kv_blocks)
 
 MAX_HEAD_DIM = 128  # at 256, K and V of a 128-key CTA alone take 128 KiB of shared memory
 
@@ -264,22 +264,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dq_ref, scoped,
     @pl.when(wg == NUM_CONSUMERS)
     def _producer():
         plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-        kv_head = lax.div(head, group)
-
-        def load(kv_step, slot, wait_free: bool):
-            rows = (batch, pl.ds(kv_step * block_kv, block_kv), kv_head)
-            for ref, smem, ready, free in ((k_ref, k_smem, k_ready, k_free), (v_ref, v_smem, v_ready, v_free)):
-                if wait_free:
-                    plgpu.barrier_wait(free.at[slot])
-                plgpu.copy_gmem_to_smem(ref.at[rows], smem.at[slot], ready.at[slot])
-
-        @pl.loop(0, jnp.minimum(num_stages, kv_steps))
-        def _fill(kv_step):
-            load(kv_step, kv_step, wait_free=False)
-
-        @pl.loop(num_stages, kv_steps)
-        def _stream(kv_step):
-            load(kv_step, lax.rem(kv_step, num_stages), wait_free=True)
+        stream_kv_blocks((k_ref, v_ref), (k_smem, v_smem), (k_ready, v_ready), (k_free, v_free), batch=batch,
+                         kv_head=lax.div(head, group), block_kv=block_kv, num_stages=num_stages, kv_steps=kv_steps)
 
 
 def _dkdv(q, k, v, d_out, lse2, delta, *, scale: float, is_causal: bool, config: HopperBwdConfig):

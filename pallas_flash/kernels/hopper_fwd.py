@@ -199,24 +199,31 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scoped, *, scale: float, is_c
     @pl.when(wg == NUM_CONSUMERS)
     def _producer():
         plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-        kv_head = lax.div(head, group)
+        stream_kv_blocks((k_ref, v_ref), (k_smem, v_smem), (k_ready, v_ready), (k_free, v_free), batch=batch,
+                         kv_head=lax.div(head, group), block_kv=block_kv, num_stages=num_stages, kv_steps=kv_steps)
 
-        def load(kv_step, slot, wait_free: bool):
-            rows = (batch, pl.ds(kv_step * block_kv, block_kv), kv_head)
-            # K of step i + num_stages may land once both consumers finished QK^T of step i, before they
-            # finish its PV: K and V have separate "free" barriers.
-            for ref, smem, ready, free in ((k_ref, k_smem, k_ready, k_free), (v_ref, v_smem, v_ready, v_free)):
-                if wait_free:
-                    plgpu.barrier_wait(free.at[slot])
-                plgpu.copy_gmem_to_smem(ref.at[rows], smem.at[slot], ready.at[slot])
 
-        @pl.loop(0, jnp.minimum(num_stages, kv_steps))
-        def _fill(kv_step):
-            load(kv_step, kv_step, wait_free=False)
+def stream_kv_blocks(gmem, smem, ready, free, *, batch, kv_head, block_kv: int, num_stages: int, kv_steps):
+    """The producer warpgroup's loop (this forward's and the dQ kernel's): TMA key/value blocks 0 .. kv_steps-1
+    of (batch, kv_head) into a `num_stages` shared-memory ring. `gmem`, `smem`, `ready`, `free` are (key,
+    value) pairs of refs and barriers; slot s is refilled once the consumers arrive on its "free" barrier.
+    K of step i + num_stages may land once both consumers finished Q K^T of step i, before they finish its
+    P V: K and V have separate "free" barriers."""
 
-        @pl.loop(num_stages, kv_steps)
-        def _stream(kv_step):
-            load(kv_step, lax.rem(kv_step, num_stages), wait_free=True)
+    def load(kv_step, slot, wait_free: bool):
+        rows = (batch, pl.ds(kv_step * block_kv, block_kv), kv_head)
+        for ref, ring, is_ready, is_free in zip(gmem, smem, ready, free):
+            if wait_free:
+                plgpu.barrier_wait(is_free.at[slot])
+            plgpu.copy_gmem_to_smem(ref.at[rows], ring.at[slot], is_ready.at[slot])
+
+    @pl.loop(0, jnp.minimum(num_stages, kv_steps))
+    def _fill(kv_step):
+        load(kv_step, kv_step, wait_free=False)
+
+    @pl.loop(num_stages, kv_steps)
+    def _stream(kv_step):
+        load(kv_step, lax.rem(kv_step, num_stages), wait_free=True)
 
 
 def _forward_padded(q, k, v, *, scale: float, is_causal: bool, kv_len: int, config: HopperConfig,
