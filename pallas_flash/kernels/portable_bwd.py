@@ -74,17 +74,16 @@ def _dkdv_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, gr
         return dk, dv
 
     if not has_visits:
-        lo, unmasked_lo, unmasked_hi, hi = tiles.q_block_range(
+        block_range = tiles.q_block_range(
             kv_block, block_q=block_q, block_kv=block_kv, num_q_blocks=num_q_blocks, kv_len=kv_len, band=band,
             always_mask=has_segments)
 
     def per_head(head, carry):
+        visit_head = functools.partial(visit, head=head)
         if has_visits:  # block-sparse: the table lists the query blocks that see this key block, per head
             row = head if visits_ref.shape[0] > 1 else 0
-            return tiles.visit_blocks(lambda i: visits_ref[row, i], functools.partial(visit, head=head), carry)
-        carry = lax.fori_loop(lo, unmasked_lo, functools.partial(visit, head=head, masked=True), carry)
-        carry = lax.fori_loop(unmasked_lo, unmasked_hi, functools.partial(visit, head=head, masked=False), carry)
-        return lax.fori_loop(unmasked_hi, hi, functools.partial(visit, head=head, masked=True), carry)
+            return tiles.visit_blocks(lambda i: visits_ref[row, i], visit_head, carry)
+        return tiles.visit_band(visit_head, carry, block_range)
 
     zeros = jnp.zeros(k.shape, jnp.float32)
     dk, dv = lax.fori_loop(0, group, per_head, (zeros, zeros))
@@ -134,12 +133,9 @@ def _dq_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, num_
     if has_visits:  # block-sparse: the table lists this query block's key blocks
         dq = tiles.visit_blocks(lambda i: visits_ref[i], visit, dq)
     else:
-        lo, unmasked_lo, unmasked_hi, hi = tiles.kv_block_range(
+        dq = tiles.visit_band(visit, dq, tiles.kv_block_range(
             q_block, block_q=block_q, block_kv=block_kv, num_kv_blocks=num_kv_blocks, kv_len=kv_len, band=band,
-            always_mask=has_segments)
-        dq = lax.fori_loop(lo, unmasked_lo, functools.partial(visit, masked=True), dq)
-        dq = lax.fori_loop(unmasked_lo, unmasked_hi, functools.partial(visit, masked=False), dq)
-        dq = lax.fori_loop(unmasked_hi, hi, functools.partial(visit, masked=True), dq)
+            always_mask=has_segments))
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 

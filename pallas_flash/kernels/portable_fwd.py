@@ -18,7 +18,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_flash import masks
@@ -70,12 +69,9 @@ def _forward_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks,
     if has_visits:  # block-sparse: the table lists this query block's key blocks
         acc, row_max, row_sum = tiles.visit_blocks(lambda i: visits_ref[i], visit, carry)
     else:
-        lo, unmasked_lo, unmasked_hi, hi = tiles.kv_block_range(
+        acc, row_max, row_sum = tiles.visit_band(visit, carry, tiles.kv_block_range(
             q_block, block_q=block_q, block_kv=block_kv, num_kv_blocks=num_kv_blocks, kv_len=kv_len, band=band,
-            always_mask=has_segments)
-        carry = lax.fori_loop(lo, unmasked_lo, functools.partial(visit, masked=True), carry)
-        carry = lax.fori_loop(unmasked_lo, unmasked_hi, functools.partial(visit, masked=False), carry)
-        acc, row_max, row_sum = lax.fori_loop(unmasked_hi, hi, functools.partial(visit, masked=True), carry)
+            always_mask=has_segments))
 
     empty = row_sum == 0.0  # no visible key: output 0, lse -inf
     safe_sum = jnp.where(empty, 1.0, row_sum)

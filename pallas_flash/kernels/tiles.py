@@ -96,6 +96,15 @@ def q_block_range(kv_block, *, block_q: int, block_kv: int, num_q_blocks: int, k
     return lo, unmasked_lo, unmasked_hi, hi
 
 
+def visit_band(visit, carry, block_range):
+    """`visit(block, carry, masked=...)` over a band's blocks, `block_range` = (lo, unmasked_lo, unmasked_hi,
+    hi) from `kv_block_range` / `q_block_range`: only the blocks on the band's edges pay for the mask."""
+    lo, unmasked_lo, unmasked_hi, hi = block_range
+    carry = lax.fori_loop(lo, unmasked_lo, functools.partial(visit, masked=True), carry)
+    carry = lax.fori_loop(unmasked_lo, unmasked_hi, functools.partial(visit, masked=False), carry)
+    return lax.fori_loop(unmasked_hi, hi, functools.partial(visit, masked=True), carry)
+
+
 def visit_blocks(read, visit, carry):
     """`visit(block, carry, masked=...)` over the blocks of one row of a visit table
     (`block_sparse.visit_tables`), whose entry i is `read(i)`: the fully visible blocks without the token
