@@ -35,7 +35,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flash.config import H100_SHARED_MEMORY, NUM_CONSUMERS, HopperBwdConfig
 from pallas_flash.kernels.hopper_fwd import (CONSUMER_REGISTERS, HEAD_DIM_TILE, LOG2E, PRODUCER_REGISTERS,
-                                             _pad_axis, _round_up, padded_head_dim, stream_kv_blocks)
+                                             _pad_axis, _round_up, padded_head_dim, query_tile_schedule,
+                                             stream_kv_blocks)
 
 MAX_HEAD_DIM = 128  # at 256, K and V of a 128-key CTA alone take 128 KiB of shared memory
 
@@ -188,14 +189,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dq_ref, scoped,
     num_kv_blocks = k_ref.shape[1] // block_kv
     dtype = q_ref.dtype
     batch, head = lax.axis_index("batch"), lax.axis_index("heads")
-    tile = lax.axis_index("q_tiles")
-    if is_causal:  # the last query tiles visit the most key blocks: launch them first
-        tile = num_q_tiles - 1 - tile
-    tile_start = tile * (NUM_CONSUMERS * block_q)
-    if is_causal:  # key blocks up to the diagonal of the CTA's last row
-        kv_steps = jnp.minimum(pl.cdiv(tile_start + NUM_CONSUMERS * block_q, block_kv), num_kv_blocks)
-    else:
-        kv_steps = num_kv_blocks
+    tile_start, kv_steps = query_tile_schedule(num_q_tiles, block_q=block_q, block_kv=block_kv,
+                                               num_kv_blocks=num_kv_blocks, is_causal=is_causal)
     wg = lax.axis_index("wg")
 
     @pl.when(wg < NUM_CONSUMERS)

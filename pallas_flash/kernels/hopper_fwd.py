@@ -85,15 +85,8 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scoped, *, scale: float, is_c
     num_kv_blocks = k_ref.shape[1] // block_kv
     dtype = q_ref.dtype
     batch, head = lax.axis_index("batch"), lax.axis_index("heads")
-    tile = lax.axis_index("q_tiles")
-    if is_causal:  # the last query tiles visit the most key blocks: launch them first
-        tile = num_q_tiles - 1 - tile
-    tile_start = tile * (NUM_CONSUMERS * block_q)
-    # Key blocks this CTA visits: all of them, or (causal) up to the diagonal of its last row.
-    if is_causal:
-        kv_steps = jnp.minimum(pl.cdiv(tile_start + NUM_CONSUMERS * block_q, block_kv), num_kv_blocks)
-    else:
-        kv_steps = num_kv_blocks
+    tile_start, kv_steps = query_tile_schedule(num_q_tiles, block_q=block_q, block_kv=block_kv,
+                                               num_kv_blocks=num_kv_blocks, is_causal=is_causal)
     wg = lax.axis_index("wg")
 
     def take_turn():
@@ -201,6 +194,20 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scoped, *, scale: float, is_c
         plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
         stream_kv_blocks((k_ref, v_ref), (k_smem, v_smem), (k_ready, v_ready), (k_free, v_free), batch=batch,
                          kv_head=lax.div(head, group), block_kv=block_kv, num_stages=num_stages, kv_steps=kv_steps)
+
+
+def query_tile_schedule(num_q_tiles: int, *, block_q: int, block_kv: int, num_kv_blocks: int, is_causal: bool):
+    """The first query row of this CTA's tile of NUM_CONSUMERS * block_q rows (grid axis "q_tiles"), and how
+    many key blocks it visits: all of them, or (causal) those up to the diagonal of its last row. Causal
+    tiles run in reverse: the last ones visit the most key blocks, so they launch first. Shared by the
+    forward and the dQ kernel."""
+    tile = lax.axis_index("q_tiles")
+    if is_causal:
+        tile = num_q_tiles - 1 - tile
+    tile_start = tile * (NUM_CONSUMERS * block_q)
+    if not is_causal:
+        return tile_start, num_kv_blocks
+    return tile_start, jnp.minimum(pl.cdiv(tile_start + NUM_CONSUMERS * block_q, block_kv), num_kv_blocks)
 
 
 def stream_kv_blocks(gmem, smem, ready, free, *, batch, kv_head, block_kv: int, num_stages: int, kv_steps):
