@@ -162,9 +162,9 @@ def timings():
                 f"{res['cudnn'] / res['portable']:.3f}x", flush=True)
 
 
-SWEEP = {128: [HopperBwdConfig.default(128), HopperBwdConfig(64, 64, 2, 64, 64, 2),
+SWEEP = {128: [HopperBwdConfig(64, 64, 3, 64, 64, 3), HopperBwdConfig(64, 64, 2, 64, 64, 2),
                HopperBwdConfig(128, 64, 2, 64, 64, 3), HopperBwdConfig(64, 64, 3, 64, 128, 2)],
-         64: [HopperBwdConfig.default(64), HopperBwdConfig(64, 64, 3, 64, 64, 3),
+         64: [HopperBwdConfig(128, 64, 3, 64, 128, 3), HopperBwdConfig(64, 64, 3, 64, 64, 3),
               HopperBwdConfig(128, 64, 2, 64, 128, 2), HopperBwdConfig(128, 64, 4, 64, 64, 4)]}
 
 

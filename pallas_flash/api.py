@@ -42,6 +42,18 @@ def _shared_memory_bytes() -> int:
     return 163 * 1024 if (major, minor) in ((8, 0), (8, 7)) else 99 * 1024
 
 
+def _score_tile_bytes(mods: masks.ScoreMods, mod_arrays: masks.ModArrays) -> int:
+    """Bytes per logit of the bias/mask tiles the portable kernels stream beside K and V: a bias or mask
+    that spans both queries and keys is read as a [block_q, block_kv] tile per step (one that spans only
+    one of them is a vector: negligible)."""
+    tile_bytes = 0
+    if mods.bias_dims is not None and mods.bias_dims[2] and mods.bias_dims[3]:
+        tile_bytes += jnp.dtype(mod_arrays.bias.dtype).itemsize
+    if mods.mask_dims is not None and mods.mask_dims[2] and mods.mask_dims[3]:
+        tile_bytes += 1  # bool, one byte per element
+    return tile_bytes
+
+
 def _check_inputs(query, key, value):
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
@@ -275,7 +287,8 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, segment_i
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
     if config is None:
-        config = KernelConfig.default(head_dim, jnp.dtype(query.dtype).itemsize, _shared_memory_bytes())
+        config = KernelConfig.default(head_dim, jnp.dtype(query.dtype).itemsize, _shared_memory_bytes(),
+                                      _score_tile_bytes(mods, mod_arrays))
     elif not isinstance(config, KernelConfig):
         raise TypeError(f"config must be a pallas_flash.KernelConfig, got {type(config).__name__}")
     scale = float(scale)

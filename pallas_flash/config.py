@@ -101,15 +101,15 @@ class HopperBwdConfig:
 
     @classmethod
     def default(cls, head_dim: int) -> "HopperBwdConfig":
-        """Per padded head_dim (a multiple of 64). Not yet tuned on the H100 (pallas_flash/kernels/NOTES.md,
-        "Hopper backward"): register budgets of FA3's tiles; 128-wide S/dP tiles only where head_dim 64 leaves
-        the registers for them."""
+        """Per padded head_dim (a multiple of 64), from the H100 tile sweep of 2026-11-23 (pallas_flash/kernels/
+        NOTES.md, "Hopper backward"): 2-stage rings beat 3 (3-5% at head_dim 128, 1-2% at 64); 128-query
+        Q/dO blocks in the dK/dV kernel only where head_dim 64 leaves the registers for them."""
         if head_dim <= 64:
-            return cls(block_q_dkv=128, block_kv_dkv=64, num_stages_dkv=3, block_q_dq=64, block_kv_dq=128,
-                       num_stages_dq=3)
+            return cls(block_q_dkv=128, block_kv_dkv=64, num_stages_dkv=2, block_q_dq=64, block_kv_dq=128,
+                       num_stages_dq=2)
         if head_dim <= 128:
-            return cls(block_q_dkv=64, block_kv_dkv=64, num_stages_dkv=3, block_q_dq=64, block_kv_dq=64,
-                       num_stages_dq=3)
+            return cls(block_q_dkv=64, block_kv_dkv=64, num_stages_dkv=2, block_q_dq=64, block_kv_dq=64,
+                       num_stages_dq=2)
         # head_dim 256: K and V of 128 keys alone take 128 KiB of the dK/dV kernel's shared memory.
         raise ValueError(f"the Hopper backward takes head_dim <= 128, got {head_dim}")
 
@@ -166,22 +166,30 @@ class KernelConfig:
                 raise ValueError(f"KernelConfig.{field.name} must be at least 16 (a tensor-core tile), got {value}")
 
     @classmethod
-    def default(cls, head_dim: int, itemsize: int = 2, shared_memory_bytes: int = H100_SHARED_MEMORY) -> "KernelConfig":
+    def default(cls, head_dim: int, itemsize: int = 2, shared_memory_bytes: int = H100_SHARED_MEMORY,
+                score_tile_bytes: int = 0) -> "KernelConfig":
         """The fastest variants measured on H100 for 2-byte inputs (pallas_flash/kernels/NOTES.md), shrunk
         until their pipelined tiles fit `shared_memory_bytes` at this `itemsize` (float32 doubles the tiles;
-        smaller GPUs have less shared memory)."""
-        return _tuned(head_dim).fit_shared_memory(_padded_head_dim(head_dim), itemsize, shared_memory_bytes)
+        smaller GPUs have less shared memory). `score_tile_bytes`: bytes per logit of the score-modifier
+        tiles streamed beside K and V (a bias or mask spanning both queries and keys; 0 without)."""
+        return _tuned(head_dim).fit_shared_memory(_padded_head_dim(head_dim), itemsize, shared_memory_bytes,
+                                                  score_tile_bytes)
 
-    def shared_memory(self, head_dim: int, itemsize: int) -> dict:
-        """Estimated bytes of shared memory per kernel: num_stages copies of the two tiles its loop streams
-        (K and V in the forward and dQ kernels, Q and dO in the dK/dV kernel) plus the tiles it keeps
-        resident (Q; K and V; Q and dO), which the matmuls may stage through shared memory too."""
+    def shared_memory(self, head_dim: int, itemsize: int, score_tile_bytes: int = 0) -> dict:
+        """Estimated bytes of shared memory per kernel: num_stages copies of the tiles its loop streams
+        (K and V in the forward and dQ kernels, Q and dO in the dK/dV kernel, and a [block_q, block_kv]
+        bias/mask tile of `score_tile_bytes` per logit) plus the tiles it keeps resident (Q; K and V; Q and
+        dO), which the matmuls may stage through shared memory too."""
         row = head_dim * itemsize
-        return {"forward": (self.num_stages * 2 * self.block_kv + self.block_q) * row,
-                "dkdv": (self.num_stages_dkv * 2 * self.block_q_dkv + 2 * self.block_kv_dkv) * row,
-                "dq": (self.num_stages_dq * 2 * self.block_kv_dq + 2 * self.block_q_dq) * row}
+        return {"forward": (self.num_stages * 2 * self.block_kv + self.block_q) * row
+                           + self.num_stages * self.block_q * self.block_kv * score_tile_bytes,
+                "dkdv": (self.num_stages_dkv * 2 * self.block_q_dkv + 2 * self.block_kv_dkv) * row
+                        + self.num_stages_dkv * self.block_q_dkv * self.block_kv_dkv * score_tile_bytes,
+                "dq": (self.num_stages_dq * 2 * self.block_kv_dq + 2 * self.block_q_dq) * row
+                      + self.num_stages_dq * self.block_q_dq * self.block_kv_dq * score_tile_bytes}
 
-    def fit_shared_memory(self, head_dim: int, itemsize: int, budget: int) -> "KernelConfig":
+    def fit_shared_memory(self, head_dim: int, itemsize: int, budget: int,
+                          score_tile_bytes: int = 0) -> "KernelConfig":
         """Fewer stages (down to 2), then smaller streamed blocks, then smaller resident blocks, until every
         kernel's estimate fits `budget`."""
         config = self
@@ -189,7 +197,7 @@ class KernelConfig:
                       "dkdv": ("num_stages_dkv", "block_q_dkv", "block_kv_dkv"),
                       "dq": ("num_stages_dq", "block_kv_dq", "block_q_dq")}
         for kernel, (stages, streamed, resident) in shrinkable.items():
-            while config.shared_memory(head_dim, itemsize)[kernel] > budget:
+            while config.shared_memory(head_dim, itemsize, score_tile_bytes)[kernel] > budget:
                 if getattr(config, stages) > 2:
                     change = {stages: getattr(config, stages) - 1}
                 elif getattr(config, streamed) > 16:

@@ -362,3 +362,24 @@ def _gpu_case(name, shape):
                          ids=lambda s: "x".join(map(str, s)))
 def test_gpu_modifiers_default_blocks(shape, case, dtype, is_causal):
     check_against_reference("pallas", shape, dtype, is_causal, _gpu_case(case, shape), None, seed=3)
+
+
+@pytest.mark.parametrize("bias_dtype", [jnp.float32, jnp.bfloat16, None])
+@pytest.mark.parametrize("mask_spans_queries", [True, False])
+def test_default_tiles_leave_room_for_bias_and_mask_tiles(bias_dtype, mask_spans_queries):
+    """A bias or mask spanning queries and keys is streamed as a [block_q, block_kv] tile beside K and V; at
+    head_dim 128 in bf16 the tuned tiles alone nearly fill an H100's shared memory, so the default config
+    must shrink (Triton refused the unshrunk tiles with a float32 bias on the H100, 2026-11-23)."""
+    batch, q_len, kv_len, heads = 1, 256, 256, 4
+    q = jnp.zeros((batch, q_len, heads, 128), jnp.bfloat16)
+    bias = None if bias_dtype is None else jnp.zeros((batch, heads, q_len, kv_len), bias_dtype)
+    mask = jnp.ones((batch, 1, q_len if mask_spans_queries else 1, kv_len), bool)
+    mods, mod_arrays = pf.api._score_mods(q, q, bias, mask, None, None, 0.0, None, False)
+    tile_bytes = pf.api._score_tile_bytes(mods, mod_arrays)
+    expected = ((0 if bias_dtype is None else jnp.dtype(bias_dtype).itemsize) + (1 if mask_spans_queries else 0))
+    assert tile_bytes == expected
+    config = pf.KernelConfig.default(128, 2, pf.config.H100_SHARED_MEMORY, tile_bytes)
+    needed = config.shared_memory(128, 2, tile_bytes)
+    assert max(needed.values()) <= pf.config.H100_SHARED_MEMORY
+    if tile_bytes:
+        assert config != pf.KernelConfig.default(128, 2)
