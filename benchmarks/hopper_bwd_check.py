@@ -2,6 +2,8 @@
 
   PYTHONPATH=. python benchmarks/hopper_bwd_check.py            # correctness grid, then fwd+bwd timings
   PYTHONPATH=. python benchmarks/hopper_bwd_check.py --sweep    # correctness of the first cases, then a tile sweep
+  PYTHONPATH=. python benchmarks/hopper_bwd_check.py --dq-atomic  # the same for the one-pass backward (dQ by
+                                                                  # fp32 TMA reduce-add), timed beside the two-pass
 
 The grid runs in a few processes with a timeout each, so a kernel that hangs shows up as TIMEOUT for its
 cases and the grid goes on.
@@ -38,6 +40,7 @@ BUDGET_S = 6.5 * 60  # a timing process starts no new measurement after this man
 CASES_PER_PROCESS = 3  # a process per 3 grid cases: JAX's start-up is paid 4 times, a hang costs at most 3 cases
 CASE_TIMEOUT_S = 150  # one process's cases, both dtypes each, compiles included; more means a hang
 START = time.perf_counter()
+DQ_ATOMIC = False  # --dq-atomic: check the one-pass backward, and time it beside the two-pass one
 # (batch, q_len, kv_len, heads, kv_heads, head_dim, causal)
 GRID = [(1, 256, 256, 2, 2, 64, False), (1, 256, 256, 2, 2, 64, True), (2, 1024, 1024, 4, 4, 128, False),
         (2, 1024, 1024, 4, 4, 128, True), (1, 1000, 1000, 4, 2, 128, True), (1, 1000, 1000, 4, 1, 64, False),
@@ -70,6 +73,10 @@ def check(case, dtype, config=None):
         q, k, v, d_out, d_lse = inputs(B, Tq, Tk, H, Hkv, D, dtype)
         scale = D ** -0.5
         out, lse = hopper_fwd.hopper_forward(q, k, v, scale=scale, is_causal=causal)
+        if DQ_ATOMIC:
+            name += " dq_atomic"
+            config = dataclasses.replace(config or HopperBwdConfig.default(hopper_fwd.padded_head_dim(D)),
+                                         dq_atomic=True)
         grads = hopper_bwd.hopper_backward(q, k, v, out, lse, d_out, d_lse, scale=scale, is_causal=causal,
                                            config=config)
         grads = jax.block_until_ready(grads)
@@ -112,6 +119,9 @@ def fwd_bwd(kind, causal, head_dim):
         config = KernelConfig.default(head_dim)
         if kind == "hopper":
             config = dataclasses.replace(config, hopper_bwd=HopperBwdConfig.default(head_dim))
+        if kind == "hopper_atomic":
+            config = dataclasses.replace(config, hopper_bwd=dataclasses.replace(HopperBwdConfig.default(head_dim),
+                                                                                dq_atomic=True))
 
         def attend(q, k, v):
             return pf.flash_attention(q, k, v, is_causal=causal, implementation="mosaic", config=config)
@@ -125,7 +135,7 @@ def fwd_bwd(kind, causal, head_dim):
 
     def traced_with_switch(*args):
         previous = os.environ.get("PALLAS_FLASH_HOPPER_BWD")
-        os.environ["PALLAS_FLASH_HOPPER_BWD"] = "1" if kind == "hopper" else "0"
+        os.environ["PALLAS_FLASH_HOPPER_BWD"] = "0" if kind == "portable" else "1"
         try:
             return grad(*args)
         finally:
@@ -150,7 +160,7 @@ def timings():
                 args.append((q, k, v, d_out))
             flops = 3.5 * 4 * B * H * N * N * D / (2 if causal else 1)
             res = {}
-            for kind in ("hopper", "portable", "cudnn"):
+            for kind in ("hopper", "hopper_atomic" if DQ_ATOMIC else "portable", "cudnn"):
                 try:
                     res[kind] = bench(fwd_bwd(kind, causal, D), args)
                 except Exception as e:  # noqa: BLE001
@@ -158,8 +168,8 @@ def timings():
                     print(f"  {kind} FAILED {type(e).__name__}: {str(e)[:500]}", flush=True)
             print(f"TIME fwd+bwd D={D} N={N} B={B} H={H} causal={causal}: " + " ".join(
                 f"{kind} {ms:.3f}ms {flops / ms / 1e9:.0f}TF/s" for kind, ms in res.items())
-                + f" | hopper/cudnn {res['cudnn'] / res['hopper']:.3f}x portable/cudnn "
-                f"{res['cudnn'] / res['portable']:.3f}x", flush=True)
+                + " | " + " ".join(f"{kind}/cudnn {res['cudnn'] / ms:.3f}x" for kind, ms in res.items()
+                                   if kind != "cudnn"), flush=True)
 
 
 SWEEP = {128: [HopperBwdConfig(64, 64, 3, 64, 64, 3), HopperBwdConfig(64, 64, 2, 64, 64, 2),
@@ -218,11 +228,15 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true", help="tile sweep of the backward alone at N=8192")
     parser.add_argument("--no-time", action="store_true", help="correctness only")
+    parser.add_argument("--dq-atomic", action="store_true",
+                        help="check the one-pass backward (dQ by fp32 reduce-add); time it beside the two-pass one")
     parser.add_argument("--cases", type=int, nargs=2, help="(internal) run the checks of GRID[a:b] here")
     parser.add_argument("--phase", choices=("time", "sweep"), help="(internal) run the timings in this process")
     parser.add_argument("--budget", type=float, help="(internal) seconds for new timings")
     args = parser.parse_args()
-    global BUDGET_S
+    global BUDGET_S, DQ_ATOMIC
+    DQ_ATOMIC = args.dq_atomic
+    atomic_flag = ["--dq-atomic"] if DQ_ATOMIC else []
     if args.budget is not None:
         BUDGET_S = args.budget
     if args.cases is not None:
@@ -239,7 +253,7 @@ def main():
     print("jax", jax.__version__, jax.devices()[0].device_kind, flush=True)
     num_cases = 2 if args.sweep else len(GRID)
     chunks = [(i, min(i + CASES_PER_PROCESS, num_cases)) for i in range(0, num_cases, CASES_PER_PROCESS)]
-    passed = [_child(["--cases", str(a), str(b)], CASE_TIMEOUT_S) for a, b in chunks]
+    passed = [_child(["--cases", str(a), str(b), *atomic_flag], CASE_TIMEOUT_S) for a, b in chunks]
     total = 2 * num_cases
     print(f"CHECK SUMMARY {sum(p or 0 for p in passed)}/{total} passed ({elapsed():.0f}s)", flush=True)
     if sum(p or 0 for p in passed) < total:
@@ -247,7 +261,8 @@ def main():
         return
     if args.sweep or not args.no_time:
         left = max(30.0, TOTAL_S - elapsed())
-        _child(["--phase", "sweep" if args.sweep else "time", "--budget", str(left - 45)], left, capture=False)
+        _child(["--phase", "sweep" if args.sweep else "time", "--budget", str(left - 45), *atomic_flag], left,
+               capture=False)
     print(f"done in {elapsed():.0f}s", flush=True)
 
 

@@ -70,6 +70,10 @@ class HopperBwdConfig:
         a multiple of 64.
       block_kv_dq: keys per streamed K/V block of the dQ kernel; a multiple of 64 (the K of dQ += dS K).
       num_stages_dq: depth of the K/V shared-memory ring (>= 2).
+      dq_atomic: one pass instead of two: the dK/dV kernel also computes each query block's dS K and adds it
+        into a float32 dQ buffer with TMA reduce-adds (5 matmuls per tile instead of 7). The order of those
+        float32 additions varies from run to run, so dQ is not bitwise deterministic; False (the default)
+        keeps the deterministic separate dQ pass, and the block_*_dq / num_stages_dq fields apply to it only.
     """
 
     block_q_dkv: int = 64
@@ -78,9 +82,14 @@ class HopperBwdConfig:
     block_q_dq: int = 64
     block_kv_dq: int = 64
     num_stages_dq: int = 2
+    dq_atomic: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.dq_atomic, bool):
+            raise ValueError(f"HopperBwdConfig.dq_atomic must be a bool, got {self.dq_atomic!r}")
         for field in dataclasses.fields(self):
+            if field.name == "dq_atomic":
+                continue
             value = getattr(self, field.name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"HopperBwdConfig.{field.name} must be an int, got {value!r}")
@@ -92,7 +101,10 @@ class HopperBwdConfig:
     def smem_bytes_dkv(self, head_dim: int, itemsize: int = 2) -> int:
         k_and_v = 2 * NUM_CONSUMERS * self.block_kv_dkv * head_dim * itemsize
         ring = self.num_stages_dkv * (2 * self.block_q_dkv * head_dim * itemsize + 2 * self.block_q_dkv * 4)
-        return k_and_v + ring + _HOPPER_SMEM_SLACK
+        staging = 0
+        if self.dq_atomic:  # per consumer: dS^T, and dQ's float32 partial
+            staging = NUM_CONSUMERS * self.block_q_dkv * (self.block_kv_dkv * itemsize + head_dim * 4)
+        return k_and_v + ring + staging + _HOPPER_SMEM_SLACK
 
     def smem_bytes_dq(self, head_dim: int, itemsize: int = 2) -> int:
         q_and_do = 2 * NUM_CONSUMERS * self.block_q_dq * head_dim * itemsize + 2 * NUM_CONSUMERS * self.block_q_dq * 4

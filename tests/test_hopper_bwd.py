@@ -32,7 +32,7 @@ def _inputs(shape, dtype, seed=0):
 def test_config_validation():
     assert HopperBwdConfig() == HopperBwdConfig(64, 64, 2, 64, 64, 2)
     for bad in (dict(block_q_dkv=32), dict(block_kv_dq=100), dict(block_kv_dkv=320), dict(num_stages_dq=1),
-                dict(block_q_dq=64.0), dict(num_stages_dkv=True)):
+                dict(block_q_dq=64.0), dict(num_stages_dkv=True), dict(dq_atomic=1)):
         with pytest.raises(ValueError):
             HopperBwdConfig(**bad)
     with pytest.raises(TypeError):
@@ -58,32 +58,39 @@ def test_head_dim_256_is_refused():
         hopper_bwd.hopper_backward(x, x, x, x, jnp.zeros((1, 1, 64)), x, None, scale=1.0, is_causal=False)
 
 
+@pytest.mark.parametrize("dq_atomic", [False, True])
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("shape,dtype", [((1, 300, 200, 4, 2, 64), jnp.bfloat16),
                                          ((1, 200, 333, 2, 1, 96), jnp.float16)])
-def test_lowers_for_gpu(shape, dtype, is_causal):
-    """Both kernels go through Mosaic GPU's lowering (ragged lengths, GQA, padded head_dim)."""
+def test_lowers_for_gpu(shape, dtype, is_causal, dq_atomic):
+    """Both kernels (or, with dq_atomic, the one-pass kernel and its TMA reduce-adds into a dQ buffer) go
+    through Mosaic GPU's lowering (ragged lengths, GQA, padded head_dim)."""
     q, k, v, d_out, d_lse = (jax.ShapeDtypeStruct(x.shape, x.dtype) for x in _inputs(shape, dtype))
     lse = d_lse
+    config = dataclasses.replace(HopperBwdConfig.default(128 if shape[-1] > 64 else 64), dq_atomic=dq_atomic)
 
     def backward(*args):
-        return hopper_bwd.hopper_backward(*args, scale=0.125, is_causal=is_causal)
+        return hopper_bwd.hopper_backward(*args, scale=0.125, is_causal=is_causal, config=config)
 
-    lowered = jax.jit(backward).trace(q, k, v, q, lse, d_out, d_lse).lower(lowering_platforms=("cuda",))
-    assert "mosaic_gpu" in lowered.as_text()
+    text = jax.jit(backward).trace(q, k, v, q, lse, d_out, d_lse).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == (1 if dq_atomic else 2)
+    assert ("cp.reduce.async.bulk.tensor" in text) == dq_atomic
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("shape", GPU_GRID)
-def test_gradients_match_reference(shape, dtype, is_causal):
+@pytest.mark.parametrize("dq_atomic", [False, True])
+def test_gradients_match_reference(shape, dtype, is_causal, dq_atomic):
     if not hopper_fwd.on_hopper():
         pytest.skip("needs an sm90 GPU")
     q, k, v, d_out, d_lse = _inputs(shape, dtype, seed=1)
     scale = shape[-1] ** -0.5
     out, lse = hopper_fwd.hopper_forward(q, k, v, scale=scale, is_causal=is_causal)
-    grads = hopper_bwd.hopper_backward(q, k, v, out, lse, d_out, d_lse, scale=scale, is_causal=is_causal)
+    config = dataclasses.replace(HopperBwdConfig.default(hopper_fwd.padded_head_dim(shape[-1])), dq_atomic=dq_atomic)
+    grads = hopper_bwd.hopper_backward(q, k, v, out, lse, d_out, d_lse, scale=scale, is_causal=is_causal,
+                                       config=config)
     _, vjp = jax.vjp(lambda *x: reference.attention_reference(*x, scale=scale, is_causal=is_causal),
                      *(x.astype(jnp.float32) for x in (q, k, v)))
     want = vjp((d_out.astype(jnp.float32), d_lse))

@@ -64,13 +64,15 @@ def _transforms():
     return (plgpu.TilingTransform((8, HEAD_DIM_TILE)), plgpu.SwizzleTransform(128))
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dk_ref, dv_ref, scoped, *, scale: float,
-                 is_causal: bool, group: int, config: HopperBwdConfig):
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dq_acc_ref, dk_ref, dv_ref, scoped, *,
+                 scale: float, is_causal: bool, group: int, config: HopperBwdConfig):
     """Grid (batch, kv_heads, kv_tiles), 3 warpgroups ("wg"): 0 and 1 consume, 2 produces.
 
     q_ref/do_ref [batch, q_pad, heads, d], k_ref/v_ref [batch, kv_pad, kv_heads, d], lse2_ref/delta_ref
-    [batch, heads, q_pad] float32, dk_ref/dv_ref like k_ref (summed over the group's query heads)."""
-    ((k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem), (k_ready, v_ready),
+    [batch, heads, q_pad] float32, dk_ref/dv_ref like k_ref (summed over the group's query heads).
+    dq_acc_ref: None, or (config.dq_atomic) a float32 [batch, q_pad, heads, d] buffer of zeros that each
+    query block's dS K is reduce-added into by TMA (unscaled)."""
+    ((k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, *dq_staging), (k_ready, v_ready),
      (q_ready, do_ready, lse_ready, delta_ready), free) = scoped
     block_q, block_kv, num_stages = config.block_q_dkv, config.block_kv_dkv, config.num_stages_dkv
     num_q_blocks = q_ref.shape[1] // block_q
@@ -123,13 +125,32 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dk_ref, dv_re
 
             dv, dp = pl.run_state(dv_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(_zeros(s.shape))))
             delta = _load(delta_smem.at[slot], column)
-            ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [1]))
+            ds = (p * (dp - lax.broadcast_in_dim(delta, s.shape, [1]))).astype(dtype)
+            if dq_acc_ref is None:
+                def dk_update(dk_ref):
+                    plgpu.wgmma(dk_ref, ds, q_tile)
 
-            def dk_update(dk_ref):
-                plgpu.wgmma(dk_ref, ds.astype(dtype), q_tile)
+                dk = pl.run_state(dk_update)(plgpu.ACC.init(dk))
+                plgpu.barrier_arrive(free.at[slot])
+                return dk, dv
+            # One pass: dQ[q block] += dS K, from dS^T staged in shared memory (the wgmma's left operand
+            # must be [queries, keys]: the transposed view of the staged tile).
+            ds_smem, dq_smem = dq_staging[0].at[wg], dq_staging[1].at[wg]
+            ds_smem[...] = ds
+            plgpu.commit_smem()
 
-            dk = pl.run_state(dk_update)(plgpu.ACC.init(dk))
+            def dk_dq(refs):  # one wgmma group: a single wait for both
+                dk_ref, dq_ref = refs
+                plgpu.wgmma(dk_ref, ds, q_tile)
+                plgpu.wgmma(dq_ref, plgpu.transpose_ref(ds_smem, (1, 0)), k_smem)
+
+            dk, dq = pl.run_state(dk_dq)((plgpu.ACC.init(dk), plgpu.ACC.init(_zeros(dq_smem.shape))))
             plgpu.barrier_arrive(free.at[slot])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous block's reduce has read dq_smem
+            dq_smem[...] = dq
+            plgpu.commit_smem()
+            q_rows = (batch, pl.ds(q_block * block_q, block_q), kv_head * group + g)
+            plgpu.copy_smem_to_gmem(dq_smem, dq_acc_ref.at[q_rows], reduction_op="add")
             return dk, dv
 
         def head(g, carry):
@@ -264,39 +285,50 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dq_ref, scoped,
 
 
 def _dkdv(q, k, v, d_out, lse2, delta, *, scale: float, is_causal: bool, config: HopperBwdConfig):
+    """(dk, dv), and with config.dq_atomic also dq (float32, unscaled, [batch, q_pad, heads, d])."""
     batch, kv_pad, kv_heads, head_dim = k.shape
     block_q, block_kv, num_stages = config.block_q_dkv, config.block_kv_dkv, config.num_stages_dkv
     transforms = _transforms()
+    smem = [
+        plgpu.SMEM((NUM_CONSUMERS, block_kv, head_dim), k.dtype, transforms=transforms),
+        plgpu.SMEM((NUM_CONSUMERS, block_kv, head_dim), v.dtype, transforms=transforms),
+        plgpu.SMEM((num_stages, block_q, head_dim), q.dtype, transforms=transforms),
+        plgpu.SMEM((num_stages, block_q, head_dim), d_out.dtype, transforms=transforms),
+        plgpu.SMEM((num_stages, block_q), jnp.float32),
+        plgpu.SMEM((num_stages, block_q), jnp.float32),
+    ]
+    if config.dq_atomic:  # per consumer: dS^T for the dQ wgmma, and dQ's float32 partial for the TMA reduce
+        smem += [plgpu.SMEM((NUM_CONSUMERS, block_kv, block_q), q.dtype, transforms=transforms),
+                 plgpu.SMEM((NUM_CONSUMERS, block_q, head_dim), jnp.float32,
+                            transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)))]
+    body = functools.partial(_dkdv_kernel, scale=scale, is_causal=is_causal, group=q.shape[2] // kv_heads,
+                             config=config)
 
     def entry(*refs):
-        smem = (
-            plgpu.SMEM((NUM_CONSUMERS, block_kv, head_dim), k.dtype, transforms=transforms),
-            plgpu.SMEM((NUM_CONSUMERS, block_kv, head_dim), v.dtype, transforms=transforms),
-            plgpu.SMEM((num_stages, block_q, head_dim), q.dtype, transforms=transforms),
-            plgpu.SMEM((num_stages, block_q, head_dim), d_out.dtype, transforms=transforms),
-            plgpu.SMEM((num_stages, block_q), jnp.float32),
-            plgpu.SMEM((num_stages, block_q), jnp.float32),
-        )
-        body = functools.partial(_dkdv_kernel, scale=scale, is_causal=is_causal, group=q.shape[2] // kv_heads,
-                                 config=config)
+        if not config.dq_atomic:
+            refs = refs[:6] + (None,) + refs[6:]
         pl.run_scoped(
             lambda *scoped: body(*refs, scoped),
-            smem,
+            tuple(smem),
             (plgpu.Barrier(num_barriers=NUM_CONSUMERS),) * 2,
             (plgpu.Barrier(num_barriers=num_stages),) * 4,
             plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=num_stages),
             collective_axes="wg",
         )
 
-    return plgpu.kernel(
-        entry,
-        out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
-        grid=(batch, kv_heads, kv_pad // (NUM_CONSUMERS * block_kv)),
-        grid_names=("batch", "kv_heads", "kv_tiles"),
-        num_threads=NUM_CONSUMERS + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(q, k, v, d_out, lse2, delta)
+    out_type = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
+    grid = dict(grid=(batch, kv_heads, kv_pad // (NUM_CONSUMERS * block_kv)),
+                grid_names=("batch", "kv_heads", "kv_tiles"), num_threads=NUM_CONSUMERS + 1, thread_name="wg")
+    compiler_params = plgpu.CompilerParams(approx_math=True)
+    if not config.dq_atomic:
+        return plgpu.kernel(entry, out_type=out_type, compiler_params=compiler_params, **grid)(
+            q, k, v, d_out, lse2, delta)
+    # The dQ accumulator must start at zero and be written in place: a mutable array handed to the kernel
+    # (plgpu.kernel's batching wrapper cannot carry one, so the mesh kernel is called directly).
+    dq_acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
+    dk, dv = pl.kernel(entry, out_type=out_type, mesh=plgpu.Mesh(**grid), compiler_params=compiler_params)(
+        q, k, v, d_out, lse2, delta, dq_acc)
+    return dk, dv, dq_acc[...]
 
 
 def _dq(q, k, v, d_out, lse2, delta, *, scale: float, is_causal: bool, kv_len: int, config: HopperBwdConfig):
@@ -381,6 +413,10 @@ def hopper_backward(q, k, v, out, lse, d_out, d_lse, *, scale: float, is_causal:
     lse2 = jnp.pad(lse2, ((0, 0), (0, 0), (0, q_pad - q_len)), constant_values=jnp.inf)
     delta = _pad_axis(delta, 2, q_pad)
 
-    dk, dv = _dkdv(qp, kp, vp, dop, lse2, delta, scale=scale, is_causal=is_causal, config=config)
-    dq = _dq(qp, kp, vp, dop, lse2, delta, scale=scale, is_causal=is_causal, kv_len=kv_len, config=config)
+    if config.dq_atomic:
+        dk, dv, dq = _dkdv(qp, kp, vp, dop, lse2, delta, scale=scale, is_causal=is_causal, config=config)
+        dq = (dq * scale).astype(q.dtype)
+    else:
+        dk, dv = _dkdv(qp, kp, vp, dop, lse2, delta, scale=scale, is_causal=is_causal, config=config)
+        dq = _dq(qp, kp, vp, dop, lse2, delta, scale=scale, is_causal=is_causal, kv_len=kv_len, config=config)
     return dq[:, :q_len, :, :head_dim], dk[:, :kv_len, :, :head_dim], dv[:, :kv_len, :, :head_dim]
