@@ -65,7 +65,7 @@ def _transforms():
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dq_acc_ref, dk_ref, dv_ref, scoped, *,
-                 scale: float, is_causal: bool, group: int, config: HopperBwdConfig):
+                 scale: float, is_causal: bool, kv_len: int, group: int, config: HopperBwdConfig):
     """Grid (batch, kv_heads, kv_tiles), 3 warpgroups ("wg"): 0 and 1 consume, 2 produces.
 
     q_ref/do_ref [batch, q_pad, heads, d], k_ref/v_ref [batch, kv_pad, kv_heads, d], lse2_ref/delta_ref
@@ -115,6 +115,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dq_acc_ref, d
             if masked:
                 visible = q_block * block_q + _iota(s.shape, 1) >= kv_start + _iota(s.shape, 0)
                 p = jnp.where(visible, p, 0.0)
+            if dq_acc_ref is not None and kv_len % (NUM_CONSUMERS * block_kv):
+                # Padded keys (zero rows of K) still get P = exp2(-lse2), which overflows for a row whose
+                # logits are all very negative; their dS would then be inf and dS K = inf * 0 = NaN in dQ.
+                # (Without the one-pass dQ only their own dK/dV rows see them, and those are sliced off.)
+                p = jnp.where(kv_start + _iota(s.shape, 0) < kv_len, p, 0.0)
             plgpu.barrier_wait(do_ready.at[slot])
             plgpu.barrier_wait(delta_ready.at[slot])
 
@@ -125,10 +130,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dq_acc_ref, d
 
             dv, dp = pl.run_state(dv_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(_zeros(s.shape))))
             delta = _load(delta_smem.at[slot], column)
-            ds = (p * (dp - lax.broadcast_in_dim(delta, s.shape, [1]))).astype(dtype)
+            ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [1]))
             if dq_acc_ref is None:
                 def dk_update(dk_ref):
-                    plgpu.wgmma(dk_ref, ds, q_tile)
+                    plgpu.wgmma(dk_ref, ds.astype(dtype), q_tile)
 
                 dk = pl.run_state(dk_update)(plgpu.ACC.init(dk))
                 plgpu.barrier_arrive(free.at[slot])
@@ -136,6 +141,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dq_acc_ref, d
             # One pass: dQ[q block] += dS K, from dS^T staged in shared memory (the wgmma's left operand
             # must be [queries, keys]: the transposed view of the staged tile).
             ds_smem, dq_smem = dq_staging[0].at[wg], dq_staging[1].at[wg]
+            ds = ds.astype(dtype)
             ds_smem[...] = ds
             plgpu.commit_smem()
 
@@ -284,7 +290,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dq_ref, scoped,
                          kv_head=lax.div(head, group), block_kv=block_kv, num_stages=num_stages, kv_steps=kv_steps)
 
 
-def _dkdv(q, k, v, d_out, lse2, delta, *, scale: float, is_causal: bool, config: HopperBwdConfig):
+def _dkdv(q, k, v, d_out, lse2, delta, *, scale: float, is_causal: bool, kv_len: int, config: HopperBwdConfig):
     """(dk, dv), and with config.dq_atomic also dq (float32, unscaled, [batch, q_pad, heads, d])."""
     batch, kv_pad, kv_heads, head_dim = k.shape
     block_q, block_kv, num_stages = config.block_q_dkv, config.block_kv_dkv, config.num_stages_dkv
@@ -301,7 +307,8 @@ def _dkdv(q, k, v, d_out, lse2, delta, *, scale: float, is_causal: bool, config:
         smem += [plgpu.SMEM((NUM_CONSUMERS, block_kv, block_q), q.dtype, transforms=transforms),
                  plgpu.SMEM((NUM_CONSUMERS, block_q, head_dim), jnp.float32,
                             transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)))]
-    body = functools.partial(_dkdv_kernel, scale=scale, is_causal=is_causal, group=q.shape[2] // kv_heads,
+    body = functools.partial(_dkdv_kernel, scale=scale, is_causal=is_causal, kv_len=kv_len,
+                             group=q.shape[2] // kv_heads,
                              config=config)
 
     def entry(*refs):
@@ -414,9 +421,11 @@ def hopper_backward(q, k, v, out, lse, d_out, d_lse, *, scale: float, is_causal:
     delta = _pad_axis(delta, 2, q_pad)
 
     if config.dq_atomic:
-        dk, dv, dq = _dkdv(qp, kp, vp, dop, lse2, delta, scale=scale, is_causal=is_causal, config=config)
+        dk, dv, dq = _dkdv(qp, kp, vp, dop, lse2, delta, scale=scale, is_causal=is_causal, kv_len=kv_len,
+                       config=config)
         dq = (dq * scale).astype(q.dtype)
     else:
-        dk, dv = _dkdv(qp, kp, vp, dop, lse2, delta, scale=scale, is_causal=is_causal, config=config)
+        dk, dv = _dkdv(qp, kp, vp, dop, lse2, delta, scale=scale, is_causal=is_causal, kv_len=kv_len,
+                       config=config)
         dq = _dq(qp, kp, vp, dop, lse2, delta, scale=scale, is_causal=is_causal, kv_len=kv_len, config=config)
     return dq[:, :q_len, :, :head_dim], dk[:, :kv_len, :, :head_dim], dv[:, :kv_len, :, :head_dim]

@@ -239,6 +239,18 @@ def _dbias_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, n
             index.append(lax.rem(step, count))
             step = lax.div(step, count)
         b, h, q_block, kv_block = (first + offset for first, offset in zip(firsts, reversed(index)))
+        # Tiles outside the causal/window band, or hidden by the block mask, add nothing: skip their loads
+        # and matmuls (as the dQ and dK/dV kernels never visit them).
+        lo, _, _, hi = tiles.kv_block_range(q_block, block_q=block_q, block_kv=block_kv,
+                                            num_kv_blocks=num_kv_blocks, kv_len=kv_len, band=band, always_mask=True)
+        visible = jnp.logical_and(kv_block >= lo, kv_block < hi)
+        if has_tiles:
+            tile_b, tile_h = b * int(tiles_ref.shape[0] > 1), h * int(tiles_ref.shape[1] > 1)
+            visible = jnp.logical_and(visible, tiles_ref[tile_b, tile_h, q_block, kv_block] != 0)
+        return lax.cond(visible, lambda: dbias + tile_ds(b, h, q_block, kv_block), lambda: dbias)
+
+    def tile_ds(b, h, q_block, kv_block):
+        """dS of one (query block, key block) tile, summed over the bias's broadcast dims."""
         q_slice, k_slice = pl.ds(q_block * block_q, block_q), pl.ds(kv_block * block_kv, block_kv)
         q, do = q_ref[b, q_slice, h, :], do_ref[b, q_slice, h, :]
         k, v = k_ref[b, k_slice, h // group, :], v_ref[b, k_slice, h // group, :]
@@ -248,10 +260,6 @@ def _dbias_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, n
         mask = tiles.tile_mask(q_block * block_q, kv_block * block_kv, block_q, block_kv, band=band, kv_len=kv_len,
                                q_segment=q_seg_ref[b, q_slice] if has_segments else None,
                                kv_segment=kv_seg_ref[b, k_slice] if has_segments else None)
-        if has_tiles:  # a block hidden by the block mask: P = 0 there (the LSE never saw it)
-            tile_b, tile_h = b * int(tiles_ref.shape[0] > 1), h * int(tiles_ref.shape[1] > 1)
-            visible = tiles_ref[tile_b, tile_h, q_block, kv_block] != 0
-            mask = visible if mask is None else jnp.logical_and(mask, visible)
         if mask is not None:
             s = jnp.where(mask, s, -jnp.inf)
         p = jnp.exp2(s - lse2_ref[b, h, q_slice][:, None])
@@ -264,7 +272,7 @@ def _dbias_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, n
             ds = jnp.sum(ds, axis=0, keepdims=True)
         if not spans_k:
             ds = jnp.sum(ds, axis=1, keepdims=True)
-        return dbias + ds
+        return ds
 
     shape = (block_q if spans_q else 1, block_kv if spans_k else 1)
     dbias = lax.fori_loop(0, math.prod(counts), visit, jnp.zeros(shape, jnp.float32))
