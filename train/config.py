@@ -120,9 +120,10 @@ PRESETS: dict[str, TrainConfig] = {
                          steps=200, learning_rate=1e-3, warmup_steps=20, eval_every=100, eval_tokens=65536,
                          corpus_bytes=0, max_context=262144, progress=False),
     # GPU: the long-range recall task; compare --seq_len 1024 --batch_size 32 with the default 4096 x 8 (the
-    # same 115M tokens, ~45 s each at ~2.5M tokens/s on the H100, and the same validation tokens). Measured on
-    # CPU at context 128: one-token keys, 80% queries and learning rate 1e-2 without weight decay learn recall
-    # within 150 steps; two-token keys, 50% queries and 2e-3 had learned nothing after 1000 H100 steps.
+    # same 115M tokens, ~45 s each at ~2.5M tokens/s on the H100, and the same validation tokens). On CPU
+    # one-token keys, 80% queries and learning rate 1e-2 learn recall within 150 steps only when documents are
+    # short (128 tokens); on the 4096-token documents below nothing was learned on CPU or the H100 (see
+    # train/data.py's recall_document).
     "long": TrainConfig(name="long", model=_model("small", num_layers=2, num_heads=4, num_kv_heads=4,
                                                   embed_dim=256, mlp_dim=512, dtype="bfloat16"),
                         data="recall", recall_key_len=1, recall_query_probability=0.8, seq_len=4096, batch_size=8,
