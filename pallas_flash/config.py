@@ -72,8 +72,10 @@ class HopperBwdConfig:
       num_stages_dq: depth of the K/V shared-memory ring (>= 2).
       dq_atomic: one pass instead of two: the dK/dV kernel also computes each query block's dS K and adds it
         into a float32 dQ buffer with TMA reduce-adds (5 matmuls per tile instead of 7). The order of those
-        float32 additions varies from run to run, so dQ is not bitwise deterministic; False (the default)
-        keeps the deterministic separate dQ pass, and the block_*_dq / num_stages_dq fields apply to it only.
+        float32 additions varies from run to run, so dQ is not bitwise deterministic, and the kernel cannot
+        be batched by `jax.vmap` (it writes into a mutable array). Measured slower than the two passes on
+        the H100 (pallas_flash/kernels/NOTES.md). False (the default) keeps the deterministic separate dQ
+        pass; the block_*_dq / num_stages_dq fields apply to it only.
     """
 
     block_q_dkv: int = 64

@@ -308,8 +308,7 @@ def _dkdv(q, k, v, d_out, lse2, delta, *, scale: float, is_causal: bool, kv_len:
                  plgpu.SMEM((NUM_CONSUMERS, block_q, head_dim), jnp.float32,
                             transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)))]
     body = functools.partial(_dkdv_kernel, scale=scale, is_causal=is_causal, kv_len=kv_len,
-                             group=q.shape[2] // kv_heads,
-                             config=config)
+                             group=q.shape[2] // kv_heads, config=config)
 
     def entry(*refs):
         if not config.dq_atomic:
