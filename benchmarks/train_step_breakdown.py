@@ -9,11 +9,11 @@ synchronised), tokens/s, and XLA's cost analysis of each compiled step (FLOPs, b
 flash/dense and the non-attention share can be read off one run.
 """
 import argparse
+import dataclasses
 import statistics
 import time
 
 import jax
-import jax.numpy as jnp
 
 from train import data as data_lib
 from train.config import PRESETS
@@ -59,8 +59,7 @@ def main():
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--batch-size", type=int, default=4)
     args = parser.parse_args()
-    cfg = PRESETS["small"]
-    cfg = cfg.__class__(**{**cfg.__dict__, "seq_len": args.seq_len, "batch_size": args.batch_size})
+    cfg = dataclasses.replace(PRESETS["small"], seq_len=args.seq_len, batch_size=args.batch_size)
     print("jax", jax.__version__, jax.devices()[0].device_kind, flush=True)
     results = {name: time_step(cfg, attention) for name, attention in
                (("flash", "flash"), ("dense", "dense"), ("none", values_only))}

@@ -35,8 +35,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flash.config import H100_SHARED_MEMORY, NUM_CONSUMERS, HopperBwdConfig
 from pallas_flash.kernels.hopper_fwd import (CONSUMER_REGISTERS, HEAD_DIM_TILE, LOG2E, PRODUCER_REGISTERS,
-                                             _pad_axis, _round_up, padded_head_dim, query_tile_schedule,
-                                             stream_kv_blocks)
+                                             _pad_axis, _round_up, fill_ring, padded_head_dim,
+                                             query_tile_schedule, stream_kv_blocks)
 
 MAX_HEAD_DIM = 128  # at 256, K and V of a 128-key CTA alone take 128 KiB of shared memory
 
@@ -196,13 +196,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dq_acc_ref, d
             plgpu.copy_gmem_to_smem(delta_ref.at[batch, head, pl.ds(q_start, block_q)], delta_smem.at[slot],
                                     delta_ready.at[slot])
 
-        @pl.loop(0, jnp.minimum(num_stages, total_steps))
-        def _fill(step):
-            load(step, step, wait_free=False)
-
-        @pl.loop(num_stages, total_steps)
-        def _stream(step):
-            load(step, lax.rem(step, num_stages), wait_free=True)
+        fill_ring(load, num_stages=num_stages, steps=total_steps)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dq_ref, scoped, *, scale: float,

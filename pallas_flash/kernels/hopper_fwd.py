@@ -224,13 +224,21 @@ def stream_kv_blocks(gmem, smem, ready, free, *, batch, kv_head, block_kv: int, 
                 plgpu.barrier_wait(is_free.at[slot])
             plgpu.copy_gmem_to_smem(ref.at[rows], ring.at[slot], is_ready.at[slot])
 
-    @pl.loop(0, jnp.minimum(num_stages, kv_steps))
-    def _fill(kv_step):
-        load(kv_step, kv_step, wait_free=False)
+    fill_ring(load, num_stages=num_stages, steps=kv_steps)
 
-    @pl.loop(num_stages, kv_steps)
-    def _stream(kv_step):
-        load(kv_step, lax.rem(kv_step, num_stages), wait_free=True)
+
+def fill_ring(load, *, num_stages: int, steps):
+    """A producer's loop over a `num_stages` shared-memory ring: `load(step, slot, wait_free)` for steps
+    0 .. steps-1, the first `num_stages` into empty slots, each later one into slot step % num_stages once
+    `load` has waited for the consumers to free it (wait_free=True)."""
+
+    @pl.loop(0, jnp.minimum(num_stages, steps))
+    def _fill(step):
+        load(step, step, wait_free=False)
+
+    @pl.loop(num_stages, steps)
+    def _stream(step):
+        load(step, lax.rem(step, num_stages), wait_free=True)
 
 
 def _forward_padded(q, k, v, *, scale: float, is_causal: bool, kv_len: int, config: HopperConfig,
