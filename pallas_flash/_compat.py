@@ -1,6 +1,8 @@
 """The few Pallas names that moved between the JAX versions we support (0.10.2 on CPU, 0.11+ on GPU)."""
 from __future__ import annotations
 
+import inspect
+
 from jax.experimental import pallas as pl
 
 try:  # JAX >= 0.10: an explicit marker for block dimensions squeezed out of the kernel's view.
@@ -21,3 +23,13 @@ def triton_params(num_warps: int, num_stages: int):
     if TritonCompilerParams is None:
         return None
     return TritonCompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def smem_vector_load(ref, layout):
+    """A whole Mosaic GPU shared-memory vector into registers in `layout`: JAX 0.10's `plgpu.load` takes the
+    index as a second argument, 0.11 deprecates it (index the ref instead)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty:
+        return plgpu.load(ref, (), layout=layout)
+    return plgpu.load(ref, layout=layout)

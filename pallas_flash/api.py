@@ -265,8 +265,8 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, segment_i
       return_lse: also return the log-sum-exp of the logits, [batch, heads, q_len] float32 (after soft cap,
         bias, ALiBi and masks; of the softmax before dropout).
       implementation: None (best available: on a Hopper GPU "mosaic" where it serves the call, else
-        "pallas" on an NVIDIA GPU, else "xla_chunked"), or force "mosaic" (Hopper only: bf16/fp16, causal or
-        full attention, no score modifiers or block mask; raises where it cannot serve the call), "pallas"
+        "pallas" on an NVIDIA GPU, else "xla_chunked"), or force "mosaic" (Hopper only: bf16/fp16, causal, window,
+        segment ids and lengths, no score modifiers or block mask; raises where it cannot serve the call), "pallas"
         (interpret mode without a GPU), "xla_chunked" or "xla" (dense reference).
       config: a `KernelConfig`; default `KernelConfig.default(head_dim)`.
     Returns:
@@ -294,7 +294,7 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, segment_i
     scale = float(scale)
 
     # Features the Hopper kernel does not have yet; a call using any of them runs elsewhere.
-    features = (("segment ids or sequence lengths", q_ids is not None), ("block_mask", block_mask is not None),
+    features = (("block_mask", block_mask is not None),
                 ("bias", mods.bias_dims is not None), ("mask", mods.mask_dims is not None),
                 ("alibi_slopes", mods.alibi), ("logits_soft_cap", mods.soft_cap is not None),
                 ("dropout", mods.dropout_rate > 0.0))
@@ -304,8 +304,8 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, segment_i
     masking = dict(q_segment_ids=q_ids, kv_segment_ids=kv_ids, block_mask=block_mask, mods=mods,
                    mod_arrays=mod_arrays)
     if impl == "mosaic":
-        out, lse = hopper.flash_attention_hopper(query, key, value, scale=scale, is_causal=band.right == 0,
-                                                 config=config)
+        out, lse = hopper.flash_attention_hopper(query, key, value, scale=scale, band=band, config=config,
+                                                 q_segment_ids=q_ids, kv_segment_ids=kv_ids)
     elif impl == "pallas":
         out, lse = portable.flash_attention_portable(
             query, key, value, scale=scale, band=band, config=config, interpret=not _on_nvidia_gpu(), **masking)

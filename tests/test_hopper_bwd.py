@@ -77,6 +77,34 @@ def test_lowers_for_gpu(shape, dtype, is_causal, dq_atomic):
     assert ("cp.reduce.async.bulk.tensor" in text) == dq_atomic
 
 
+@pytest.mark.parametrize("dq_atomic", [False, True])
+@pytest.mark.parametrize("window, segments", [((30, 5), False), ((40, None), True), (None, True)])
+def test_masked_kernels_lower_for_gpu(window, segments, dq_atomic):
+    """The forward and both backward kernels with a local window and/or segment ids (their ids streamed
+    beside K or Q) go through Mosaic GPU's lowering, causal or not."""
+    batch, q_len, kv_len = 2, 300, 200
+    q = jax.ShapeDtypeStruct((batch, q_len, 4, 64), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((batch, kv_len, 2, 64), jnp.bfloat16)
+    lse = jax.ShapeDtypeStruct((batch, 4, q_len), jnp.float32)
+    ids = ((jax.ShapeDtypeStruct((batch, q_len), jnp.int32), jax.ShapeDtypeStruct((batch, kv_len), jnp.int32))
+           if segments else (None, None))
+    config = dataclasses.replace(HopperBwdConfig.default(64), dq_atomic=dq_atomic)
+    for is_causal in (False, True):
+        mask = dict(scale=0.125, is_causal=is_causal, local_window_size=window)
+
+        def forward(q, k, v, q_ids, kv_ids):
+            return hopper_fwd.hopper_forward(q, k, v, q_segment_ids=q_ids, kv_segment_ids=kv_ids, **mask)
+
+        def backward(q, k, v, out, lse, d_out, d_lse, q_ids, kv_ids):
+            return hopper_bwd.hopper_backward(q, k, v, out, lse, d_out, d_lse, q_segment_ids=q_ids,
+                                              kv_segment_ids=kv_ids, config=config, **mask)
+
+        lower = lambda fn, *args: jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert lower(forward, q, k, k, *ids).count("stablehlo.custom_call @mosaic_gpu") == 1
+        text = lower(backward, q, k, k, q, lse, q, lse, *ids)
+        assert text.count("stablehlo.custom_call @mosaic_gpu") == (1 if dq_atomic else 2)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])

@@ -119,3 +119,84 @@ def test_kv_segment_ids_required_for_cross_attention():
     q, k = jnp.ones((1, 8, 2, 16)), jnp.ones((1, 5, 2, 16))
     with pytest.raises(ValueError, match="kv_segment_ids is required"):
         pf.flash_attention(q, k, k, segment_ids=jnp.zeros((1, 8), jnp.int32))
+
+
+# ---- the Hopper kernels (sm90): window, segment ids and lengths, forward and backward ----------------------
+
+def _gpu_cases():
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(11), 4)
+    return {
+        # several packed sequences per example, across tile boundaries
+        "segments": dict(shape=(2, 1000, 1000, 4, 2, 128), kwargs=dict(segment_ids=_segment_ids(k1, 2, 1000, 5))),
+        # q and kv ids differ; query segment 3 has no keys: fully masked rows
+        "segments_cross": dict(shape=(2, 777, 1531, 4, 1, 64), kwargs=dict(
+            segment_ids=_segment_ids(k2, 2, 777, 4), kv_segment_ids=_segment_ids(k3, 2, 1531, 3))),
+        # per-example padding; example 1 has no keys, example 2 no queries
+        "lengths": dict(shape=(3, 1100, 1300, 4, 2, 64), kwargs=dict(
+            query_seq_lengths=jnp.array([1100, 517, 0]), key_value_seq_lengths=jnp.array([1300, 0, 700]))),
+        # a window narrower than a tile: blocks outside it are skipped, both edges masked
+        "window": dict(shape=(1, 1531, 1531, 4, 4, 128), kwargs=dict(local_window_size=(300, 77))),
+        # rows past kv_len + 200 see no key: whole query tiles visit one fully masked block
+        "window_left_only": dict(shape=(1, 2048, 1024, 4, 2, 64), kwargs=dict(local_window_size=(200, None))),
+        "window_and_segments": dict(shape=(2, 1200, 1200, 4, 2, 128), kwargs=dict(
+            local_window_size=(256, 0), segment_ids=_segment_ids(k4, 2, 1200, 3))),
+    }
+
+
+GPU_CASES = _gpu_cases()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("case", list(GPU_CASES))
+def test_hopper_mask_feature_against_reference(case, is_causal):
+    """The Hopper forward and backward (`implementation="mosaic"`) with each mask feature: outputs, LSE and
+    gradients against the float32 reference; rows that see nothing give zeros and lse = -inf."""
+    from pallas_flash.kernels import hopper
+    if not hopper.on_hopper_gpu():
+        pytest.skip("needs an sm90 GPU")
+    shape, kwargs = GPU_CASES[case]["shape"], GPU_CASES[case]["kwargs"]
+    dtype = jnp.float16 if case == "lengths" else jnp.bfloat16
+    q, k, v, cotangent = make_inputs(shape, dtype, seed=12)
+    ours = functools.partial(pf.flash_attention, is_causal=is_causal, implementation="mosaic", return_lse=True,
+                             **kwargs)
+    ref = functools.partial(pf.attention_reference, scale=shape[-1] ** -0.5,
+                            **_reference_mask_args(shape, kwargs, is_causal))
+    f32 = [x.astype(jnp.float32) for x in (q, k, v, cotangent)]
+    out, lse = ours(q, k, v)
+    ref_out, ref_lse = ref(*f32[:3])
+    assert_close(out, ref_out, dtype)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))  # the same rows see nothing
+    finite = np.isfinite(np.asarray(ref_lse))
+    assert_close(np.where(finite, lse, 0.0), np.where(finite, ref_lse, 0.0), jnp.float32, what="lse")
+    empty = np.asarray(np.isneginf(ref_lse)).transpose(0, 2, 1)  # [batch, q_len, heads]
+    assert np.all(np.asarray(out)[empty] == 0.0)
+    if case in ("segments_cross", "lengths", "window_left_only"):
+        assert empty.any(), "this case is meant to contain fully masked rows"
+
+    loss = lambda fn, q, k, v: jnp.sum(fn(q, k, v)[0].astype(jnp.float32) * f32[3])
+    grads = jax.grad(functools.partial(loss, ours), argnums=(0, 1, 2))(q, k, v)
+    ref_grads = jax.grad(functools.partial(loss, ref), argnums=(0, 1, 2))(*f32[:3])
+    for name, g, rg in zip("qkv", grads, ref_grads):
+        assert_close(g, rg, dtype, table=GRADIENT, what=f"d{name}")
+
+
+def test_hopper_kernels_are_chosen_for_mask_features(monkeypatch):
+    """Forcing "mosaic" with a window, segment ids and lengths reaches the Hopper kernels with the band and
+    the folded ids (no refusal, no fallback). The GPU check and the kernels are faked: this is dispatch."""
+    from pallas_flash.kernels import hopper
+    monkeypatch.setattr(hopper, "on_hopper_gpu", lambda: True)
+    calls = []
+
+    def fake_hopper(query, key, value, **kwargs):
+        calls.append(kwargs)
+        return jnp.zeros_like(query), jnp.zeros((query.shape[0], query.shape[2], query.shape[1]))
+
+    monkeypatch.setattr(hopper, "flash_attention_hopper", fake_hopper)
+    q = jnp.ones((2, 32, 2, 64), jnp.bfloat16)
+    pf.flash_attention(q, q, q, implementation="mosaic", is_causal=True, local_window_size=(8, 4),
+                       segment_ids=jnp.zeros((2, 32), jnp.int32), key_value_seq_lengths=jnp.array([32, 20]))
+    (call,) = calls
+    assert call["band"] == masks.Band(8, 0)
+    np.testing.assert_array_equal(call["kv_segment_ids"][1, 20:], masks.KEY_PADDING_ID)
+    np.testing.assert_array_equal(call["q_segment_ids"], 0)

@@ -11,6 +11,7 @@ import logging
 import os
 
 import jax
+import numpy as np
 
 from pallas_flash import masks
 from pallas_flash.config import H100_SHARED_MEMORY, HopperBwdConfig, HopperConfig, KernelConfig
@@ -30,7 +31,13 @@ def on_hopper_gpu() -> bool:
     return hopper_fwd.on_hopper()
 
 
-def _hopper_config(config: KernelConfig, head_dim: int, kv_len: int, is_causal: bool) -> HopperConfig:
+def _window(band: masks.Band):
+    """The band as the kernels' (is_causal, local_window_size) arguments (`masks.Band.of` inverts it)."""
+    return False, None if band.is_full else (band.left, band.right)
+
+
+def _hopper_config(config: KernelConfig, head_dim: int, kv_len: int, band: masks.Band) -> HopperConfig:
+    is_causal = band.right == 0 and band.left is None
     return config.hopper or HopperConfig.default(hopper_fwd.padded_head_dim(head_dim), kv_len, is_causal)
 
 
@@ -44,49 +51,58 @@ def unsupported_reason(query, key, *, band: masks.Band, unserved=(), config: Ker
         return f"the Mosaic GPU kernel takes bfloat16 or float16, got {query.dtype}"
     if unserved:
         return f"the Mosaic GPU kernel has no {' or '.join(unserved)} yet"
-    if not (band.is_full or (band.left is None and band.right == 0)):
-        return "the Mosaic GPU kernel has no local window yet (causal or full attention only)"
     head_dim = query.shape[-1]
     if head_dim > hopper_fwd.MAX_HEAD_DIM:
         return f"the Mosaic GPU kernel takes head_dim <= {hopper_fwd.MAX_HEAD_DIM}, got {head_dim}"
-    hopper_config = _hopper_config(config, head_dim, key.shape[1], band.right == 0)
+    hopper_config = _hopper_config(config, head_dim, key.shape[1], band)
     needed = hopper_config.smem_bytes(hopper_fwd.padded_head_dim(head_dim))
     if needed > H100_SHARED_MEMORY:
         return f"{hopper_config} needs {needed} bytes of shared memory at head_dim {head_dim}"
     return None
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _attention(q, k, v, scale, is_causal, config):
-    return _attention_fwd(q, k, v, scale, is_causal, config)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _attention(q, k, v, q_ids, kv_ids, scale, band, config):
+    return _attention_fwd(q, k, v, q_ids, kv_ids, scale, band, config)[0]
 
 
-def _attention_fwd(q, k, v, scale, is_causal, config):
-    out, lse = hopper_fwd.hopper_forward(q, k, v, scale=scale, is_causal=is_causal,
-                                         config=_hopper_config(config, q.shape[-1], k.shape[1], is_causal))
-    return (out, lse), (q, k, v, out, lse)
+def _attention_fwd(q, k, v, q_ids, kv_ids, scale, band, config):
+    is_causal, window = _window(band)
+    out, lse = hopper_fwd.hopper_forward(q, k, v, scale=scale, is_causal=is_causal, local_window_size=window,
+                                         q_segment_ids=q_ids, kv_segment_ids=kv_ids,
+                                         config=_hopper_config(config, q.shape[-1], k.shape[1], band))
+    return (out, lse), (q, k, v, q_ids, kv_ids, out, lse)
 
 
-def _attention_bwd(scale, is_causal, config, residuals, cotangents):
-    q, k, v, out, lse = residuals
+def _attention_bwd(scale, band, config, residuals, cotangents):
+    q, k, v, q_ids, kv_ids, out, lse = residuals
     if use_hopper_backward() and hopper_fwd.padded_head_dim(q.shape[-1]) <= hopper_bwd.MAX_HEAD_DIM:
         bwd_config = config.hopper_bwd or HopperBwdConfig.default(hopper_fwd.padded_head_dim(q.shape[-1]))
         d_out, d_lse = cotangents
-        return hopper_bwd.hopper_backward(q, k, v, out, lse, d_out, d_lse, scale=scale, is_causal=is_causal,
-                                          config=bwd_config)
+        is_causal, window = _window(band)
+        dq, dk, dv = hopper_bwd.hopper_backward(q, k, v, out, lse, d_out, d_lse, scale=scale, is_causal=is_causal,
+                                                local_window_size=window, q_segment_ids=q_ids,
+                                                kv_segment_ids=kv_ids, config=bwd_config)
+        return dq, dk, dv, _integer_cotangent(q_ids), _integer_cotangent(kv_ids)
     if use_hopper_backward():
         _logger.debug("pallas_flash: the Hopper backward takes head_dim <= %d; head_dim %d runs the portable "
                       "backward", hopper_bwd.MAX_HEAD_DIM, q.shape[-1])
-    dq, dk, dv, *_ = portable.backward(q, k, v, out, lse, cotangents, scale=scale, band=masks.Band.of(is_causal),
-                                       config=config, interpret=False)
-    return dq, dk, dv
+    dq, dk, dv, d_q_ids, d_kv_ids, _ = portable.backward(q, k, v, out, lse, cotangents, scale=scale, band=band,
+                                                         config=config, interpret=False, q_segment_ids=q_ids,
+                                                         kv_segment_ids=kv_ids)
+    return dq, dk, dv, d_q_ids, d_kv_ids
+
+
+def _integer_cotangent(x):
+    return None if x is None else np.zeros(x.shape, jax.dtypes.float0)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def flash_attention_hopper(query, key, value, *, scale: float, is_causal: bool, config: KernelConfig):
-    """Shapes and results as `reference.attention_reference` (bf16/fp16, causal or full attention, on sm90);
-    differentiable in query, key and value (and through the returned LSE)."""
-    return _attention(query, key, value, scale, is_causal, config)
-
+def flash_attention_hopper(query, key, value, *, scale: float, band: masks.Band, config: KernelConfig,
+                           q_segment_ids=None, kv_segment_ids=None):
+    """Shapes and results as `reference.attention_reference` (bf16/fp16 on sm90; a band (causal, local
+    window) and segment ids (which carry per-example lengths too, see `api._segments`)); differentiable in
+    query, key and value (and through the returned LSE)."""
+    return _attention(query, key, value, q_segment_ids, kv_segment_ids, scale, band, config)

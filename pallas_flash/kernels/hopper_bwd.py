@@ -24,7 +24,6 @@ of 64 (the wgmma contraction granule of a 128-byte swizzle).
 from __future__ import annotations
 
 import functools
-import inspect
 import math
 
 import jax
@@ -33,23 +32,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_flash import masks
+from pallas_flash._compat import smem_vector_load as _load
 from pallas_flash.config import H100_SHARED_MEMORY, NUM_CONSUMERS, HopperBwdConfig
+from pallas_flash.kernels import tiles
 from pallas_flash.kernels.hopper_fwd import (CONSUMER_REGISTERS, HEAD_DIM_TILE, LOG2E, PRODUCER_REGISTERS,
-                                             _pad_axis, _round_up, fill_ring, padded_head_dim,
+                                             _pad_axis, _round_up, fill_ring, pad_segment_ids, padded_head_dim,
                                              query_tile_schedule, stream_kv_blocks)
 
 MAX_HEAD_DIM = 128  # at 256, K and V of a 128-key CTA alone take 128 KiB of shared memory
-
-# JAX 0.10 takes the index as a second argument of plgpu.load; 0.11 deprecates it (index the ref instead).
-_LOAD_TAKES_INDEX = inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty
-
-
-def _load(ref, layout):
-    """A whole shared-memory vector into registers in `layout`."""
-    if _LOAD_TAKES_INDEX:
-        return plgpu.load(ref, (), layout=layout)
-    return plgpu.load(ref, layout=layout)
-
 
 def _iota(shape, axis):
     return plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA)
@@ -64,24 +55,45 @@ def _transforms():
     return (plgpu.TilingTransform((8, HEAD_DIM_TILE)), plgpu.SwizzleTransform(128))
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dq_acc_ref, dk_ref, dv_ref, scoped, *,
-                 scale: float, is_causal: bool, kv_len: int, group: int, config: HopperBwdConfig):
+def _visible(q_pos, k_pos, *, band: masks.Band, kv_len, q_seg, kv_seg, shape, q_axis: int):
+    """The tile's visibility (None: all visible); q_seg/kv_seg: None or the rows'/columns' segment-id
+    vectors, broadcast here along the tile's query axis `q_axis` and the other axis."""
+    ids = {}
+    if q_seg is not None:
+        ids = dict(q_segment=lax.broadcast_in_dim(q_seg, shape, [q_axis]),
+                   kv_segment=lax.broadcast_in_dim(kv_seg, shape, [1 - q_axis]))
+    return masks.visible(q_pos, k_pos, band=band, kv_len=kv_len, **ids)
+
+
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv_ids_ref, dq_acc_ref, dk_ref,
+                 dv_ref, scoped, *, scale: float, band: masks.Band, kv_len: int, group: int,
+                 config: HopperBwdConfig):
     """Grid (batch, kv_heads, kv_tiles), 3 warpgroups ("wg"): 0 and 1 consume, 2 produces.
 
     q_ref/do_ref [batch, q_pad, heads, d], k_ref/v_ref [batch, kv_pad, kv_heads, d], lse2_ref/delta_ref
-    [batch, heads, q_pad] float32, dk_ref/dv_ref like k_ref (summed over the group's query heads).
+    [batch, heads, q_pad] float32, q_ids_ref/kv_ids_ref None or int32 [batch, q_pad] / [batch, kv_pad],
+    dk_ref/dv_ref like k_ref (summed over the group's query heads).
     dq_acc_ref: None, or (config.dq_atomic) a float32 [batch, q_pad, heads, d] buffer of zeros that each
     query block's dS K is reduce-added into by TMA (unscaled)."""
     ((k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, *dq_staging), (k_ready, v_ready),
-     (q_ready, do_ready, lse_ready, delta_ready), free) = scoped
+     (q_ready, do_ready, lse_ready, delta_ready), free, segments) = scoped
+    has_segments = q_ids_ref is not None
     block_q, block_kv, num_stages = config.block_q_dkv, config.block_kv_dkv, config.num_stages_dkv
     num_q_blocks = q_ref.shape[1] // block_q
     dtype = q_ref.dtype
     batch, kv_head = lax.axis_index("batch"), lax.axis_index("kv_heads")
-    tile_start = lax.axis_index("kv_tiles") * (NUM_CONSUMERS * block_kv)
-    # Query blocks this CTA visits per head: all, or (causal) from the first one that sees its first key.
-    first = lax.div(tile_start, block_q) if is_causal else jnp.int32(0)
-    q_steps = jnp.maximum(num_q_blocks - first, 0)
+    kv_tile = lax.axis_index("kv_tiles")
+    tile_start = kv_tile * (NUM_CONSUMERS * block_kv)
+    # Padded keys need a mask only where their dS reaches real rows: the one-pass dQ. (Without it only
+    # their own dK/dV rows see them, and those are sliced off.)
+    mask_padded_keys = dq_acc_ref is not None and kv_len != k_ref.shape[1]
+    # Every step is masked with segment ids or padded keys to hide; else only the band's edges are.
+    always_mask = has_segments or mask_padded_keys
+    # Query blocks this CTA visits per head: those its keys' band reaches (maybe none).
+    q_lo, _, _, q_hi = tiles.q_block_range(kv_tile, block_q=block_q, block_kv=NUM_CONSUMERS * block_kv,
+                                           num_q_blocks=num_q_blocks, kv_len=k_ref.shape[1], band=band,
+                                           always_mask=True)
+    q_steps = q_hi - q_lo
     total_steps = group * q_steps
     wg = lax.axis_index("wg")
 
@@ -93,14 +105,21 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dq_acc_ref, d
         rows = (batch, pl.ds(kv_start, block_kv), kv_head)
         plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, k_ready.at[wg])
         plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, v_ready.at[wg])
+        column = plgpu.Layout.WGMMA.reduce(0)  # a per-query vector, broadcast along the key rows of S^T
+        kv_seg = None
+        if has_segments:
+            q_ids_smem, kv_ids_smem, q_ids_ready, kv_ids_ready = segments
+            plgpu.copy_gmem_to_smem(kv_ids_ref.at[batch, pl.ds(kv_start, block_kv)], kv_ids_smem.at[wg],
+                                    kv_ids_ready.at[wg])
+            plgpu.barrier_wait(kv_ids_ready.at[wg])
+            kv_seg = _load(kv_ids_smem.at[wg], plgpu.Layout.WGMMA.reduce(1))
         plgpu.barrier_wait(k_ready.at[wg])
         plgpu.barrier_wait(v_ready.at[wg])
         c = scale * LOG2E  # exp(scale * s - lse) = exp2(c * s - lse2)
-        column = plgpu.Layout.WGMMA.reduce(0)  # a per-query vector, broadcast along the key rows of S^T
 
         def step(q_block, carry, *, g, masked: bool):
             dk, dv = carry
-            slot = lax.rem(g * q_steps + q_block - first, num_stages)
+            slot = lax.rem(g * q_steps + q_block - q_lo, num_stages)
             q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
             plgpu.barrier_wait(q_ready.at[slot])
             plgpu.barrier_wait(lse_ready.at[slot])
@@ -113,13 +132,15 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dq_acc_ref, d
             lse2 = _load(lse_smem.at[slot], column)
             p = jnp.exp2(s * c - lax.broadcast_in_dim(lse2, s.shape, [1]))
             if masked:
-                visible = q_block * block_q + _iota(s.shape, 1) >= kv_start + _iota(s.shape, 0)
-                p = jnp.where(visible, p, 0.0)
-            if dq_acc_ref is not None and kv_len % (NUM_CONSUMERS * block_kv):
-                # Padded keys (zero rows of K) still get P = exp2(-lse2), which overflows for a row whose
-                # logits are all very negative; their dS would then be inf and dS K = inf * 0 = NaN in dQ.
-                # (Without the one-pass dQ only their own dK/dV rows see them, and those are sliced off.)
-                p = jnp.where(kv_start + _iota(s.shape, 0) < kv_len, p, 0.0)
+                q_seg = None
+                if has_segments:
+                    plgpu.barrier_wait(q_ids_ready.at[slot])
+                    q_seg = _load(q_ids_smem.at[slot], column)
+                visible = _visible(q_block * block_q + _iota(s.shape, 1), kv_start + _iota(s.shape, 0), band=band,
+                                   kv_len=kv_len if mask_padded_keys else None, q_seg=q_seg, kv_seg=kv_seg,
+                                   shape=s.shape, q_axis=1)
+                if visible is not None:  # None: traced for a loop that runs no iterations
+                    p = jnp.where(visible, p, 0.0)
             plgpu.barrier_wait(do_ready.at[slot])
             plgpu.barrier_wait(delta_ready.at[slot])
 
@@ -159,13 +180,19 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dq_acc_ref, d
             plgpu.copy_smem_to_gmem(dq_smem, dq_acc_ref.at[q_rows], reduction_op="add")
             return dk, dv
 
+        # Query blocks that see every key of this warpgroup skip the mask (none, with `always_mask`).
+        _, unmasked_lo, unmasked_hi, _ = tiles.q_block_range(
+            lax.div(kv_start, block_kv), block_q=block_q, block_kv=block_kv, num_q_blocks=num_q_blocks,
+            kv_len=k_ref.shape[1], band=band, always_mask=always_mask)
+        unmasked_lo = jnp.clip(unmasked_lo, q_lo, q_hi)
+        unmasked_hi = jnp.clip(unmasked_hi, unmasked_lo, q_hi)
+
         def head(g, carry):
-            if not is_causal:
-                return lax.fori_loop(0, num_q_blocks, functools.partial(step, g=g, masked=False), carry)
-            # Query blocks below this warpgroup's last key see some of its keys only: masked.
-            unmasked_from = jnp.clip(pl.cdiv(kv_start + block_kv - 1, block_q), first, num_q_blocks)
-            carry = lax.fori_loop(first, unmasked_from, functools.partial(step, g=g, masked=True), carry)
-            return lax.fori_loop(unmasked_from, num_q_blocks, functools.partial(step, g=g, masked=False), carry)
+            carry = lax.fori_loop(q_lo, unmasked_lo, functools.partial(step, g=g, masked=True), carry)
+            carry = lax.fori_loop(unmasked_lo, unmasked_hi, functools.partial(step, g=g, masked=False), carry)
+            if band.left is None and not always_mask:
+                return carry  # unmasked_hi == q_hi: no trailing edge (and no code for one)
+            return lax.fori_loop(unmasked_hi, q_hi, functools.partial(step, g=g, masked=True), carry)
 
         shape = (block_kv, k_smem.shape[-1])
         dk, dv = lax.fori_loop(0, group, head, (_zeros(shape), _zeros(shape)))
@@ -185,33 +212,36 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dq_acc_ref, d
         def load(step, slot, wait_free: bool):
             per_head = jnp.maximum(q_steps, 1)
             head = kv_head * group + lax.div(step, per_head)
-            q_start = (first + lax.rem(step, per_head)) * block_q
+            queries = pl.ds((q_lo + lax.rem(step, per_head)) * block_q, block_q)
             if wait_free:
                 plgpu.barrier_wait(free.at[slot])
-            rows = (batch, pl.ds(q_start, block_q), head)
+            rows = (batch, queries, head)
             plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_ready.at[slot])
-            plgpu.copy_gmem_to_smem(lse2_ref.at[batch, head, pl.ds(q_start, block_q)], lse_smem.at[slot],
-                                    lse_ready.at[slot])
+            plgpu.copy_gmem_to_smem(lse2_ref.at[batch, head, queries], lse_smem.at[slot], lse_ready.at[slot])
             plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_ready.at[slot])
-            plgpu.copy_gmem_to_smem(delta_ref.at[batch, head, pl.ds(q_start, block_q)], delta_smem.at[slot],
-                                    delta_ready.at[slot])
+            plgpu.copy_gmem_to_smem(delta_ref.at[batch, head, queries], delta_smem.at[slot], delta_ready.at[slot])
+            if has_segments:  # ids of the block's queries (read in masked steps, which all steps are then)
+                plgpu.copy_gmem_to_smem(q_ids_ref.at[batch, queries], segments[0].at[slot], segments[2].at[slot])
 
         fill_ring(load, num_stages=num_stages, steps=total_steps)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dq_ref, scoped, *, scale: float,
-               is_causal: bool, kv_len: int, num_q_tiles: int, group: int, config: HopperBwdConfig):
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv_ids_ref, dq_ref, scoped, *,
+               scale: float, band: masks.Band, kv_len: int, num_q_tiles: int, group: int,
+               config: HopperBwdConfig):
     """Grid (batch, heads, q_tiles), 3 warpgroups ("wg"): 0 and 1 consume, 2 produces.
 
     Shapes as in `_dkdv_kernel`; dq_ref like q_ref."""
     ((q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem), resident_ready, (k_ready, v_ready),
-     (k_free, v_free)) = scoped
+     (k_free, v_free), segments) = scoped
+    has_segments = q_ids_ref is not None
     block_q, block_kv, num_stages = config.block_q_dq, config.block_kv_dq, config.num_stages_dq
     num_kv_blocks = k_ref.shape[1] // block_kv
     dtype = q_ref.dtype
     batch, head = lax.axis_index("batch"), lax.axis_index("heads")
-    tile_start, kv_steps = query_tile_schedule(num_q_tiles, block_q=block_q, block_kv=block_kv,
-                                               num_kv_blocks=num_kv_blocks, is_causal=is_causal)
+    tile_start, kv_lo, kv_hi = query_tile_schedule(num_q_tiles, block_q=block_q, block_kv=block_kv,
+                                                   num_kv_blocks=num_kv_blocks, kv_len=kv_len, band=band,
+                                                   has_segments=has_segments)
     wg = lax.axis_index("wg")
 
     @pl.when(wg < NUM_CONSUMERS)
@@ -225,15 +255,22 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dq_ref, scoped,
                   (lse2_ref.at[vector], lse_smem2.at[wg]), (delta_ref.at[vector], delta_smem2.at[wg]))
         for (src, dst), ready in zip(copies, resident_ready):
             plgpu.copy_gmem_to_smem(src, dst, ready.at[wg])
+        row = plgpu.Layout.WGMMA.reduce(1)  # a per-query vector, broadcast along the keys of S
+        q_seg = None
+        if has_segments:
+            q_ids_smem, kv_ids_smem, q_ids_ready, kv_ids_ready = segments
+            plgpu.copy_gmem_to_smem(q_ids_ref.at[batch, pl.ds(q_start, block_q)], q_ids_smem.at[wg],
+                                    q_ids_ready.at[wg])
+            plgpu.barrier_wait(q_ids_ready.at[wg])
+            q_seg = _load(q_ids_smem.at[wg], row)
         for ready in resident_ready:
             plgpu.barrier_wait(ready.at[wg])
-        row = plgpu.Layout.WGMMA.reduce(1)  # a per-query vector, broadcast along the keys of S
         lse2 = _load(lse_smem2.at[wg], row)
         delta = _load(delta_smem2.at[wg], row)
         c = scale * LOG2E
 
         def step(kv_step, dq, *, masked: bool):
-            slot = lax.rem(kv_step, num_stages)
+            slot = lax.rem(kv_step - kv_lo, num_stages)
             plgpu.barrier_wait(k_ready.at[slot])
             plgpu.barrier_wait(v_ready.at[slot])
 
@@ -247,11 +284,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dq_ref, scoped,
             plgpu.barrier_arrive(v_free.at[slot])
             p = jnp.exp2(s * c - lax.broadcast_in_dim(lse2, s.shape, [0]))
             if masked:
-                k_pos = kv_step * block_kv + _iota(s.shape, 1)
-                visible = k_pos <= q_start + _iota(s.shape, 0) if is_causal else None
-                if kv_len % block_kv:
-                    in_range = k_pos < kv_len
-                    visible = in_range if visible is None else jnp.logical_and(visible, in_range)
+                kv_seg = None
+                if has_segments:  # the block's ids ride with K, released at the end of this step
+                    plgpu.barrier_wait(kv_ids_ready.at[slot])
+                    kv_seg = _load(kv_ids_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
+                visible = _visible(q_start + _iota(s.shape, 0), kv_step * block_kv + _iota(s.shape, 1), band=band,
+                                   kv_len=kv_len if kv_len % block_kv else None, q_seg=q_seg, kv_seg=kv_seg,
+                                   shape=s.shape, q_axis=0)
                 if visible is not None:  # None: traced for a loop that runs no iterations
                     p = jnp.where(visible, p, 0.0)
             ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))
@@ -263,15 +302,18 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dq_ref, scoped,
             plgpu.barrier_arrive(k_free.at[slot])
             return dq
 
-        # Blocks [0, first_masked) are visible to every row of this warpgroup (and hold no padded key).
-        if is_causal:
-            first_masked = jnp.minimum(kv_len // block_kv, q_start // block_kv)
-        else:
-            first_masked = kv_len // block_kv
+        # Only the band's edges and the ragged last block pay for the mask (every block, with segment ids).
+        _, unmasked_lo, unmasked_hi, _ = tiles.kv_block_range(
+            lax.div(q_start, block_q), block_q=block_q, block_kv=block_kv, num_kv_blocks=num_kv_blocks,
+            kv_len=kv_len, band=band, always_mask=has_segments)
+        unmasked_lo = jnp.clip(unmasked_lo, kv_lo, kv_hi)
+        unmasked_hi = jnp.clip(unmasked_hi, unmasked_lo, kv_hi)
         dq = _zeros((block_q, q_smem.shape[-1]))
-        dq = lax.fori_loop(0, first_masked, functools.partial(step, masked=False), dq)
-        # The diagonal and ragged blocks (a loop even for one block: the step index must be a traced value).
-        dq = lax.fori_loop(first_masked, kv_steps, functools.partial(step, masked=True), dq)
+        if band.left is not None:  # else unmasked_lo == kv_lo: no leading edge (and no code for one)
+            dq = lax.fori_loop(kv_lo, unmasked_lo, functools.partial(step, masked=True), dq)
+        dq = lax.fori_loop(unmasked_lo, unmasked_hi, functools.partial(step, masked=False), dq)
+        # The trailing edge (a loop even for one block: the step index must be a traced value).
+        dq = lax.fori_loop(unmasked_hi, kv_hi, functools.partial(step, masked=True), dq)
         q_smem[...] = (dq * scale).astype(dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
@@ -280,14 +322,27 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dq_ref, scoped,
     @pl.when(wg == NUM_CONSUMERS)
     def _producer():
         plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+        ids = None if not has_segments else (kv_ids_ref, segments[1], segments[3])
         stream_kv_blocks((k_ref, v_ref), (k_smem, v_smem), (k_ready, v_ready), (k_free, v_free), batch=batch,
-                         kv_head=lax.div(head, group), block_kv=block_kv, num_stages=num_stages, kv_steps=kv_steps)
+                         kv_head=lax.div(head, group), block_kv=block_kv, num_stages=num_stages, kv_lo=kv_lo,
+                         kv_hi=kv_hi, kv_ids=ids)
 
 
-def _dkdv(q, k, v, d_out, lse2, delta, *, scale: float, is_causal: bool, kv_len: int, config: HopperBwdConfig):
+def _segment_scratch(has_segments: bool, q_ids_shape, kv_ids_shape):
+    """Shared memory and barriers for segment ids: (query ids, key ids, their "ready" barriers), or None.
+    Shapes are (slots, length); one barrier per slot."""
+    if not has_segments:
+        return None
+    return (plgpu.SMEM(q_ids_shape, jnp.int32), plgpu.SMEM(kv_ids_shape, jnp.int32),
+            plgpu.Barrier(num_barriers=q_ids_shape[0]), plgpu.Barrier(num_barriers=kv_ids_shape[0]))
+
+
+def _dkdv(q, k, v, d_out, lse2, delta, q_ids, kv_ids, *, scale: float, band: masks.Band, kv_len: int,
+          config: HopperBwdConfig):
     """(dk, dv), and with config.dq_atomic also dq (float32, unscaled, [batch, q_pad, heads, d])."""
     batch, kv_pad, kv_heads, head_dim = k.shape
     block_q, block_kv, num_stages = config.block_q_dkv, config.block_kv_dkv, config.num_stages_dkv
+    has_segments = q_ids is not None
     transforms = _transforms()
     smem = [
         plgpu.SMEM((NUM_CONSUMERS, block_kv, head_dim), k.dtype, transforms=transforms),
@@ -301,43 +356,49 @@ def _dkdv(q, k, v, d_out, lse2, delta, *, scale: float, is_causal: bool, kv_len:
         smem += [plgpu.SMEM((NUM_CONSUMERS, block_kv, block_q), q.dtype, transforms=transforms),
                  plgpu.SMEM((NUM_CONSUMERS, block_q, head_dim), jnp.float32,
                             transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)))]
-    body = functools.partial(_dkdv_kernel, scale=scale, is_causal=is_causal, kv_len=kv_len,
-                             group=q.shape[2] // kv_heads, config=config)
+    body = functools.partial(_dkdv_kernel, scale=scale, band=band, kv_len=kv_len, group=q.shape[2] // kv_heads,
+                             config=config)
 
     def entry(*refs):
-        if not config.dq_atomic:
-            refs = refs[:6] + (None,) + refs[6:]
+        inputs, rest = refs[:6], refs[6:]
+        segment_refs, rest = (rest[:2], rest[2:]) if has_segments else ((None, None), rest)
+        dq_acc, outputs = (rest[0], rest[1:]) if config.dq_atomic else (None, rest)
         pl.run_scoped(
-            lambda *scoped: body(*refs, scoped),
+            lambda *scoped: body(*inputs, *segment_refs, dq_acc, *outputs, scoped),
             tuple(smem),
             (plgpu.Barrier(num_barriers=NUM_CONSUMERS),) * 2,
             (plgpu.Barrier(num_barriers=num_stages),) * 4,
             plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=num_stages),
+            _segment_scratch(has_segments, (num_stages, block_q), (NUM_CONSUMERS, block_kv)),
             collective_axes="wg",
         )
 
+    operands = (q, k, v, d_out, lse2, delta) + ((q_ids, kv_ids) if has_segments else ())
     out_type = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
     grid = dict(grid=(batch, kv_heads, kv_pad // (NUM_CONSUMERS * block_kv)),
                 grid_names=("batch", "kv_heads", "kv_tiles"), num_threads=NUM_CONSUMERS + 1, thread_name="wg")
     compiler_params = plgpu.CompilerParams(approx_math=True)
     if not config.dq_atomic:
-        return plgpu.kernel(entry, out_type=out_type, compiler_params=compiler_params, **grid)(
-            q, k, v, d_out, lse2, delta)
+        return plgpu.kernel(entry, out_type=out_type, compiler_params=compiler_params, **grid)(*operands)
     # The dQ accumulator must start at zero and be written in place: a mutable array handed to the kernel
     # (plgpu.kernel's batching wrapper cannot carry one, so the mesh kernel is called directly).
     dq_acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
     dk, dv = pl.kernel(entry, out_type=out_type, mesh=plgpu.Mesh(**grid), compiler_params=compiler_params)(
-        q, k, v, d_out, lse2, delta, dq_acc)
+        *operands, dq_acc)
     return dk, dv, dq_acc[...]
 
 
-def _dq(q, k, v, d_out, lse2, delta, *, scale: float, is_causal: bool, kv_len: int, config: HopperBwdConfig):
+def _dq(q, k, v, d_out, lse2, delta, q_ids, kv_ids, *, scale: float, band: masks.Band, kv_len: int,
+        config: HopperBwdConfig):
     batch, q_pad, heads, head_dim = q.shape
     block_q, block_kv, num_stages = config.block_q_dq, config.block_kv_dq, config.num_stages_dq
     num_q_tiles = q_pad // (NUM_CONSUMERS * block_q)
+    has_segments = q_ids is not None
     transforms = _transforms()
 
     def entry(*refs):
+        inputs, rest = refs[:6], refs[6:]
+        segment_refs, (dq_ref,) = (rest[:2], rest[2:]) if has_segments else ((None, None), rest)
         smem = (
             plgpu.SMEM((NUM_CONSUMERS, block_q, head_dim), q.dtype, transforms=transforms),
             plgpu.SMEM((NUM_CONSUMERS, block_q, head_dim), d_out.dtype, transforms=transforms),
@@ -346,17 +407,19 @@ def _dq(q, k, v, d_out, lse2, delta, *, scale: float, is_causal: bool, kv_len: i
             plgpu.SMEM((num_stages, block_kv, head_dim), k.dtype, transforms=transforms),
             plgpu.SMEM((num_stages, block_kv, head_dim), v.dtype, transforms=transforms),
         )
-        body = functools.partial(_dq_kernel, scale=scale, is_causal=is_causal, kv_len=kv_len,
-                                 num_q_tiles=num_q_tiles, group=heads // k.shape[2], config=config)
+        body = functools.partial(_dq_kernel, scale=scale, band=band, kv_len=kv_len, num_q_tiles=num_q_tiles,
+                                 group=heads // k.shape[2], config=config)
         pl.run_scoped(
-            lambda *scoped: body(*refs, scoped),
+            lambda *scoped: body(*inputs, *segment_refs, dq_ref, scoped),
             smem,
             (plgpu.Barrier(num_barriers=NUM_CONSUMERS),) * 4,
             (plgpu.Barrier(num_barriers=num_stages),) * 2,
             (plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=num_stages),) * 2,
+            _segment_scratch(has_segments, (NUM_CONSUMERS, block_q), (num_stages, block_kv)),
             collective_axes="wg",
         )
 
+    operands = (q, k, v, d_out, lse2, delta) + ((q_ids, kv_ids) if has_segments else ())
     return plgpu.kernel(
         entry,
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -365,7 +428,7 @@ def _dq(q, k, v, d_out, lse2, delta, *, scale: float, is_causal: bool, kv_len: i
         num_threads=NUM_CONSUMERS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(q, k, v, d_out, lse2, delta)
+    )(*operands)
 
 
 def check_config(config: HopperBwdConfig, head_dim: int, itemsize: int = 2) -> None:
@@ -377,14 +440,17 @@ def check_config(config: HopperBwdConfig, head_dim: int, itemsize: int = 2) -> N
                              f"{head_dim} (the limit is {H100_SHARED_MEMORY})")
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "is_causal", "config"))
-def hopper_backward(q, k, v, out, lse, d_out, d_lse, *, scale: float, is_causal: bool,
+@functools.partial(jax.jit, static_argnames=("scale", "is_causal", "local_window_size", "config"))
+def hopper_backward(q, k, v, out, lse, d_out, d_lse, *, scale: float, is_causal: bool = False,
+                    local_window_size=None, q_segment_ids=None, kv_segment_ids=None,
                     config: HopperBwdConfig | None = None):
     """Gradients of attention on Hopper from the forward's residuals.
 
     q [batch, q_len, heads, head_dim], k/v [batch, kv_len, kv_heads, head_dim] (bf16/fp16), out like q,
     lse [batch, heads, q_len] float32 natural log; cotangents d_out like out and d_lse like lse (or None).
+    The band and segment ids as in `hopper_fwd.hopper_forward` (the forward's own).
     Returns (dq, dk, dv) shaped and typed like (q, k, v); dk/dv are summed over each kv head's group."""
+    band = masks.Band.of(is_causal, local_window_size)
     batch, q_len, heads, head_dim = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
     if heads % kv_heads:
@@ -412,13 +478,13 @@ def hopper_backward(q, k, v, out, lse, d_out, d_lse, *, scale: float, is_causal:
     # Padded query rows: lse2 = +inf makes their P exactly 0 in both passes.
     lse2 = jnp.pad(lse2, ((0, 0), (0, 0), (0, q_pad - q_len)), constant_values=jnp.inf)
     delta = _pad_axis(delta, 2, q_pad)
+    ids = pad_segment_ids(q_segment_ids, kv_segment_ids, q_pad, kv_pad)
 
+    common = dict(scale=scale, band=band, kv_len=kv_len, config=config)
     if config.dq_atomic:
-        dk, dv, dq = _dkdv(qp, kp, vp, dop, lse2, delta, scale=scale, is_causal=is_causal, kv_len=kv_len,
-                       config=config)
+        dk, dv, dq = _dkdv(qp, kp, vp, dop, lse2, delta, *ids, **common)
         dq = (dq * scale).astype(q.dtype)
     else:
-        dk, dv = _dkdv(qp, kp, vp, dop, lse2, delta, scale=scale, is_causal=is_causal, kv_len=kv_len,
-                       config=config)
-        dq = _dq(qp, kp, vp, dop, lse2, delta, scale=scale, is_causal=is_causal, kv_len=kv_len, config=config)
+        dk, dv = _dkdv(qp, kp, vp, dop, lse2, delta, *ids, **common)
+        dq = _dq(qp, kp, vp, dop, lse2, delta, *ids, **common)
     return dq[:, :q_len, :, :head_dim], dk[:, :kv_len, :, :head_dim], dv[:, :kv_len, :, :head_dim]

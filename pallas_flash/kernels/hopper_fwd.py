@@ -10,10 +10,17 @@ The FA3 recipe, one CTA per (batch, head, tile of `2 * block_q` queries):
     while the other's matmuls occupy the tensor cores;
   * online softmax in base 2 with the scale folded in: with c = scale * log2(e), p = exp2(s * c - m) is one
     FMA and one ex2 per logit, and m is kept in units of c * s;
-  * causal block skipping: a CTA visits only key blocks up to its last row's diagonal; blocks wholly below
-    the diagonal skip the mask;
-  * the grid runs the query tiles of one (batch, head) back to back, so concurrent CTAs share K/V in L2; in
-    the causal case the longest tiles (last rows) launch first.
+  * band skipping (causal, or a local window (left, right)): a CTA visits only the key blocks its rows can
+    see (`tiles.kv_block_range`, shared with the portable kernels); blocks every row of a warpgroup sees in
+    full skip the mask;
+  * the grid runs the query tiles of one (batch, head) back to back, so concurrent CTAs share K/V in L2; with
+    a causal band the longest tiles (last rows) launch first.
+
+Segment ids (packed sequences; per-example lengths arrive folded into them, see `api._segments`): int32 ids
+of the CTA's query rows are loaded once per consumer, the ids of each key block ride the K ring (loaded by
+the producer beside K, read before K's slot is released); every block is then masked by id equality. A row
+that sees no key (segments, or a window past the keys) keeps m = -inf: masked steps shift exp2 by 0 there,
+and the epilogue writes zeros and lse = -inf.
 
 Ragged lengths are padded in the wrapper (queries to `2 * block_q`, keys to `block_kv`); the padded keys are
 masked in the last key block, the padded query rows sliced off. head_dim is padded to a multiple of 64 (the
@@ -33,7 +40,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_flash import masks
+from pallas_flash._compat import smem_vector_load
 from pallas_flash.config import NUM_CONSUMERS, HopperConfig
+from pallas_flash.kernels import tiles
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -70,23 +80,29 @@ def padded_head_dim(head_dim: int) -> int:
     return _round_up(head_dim, HEAD_DIM_TILE)
 
 
-def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scoped, *, scale: float, is_causal: bool, kv_len: int,
-            num_q_tiles: int, group: int, config: HopperConfig, interpreting: bool):
+def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, out_ref, lse_ref, scoped, *, scale: float,
+            band: masks.Band, kv_len: int, num_q_tiles: int, group: int, config: HopperConfig,
+            interpreting: bool):
     """Grid (batch, heads, q_tiles), 3 warpgroups ("wg"): 0 and 1 consume, 2 produces.
 
     `interpreting`: the Mosaic GPU interpreter (JAX 0.10-0.11) has no `pl.run_state` and no CPU rule for
     register layouts (`layout_cast`, `plgpu.broadcasted_iota`); there P V goes into a fresh accumulator
     that is then added, and layouts are left out. Same barriers, copies and wgmmas otherwise.
 
-    q_ref [batch, q_pad, heads, d], k_ref/v_ref [batch, kv_pad, kv_heads, d], out_ref like q_ref,
-    lse_ref [batch, heads, q_pad] (natural log)."""
-    (qo_smem2, k_smem, v_smem, lse_smem2), q_ready, (k_ready, v_ready), (k_free, v_free), turn = scoped
+    q_ref [batch, q_pad, heads, d], k_ref/v_ref [batch, kv_pad, kv_heads, d], q_ids_ref/kv_ids_ref None or
+    int32 [batch, q_pad] / [batch, kv_pad] (padding ids never match), out_ref like q_ref, lse_ref
+    [batch, heads, q_pad] (natural log)."""
+    (qo_smem2, k_smem, v_smem, lse_smem2), q_ready, (k_ready, v_ready), (k_free, v_free), turn, segments = scoped
+    has_segments = q_ids_ref is not None
     block_q, block_kv, num_stages = config.block_q, config.block_kv, config.num_stages
     num_kv_blocks = k_ref.shape[1] // block_kv
     dtype = q_ref.dtype
     batch, head = lax.axis_index("batch"), lax.axis_index("heads")
-    tile_start, kv_steps = query_tile_schedule(num_q_tiles, block_q=block_q, block_kv=block_kv,
-                                               num_kv_blocks=num_kv_blocks, is_causal=is_causal)
+    tile_start, kv_lo, kv_hi = query_tile_schedule(num_q_tiles, block_q=block_q, block_kv=block_kv,
+                                                   num_kv_blocks=num_kv_blocks, kv_len=kv_len, band=band,
+                                                   has_segments=has_segments)
+    # A row may see no key at all (segments, or a window's left edge past the keys): keep its m = -inf safe.
+    rows_may_be_empty = has_segments or band.left is not None
     wg = lax.axis_index("wg")
 
     def take_turn():
@@ -108,20 +124,35 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scoped, *, scale: float, is_c
                 return lax.broadcasted_iota(jnp.int32, shape, axis)
             return plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA)
 
+        def load(ref, vector_layout):
+            return ref[...] if interpreting else smem_vector_load(ref, vector_layout)
+
         row = plgpu.Layout.WGMMA.reduce(1)
+        column = plgpu.Layout.WGMMA.reduce(0)
         m = layout(jnp.full((block_q,), -jnp.inf, jnp.float32), row)
         l = layout(jnp.zeros((block_q,), jnp.float32), row)
         acc = layout(jnp.zeros((block_q, qo_smem.shape[-1]), jnp.float32), plgpu.Layout.WGMMA)
         c = scale * LOG2E  # logits in base-2 units: exp(scale * s) = exp2(c * s)
+        q_seg = None
+        if has_segments:
+            q_ids_smem, kv_ids_smem, q_ids_ready, kv_ids_ready = segments
+            plgpu.copy_gmem_to_smem(q_ids_ref.at[batch, pl.ds(q_start, block_q)], q_ids_smem.at[wg],
+                                    q_ids_ready.at[wg])
+            plgpu.barrier_wait(q_ids_ready.at[wg])
+            q_seg = load(q_ids_smem.at[wg], row)
 
         plgpu.barrier_wait(q_ready.at[wg])
-        plgpu.barrier_wait(k_ready.at[0])  # kv_steps >= 1 always: key 0 is visible to every query
+        plgpu.barrier_wait(k_ready.at[0])  # kv_hi > kv_lo always (query_tile_schedule)
         # Consumer 1 parks at the schedule barrier until consumer 0 has issued its first QK^T.
         pl.when(wg == 1)(take_turn)
 
         def step(kv_step, carry, *, masked: bool):
             acc, m, l = carry
-            slot = lax.rem(kv_step, num_stages)
+            slot = lax.rem(kv_step - kv_lo, num_stages)
+            kv_seg = None
+            if masked and has_segments:  # read the block's ids before K's slot is released
+                plgpu.barrier_wait(kv_ids_ready.at[slot])
+                kv_seg = load(kv_ids_smem.at[slot], column)
 
             def qk(s_ref):
                 plgpu.wgmma(s_ref, qo_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
@@ -132,18 +163,21 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scoped, *, scale: float, is_c
             plgpu.barrier_arrive(k_free.at[slot])
             plgpu.barrier_wait(turn)
             if masked:
-                k_pos = kv_step * block_kv + iota(s.shape, 1)
-                visible = k_pos <= q_start + iota(s.shape, 0) if is_causal else None
-                if kv_len % block_kv:
-                    in_range = k_pos < kv_len
-                    visible = in_range if visible is None else jnp.logical_and(visible, in_range)
+                ids = {}
+                if has_segments:
+                    ids = dict(q_segment=lax.broadcast_in_dim(q_seg, s.shape, [0]),
+                               kv_segment=lax.broadcast_in_dim(kv_seg, s.shape, [1]))
+                visible = masks.visible(q_start + iota(s.shape, 0), kv_step * block_kv + iota(s.shape, 1),
+                                        band=band, kv_len=kv_len if kv_len % block_kv else None, **ids)
                 if visible is not None:  # None: traced for a loop that runs no iterations
                     s = jnp.where(visible, s, -jnp.inf)
-            # c > 0, so max(c * s) = c * max(s); key 0 is visible to every row, so m is finite from the
-            # first block on and exp2 never sees (-inf) - (-inf).
+            # c > 0, so max(c * s) = c * max(s).
             m_new = jnp.maximum(m, s.max(axis=1) * c)
-            alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            # A row that has seen no key yet has m_new = -inf: shift by 0 so exp2 gives 0, not NaN. (An
+            # unmasked block always has a visible key, so only masked steps need this.)
+            shift = tiles.safe_exp_shift(m_new) if masked and rows_may_be_empty else m_new
+            alpha = jnp.exp2(m - shift)
+            p = jnp.exp2(s * c - lax.broadcast_in_dim(shift, s.shape, [0]))
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             l = l * alpha + p.sum(axis=1)
             p16 = p.astype(dtype)
@@ -155,9 +189,9 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scoped, *, scale: float, is_c
             def pv(acc_ref):
                 plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
 
-                @pl.when(kv_step + 1 < kv_steps)
+                @pl.when(kv_step + 1 < kv_hi)
                 def _():  # overlap the next K block's wait with this PV
-                    plgpu.barrier_wait(k_ready.at[lax.rem(kv_step + 1, num_stages)])
+                    plgpu.barrier_wait(k_ready.at[lax.rem(kv_step + 1 - kv_lo, num_stages)])
 
             if interpreting:
                 acc = acc + pl.run_scoped(lambda acc_ref: (pv(acc_ref), acc_ref[...])[1],
@@ -167,23 +201,28 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scoped, *, scale: float, is_c
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m_new, l
 
-        # Blocks [0, first_masked) are visible to every row of this warpgroup: no mask.
+        # Only the blocks on the band's edges (and the ragged last block) pay for the mask; with segment
+        # ids, every block does.
+        _, unmasked_lo, unmasked_hi, _ = tiles.kv_block_range(
+            lax.div(q_start, block_q), block_q=block_q, block_kv=block_kv, num_kv_blocks=num_kv_blocks,
+            kv_len=kv_len, band=band, always_mask=has_segments)
+        unmasked_lo = jnp.clip(unmasked_lo, kv_lo, kv_hi)
+        unmasked_hi = jnp.clip(unmasked_hi, unmasked_lo, kv_hi)
         carry = (acc, m, l)
-        if is_causal:
-            first_masked = jnp.minimum(kv_len // block_kv, q_start // block_kv)
-            carry = lax.fori_loop(0, first_masked, functools.partial(step, masked=False), carry)
-            carry = lax.fori_loop(first_masked, kv_steps, functools.partial(step, masked=True), carry)
-        else:
-            first_masked = kv_len // block_kv
-            carry = lax.fori_loop(0, first_masked, functools.partial(step, masked=False), carry)
-            # The ragged last block, if any (a loop, not a call: the step index must be a traced value).
-            carry = lax.fori_loop(first_masked, kv_steps, functools.partial(step, masked=True), carry)
-        acc, m, l = carry
+        if band.left is not None:  # else unmasked_lo == kv_lo: no leading edge (and no code for one)
+            carry = lax.fori_loop(kv_lo, unmasked_lo, functools.partial(step, masked=True), carry)
+        carry = lax.fori_loop(unmasked_lo, unmasked_hi, functools.partial(step, masked=False), carry)
+        # The trailing edge (a loop even for one block: the step index must be a traced value).
+        acc, m, l = lax.fori_loop(unmasked_hi, kv_hi, functools.partial(step, masked=True), carry)
         pl.when(wg == 0)(take_turn)  # balance consumer 1's opening turn
 
         inv_l = 1.0 / l
+        log_l = m + jnp.log2(l)
+        if rows_may_be_empty:  # rows that saw no key: zeros and lse = -inf, never NaN
+            inv_l = jnp.where(l == 0.0, 0.0, inv_l)
+            log_l = jnp.where(l == 0.0, -jnp.inf, log_l)
         qo_smem[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(dtype)
-        lse_smem[...] = (m + jnp.log2(l)) * LN2
+        lse_smem[...] = log_l * LN2
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[batch, pl.ds(q_start, block_q), head])
         plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(q_start, block_q)])
@@ -192,39 +231,50 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, scoped, *, scale: float, is_c
     @pl.when(wg == NUM_CONSUMERS)
     def _producer():
         plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+        ids = None if not has_segments else (kv_ids_ref, segments[1], segments[3])
         stream_kv_blocks((k_ref, v_ref), (k_smem, v_smem), (k_ready, v_ready), (k_free, v_free), batch=batch,
-                         kv_head=lax.div(head, group), block_kv=block_kv, num_stages=num_stages, kv_steps=kv_steps)
+                         kv_head=lax.div(head, group), block_kv=block_kv, num_stages=num_stages, kv_lo=kv_lo,
+                         kv_hi=kv_hi, kv_ids=ids)
 
 
-def query_tile_schedule(num_q_tiles: int, *, block_q: int, block_kv: int, num_kv_blocks: int, is_causal: bool):
-    """The first query row of this CTA's tile of NUM_CONSUMERS * block_q rows (grid axis "q_tiles"), and how
-    many key blocks it visits: all of them, or (causal) those up to the diagonal of its last row. Causal
-    tiles run in reverse: the last ones visit the most key blocks, so they launch first. Shared by the
-    forward and the dQ kernel."""
+def query_tile_schedule(num_q_tiles: int, *, block_q: int, block_kv: int, num_kv_blocks: int, kv_len: int,
+                        band: masks.Band, has_segments: bool):
+    """The first query row of this CTA's tile of NUM_CONSUMERS * block_q rows (grid axis "q_tiles"), and the
+    key blocks [lo, hi) it visits: those its rows' band reaches, never none (a tile that sees no key still
+    visits one block, fully masked, so every loop and barrier keeps one shape). With a causal band (right
+    edge only) the tiles run in reverse: the last ones visit the most key blocks, so they launch first.
+    Shared by the forward and the dQ kernel."""
     tile = lax.axis_index("q_tiles")
-    if is_causal:
+    if band.right is not None and band.left is None:
         tile = num_q_tiles - 1 - tile
-    tile_start = tile * (NUM_CONSUMERS * block_q)
-    if not is_causal:
-        return tile_start, num_kv_blocks
-    return tile_start, jnp.minimum(pl.cdiv(tile_start + NUM_CONSUMERS * block_q, block_kv), num_kv_blocks)
+    lo, _, _, hi = tiles.kv_block_range(tile, block_q=NUM_CONSUMERS * block_q, block_kv=block_kv,
+                                        num_kv_blocks=num_kv_blocks, kv_len=kv_len, band=band,
+                                        always_mask=has_segments)
+    lo = jnp.minimum(lo, num_kv_blocks - 1)
+    return tile * (NUM_CONSUMERS * block_q), lo, jnp.maximum(hi, lo + 1)
 
 
-def stream_kv_blocks(gmem, smem, ready, free, *, batch, kv_head, block_kv: int, num_stages: int, kv_steps):
-    """The producer warpgroup's loop (this forward's and the dQ kernel's): TMA key/value blocks 0 .. kv_steps-1
-    of (batch, kv_head) into a `num_stages` shared-memory ring. `gmem`, `smem`, `ready`, `free` are (key,
-    value) pairs of refs and barriers; slot s is refilled once the consumers arrive on its "free" barrier.
-    K of step i + num_stages may land once both consumers finished Q K^T of step i, before they finish its
-    P V: K and V have separate "free" barriers."""
+def stream_kv_blocks(gmem, smem, ready, free, *, batch, kv_head, block_kv: int, num_stages: int, kv_lo, kv_hi,
+                     kv_ids=None):
+    """The producer warpgroup's loop (this forward's and the dQ kernel's): TMA key/value blocks kv_lo ..
+    kv_hi-1 of (batch, kv_head) into a `num_stages` shared-memory ring. `gmem`, `smem`, `ready`, `free` are
+    (key, value) pairs of refs and barriers; slot s is refilled once the consumers arrive on its "free"
+    barrier. K of step i + num_stages may land once both consumers finished Q K^T of step i, before they
+    finish its P V: K and V have separate "free" barriers. `kv_ids`: None, or (ids ref [batch, kv_pad],
+    ring [num_stages, block_kv], ready barriers): the block's segment ids, loaded with K (and released
+    with it)."""
 
-    def load(kv_step, slot, wait_free: bool):
-        rows = (batch, pl.ds(kv_step * block_kv, block_kv), kv_head)
-        for ref, ring, is_ready, is_free in zip(gmem, smem, ready, free):
+    def load(step, slot, wait_free: bool):
+        keys = pl.ds((kv_lo + step) * block_kv, block_kv)
+        for i, (ref, ring, is_ready, is_free) in enumerate(zip(gmem, smem, ready, free)):
             if wait_free:
                 plgpu.barrier_wait(is_free.at[slot])
-            plgpu.copy_gmem_to_smem(ref.at[rows], ring.at[slot], is_ready.at[slot])
+            plgpu.copy_gmem_to_smem(ref.at[batch, keys, kv_head], ring.at[slot], is_ready.at[slot])
+            if i == 0 and kv_ids is not None:
+                ids_ref, ids_ring, ids_ready = kv_ids
+                plgpu.copy_gmem_to_smem(ids_ref.at[batch, keys], ids_ring.at[slot], ids_ready.at[slot])
 
-    fill_ring(load, num_stages=num_stages, steps=kv_steps)
+    fill_ring(load, num_stages=num_stages, steps=kv_hi - kv_lo)
 
 
 def fill_ring(load, *, num_stages: int, steps):
@@ -241,34 +291,53 @@ def fill_ring(load, *, num_stages: int, steps):
         load(step, lax.rem(step, num_stages), wait_free=True)
 
 
-def _forward_padded(q, k, v, *, scale: float, is_causal: bool, kv_len: int, config: HopperConfig,
-                    interpret):
+def pad_segment_ids(q_ids, kv_ids, q_pad: int, kv_pad: int):
+    """Segment ids padded to the kernels' lengths with the padding ids (which match nothing), or (None, None)."""
+    if q_ids is None:
+        return None, None
+    pad = lambda ids, size, value: jnp.pad(ids.astype(jnp.int32), ((0, 0), (0, size - ids.shape[1])),
+                                           constant_values=value)
+    return pad(q_ids, q_pad, masks.QUERY_PADDING_ID), pad(kv_ids, kv_pad, masks.KEY_PADDING_ID)
+
+
+def _forward_padded(q, k, v, q_ids, kv_ids, *, scale: float, band: masks.Band, kv_len: int,
+                    config: HopperConfig, interpret):
     batch, q_pad, heads, head_dim = q.shape
     kv_heads = k.shape[2]
     num_q_tiles = q_pad // (NUM_CONSUMERS * config.block_q)
+    has_segments = q_ids is not None
     # 128-byte swizzle over (8, 64)-element tiles: the layout wgmma reads without bank conflicts.
     transforms = (plgpu.TilingTransform((8, HEAD_DIM_TILE)), plgpu.SwizzleTransform(128))
 
-    def entry(q_ref, k_ref, v_ref, out_ref, lse_ref):
+    def entry(q_ref, k_ref, v_ref, *refs):
+        q_ids_ref, kv_ids_ref = refs[:2] if has_segments else (None, None)
+        out_ref, lse_ref = refs[-2:]
         smem = (
             plgpu.SMEM((NUM_CONSUMERS, config.block_q, head_dim), q.dtype, transforms=transforms),
             plgpu.SMEM((config.num_stages, config.block_kv, head_dim), k.dtype, transforms=transforms),
             plgpu.SMEM((config.num_stages, config.block_kv, head_dim), v.dtype, transforms=transforms),
             plgpu.SMEM((NUM_CONSUMERS, config.block_q), jnp.float32),
         )
-        body = functools.partial(_kernel, scale=scale, is_causal=is_causal, kv_len=kv_len,
-                                 num_q_tiles=num_q_tiles, group=heads // kv_heads, config=config,
-                                 interpreting=interpret is not None)
+        segments = None
+        if has_segments:  # query ids per consumer, key ids ring, their barriers
+            segments = (plgpu.SMEM((NUM_CONSUMERS, config.block_q), jnp.int32),
+                        plgpu.SMEM((config.num_stages, config.block_kv), jnp.int32),
+                        plgpu.Barrier(num_barriers=NUM_CONSUMERS),
+                        plgpu.Barrier(num_barriers=config.num_stages))
+        body = functools.partial(_kernel, scale=scale, band=band, kv_len=kv_len, num_q_tiles=num_q_tiles,
+                                 group=heads // kv_heads, config=config, interpreting=interpret is not None)
         pl.run_scoped(
-            lambda *scoped: body(q_ref, k_ref, v_ref, out_ref, lse_ref, scoped),
+            lambda *scoped: body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, out_ref, lse_ref, scoped),
             smem,
             plgpu.Barrier(num_barriers=NUM_CONSUMERS),
             (plgpu.Barrier(num_barriers=config.num_stages),) * 2,
             (plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=config.num_stages),) * 2,
             plgpu.Barrier(num_arrivals=NUM_CONSUMERS),
+            segments,
             collective_axes="wg",
         )
 
+    operands = (q, k, v) + ((q_ids, kv_ids) if has_segments else ())
     return plgpu.kernel(
         entry,
         out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -279,24 +348,31 @@ def _forward_padded(q, k, v, *, scale: float, is_causal: bool, kv_len: int, conf
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **({} if interpret is None else dict(interpret=interpret)),
-    )(q, k, v)
+    )(*operands)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "is_causal", "config", "interpret"))
-def hopper_forward(query, key, value, *, scale: float, is_causal: bool, config: HopperConfig | None = None,
-                   interpret=None):
+@functools.partial(jax.jit, static_argnames=("scale", "is_causal", "local_window_size", "config", "interpret"))
+def hopper_forward(query, key, value, *, scale: float, is_causal: bool = False, local_window_size=None,
+                   q_segment_ids=None, kv_segment_ids=None, config: HopperConfig | None = None, interpret=None):
     """Attention forward on Hopper. Shapes and results as `reference.attention_reference`:
     query [batch, q_len, heads, head_dim], key/value [batch, kv_len, kv_heads, head_dim] ->
     (out [batch, q_len, heads, head_dim] in query's dtype, lse [batch, heads, q_len] float32).
 
+    is_causal, local_window_size (left, right; None for an unbounded side): the band, as `masks.Band.of`.
+    q_segment_ids / kv_segment_ids: None, or int [batch, q_len] / [batch, kv_len] (both or neither): a query
+    sees only keys with its id. A query that sees no key gets zeros and lse = -inf.
     `interpret`: None compiles for the GPU; an `InterpretGPUParams` (private in JAX 0.10-0.11:
     jax._src.pallas.mosaic_gpu.interpret.params) runs the kernel in the Mosaic GPU interpreter on CPU."""
+    band = masks.Band.of(is_causal, local_window_size)
     q_len, kv_len, head_dim = query.shape[1], key.shape[1], query.shape[3]
     padded_dim = padded_head_dim(head_dim)
-    config = config or HopperConfig.default(padded_dim, kv_len, is_causal)
-    q = _pad_axis(_pad_axis(query, 1, _round_up(q_len, NUM_CONSUMERS * config.block_q)), 3, padded_dim)
-    k = _pad_axis(_pad_axis(key, 1, _round_up(kv_len, config.block_kv)), 3, padded_dim)
-    v = _pad_axis(_pad_axis(value, 1, _round_up(kv_len, config.block_kv)), 3, padded_dim)
-    out, lse = _forward_padded(q, k, v, scale=scale, is_causal=is_causal, kv_len=kv_len, config=config,
+    config = config or HopperConfig.default(padded_dim, kv_len, band.right == 0 and band.left is None)
+    q_pad = _round_up(q_len, NUM_CONSUMERS * config.block_q)
+    kv_pad = _round_up(kv_len, config.block_kv)
+    q = _pad_axis(_pad_axis(query, 1, q_pad), 3, padded_dim)
+    k = _pad_axis(_pad_axis(key, 1, kv_pad), 3, padded_dim)
+    v = _pad_axis(_pad_axis(value, 1, kv_pad), 3, padded_dim)
+    q_ids, kv_ids = pad_segment_ids(q_segment_ids, kv_segment_ids, q_pad, kv_pad)
+    out, lse = _forward_padded(q, k, v, q_ids, kv_ids, scale=scale, band=band, kv_len=kv_len, config=config,
                                interpret=interpret)
     return out[:, :q_len, :, :head_dim], lse[:, :, :q_len]
