@@ -2,7 +2,7 @@
 portable kernels (what `implementation=None` ran for these calls before) and cuDNN where `jax.nn` takes the
 same mask; and the portable dbias kernel's band skipping (a causal bias gradient against a full one).
 
-  PYTHONPATH=. python -m benchmarks.hopper_masks --out DIR [--budget S]
+  PYTHONPATH=. python -m benchmarks.hopper_masks --out DIR [--budget S] [--only NAME,...]
 
 bf16, B*N = 16k tokens, H*D = 2048 (the anchor shapes), N = 8192. Each line: the scenario, the pass (fwd or
 fwd+bwd = grad of <out, ct> in q, k, v), ms (median of `benchmarks.attention.median_ms`), useful TFLOP/s (4*D
@@ -66,7 +66,7 @@ def timed(fn, args):
     return ms
 
 
-def run(out_dir: str, budget_s: float):
+def run(out_dir: str, budget_s: float, only=None):
     start = time.perf_counter()
     env = environment()
     os.makedirs(out_dir, exist_ok=True)
@@ -87,6 +87,8 @@ def run(out_dir: str, budget_s: float):
                            for kk in jax.random.split(key, 4))
             arg_sets.append((q, k, v, ct))
         for name, ours, theirs in scenarios(head_dim):
+            if only and name not in only:
+                continue
             flops = 4.0 * head_dim * heads * visible_pairs(ours, batch)
             impls = {"mosaic": functools.partial(pf.flash_attention, implementation="mosaic", **ours),
                      "pallas": functools.partial(pf.flash_attention, implementation="pallas", **ours)}
@@ -130,6 +132,8 @@ def run(out_dir: str, budget_s: float):
     q, k, v, ct = (jax.random.normal(kk, (batch, N, heads, head_dim), jnp.bfloat16)
                    for kk in jax.random.split(jax.random.key(3), 4))
     for causal in (False, True):
+        if only and f"bias_{'causal' if causal else 'full'}" not in only:
+            continue
         if time.perf_counter() - start > budget_s:
             print(f"skipped dbias causal={causal}: time budget", flush=True)
             continue
@@ -145,8 +149,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--budget", type=float, default=480.0, help="start no new measurement after S seconds")
+    parser.add_argument("--only", default="", help="comma list of scenario names (bias_full, bias_causal too)")
     args = parser.parse_args()
-    run(args.out, args.budget)
+    run(args.out, args.budget, [name for name in args.only.split(",") if name])
 
 
 if __name__ == "__main__":

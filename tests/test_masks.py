@@ -200,3 +200,34 @@ def test_hopper_kernels_are_chosen_for_mask_features(monkeypatch):
     assert call["band"] == masks.Band(8, 0)
     np.testing.assert_array_equal(call["kv_segment_ids"][1, 20:], masks.KEY_PADDING_ID)
     np.testing.assert_array_equal(call["q_segment_ids"], 0)
+
+
+@pytest.mark.parametrize("sort", [True, False])
+def test_segment_block_ranges_cover_every_meeting(sort):
+    """The Hopper kernels visit only the key blocks `segment_block_ranges` names for a query tile: every
+    (tile, block) pair that shares a segment id must be inside it, and for sorted ids (packed sequences,
+    lengths) it must be exactly the first to the last such block."""
+    from pallas_flash.kernels import hopper_fwd
+    rows, cols, tile, block = 96, 80, 16, 8
+    k1, k2 = jax.random.split(jax.random.key(5))
+    q_ids = jax.random.randint(k1, (3, rows), 0, 6)
+    kv_ids = jax.random.randint(k2, (3, cols), 1, 7)
+    if sort:
+        q_ids, kv_ids = jnp.sort(q_ids, axis=1), jnp.sort(kv_ids, axis=1)
+    # Padding past per-example lengths, as the kernels' wrappers pad.
+    q_ids = jnp.where(jnp.arange(rows) < jnp.array([96, 40, 0])[:, None], q_ids, masks.QUERY_PADDING_ID)
+    kv_ids = jnp.where(jnp.arange(cols) < jnp.array([80, 80, 30])[:, None], kv_ids, masks.KEY_PADDING_ID)
+    ranges = np.asarray(hopper_fwd.segment_block_ranges(q_ids, kv_ids, rows_per_tile=tile, cols_per_block=block))
+    assert ranges.shape == (3, rows // tile, 2)
+    meets = (np.asarray(q_ids)[:, :, None] == np.asarray(kv_ids)[:, None, :])  # [batch, rows, cols]
+    meets = meets.reshape(3, rows // tile, tile, cols // block, block).any(axis=(2, 4))  # [batch, tiles, blocks]
+    for b in range(3):
+        for t in range(rows // tile):
+            lo, hi = ranges[b, t]
+            hit = np.flatnonzero(meets[b, t])
+            if sort:
+                expected = (hit[0], hit[-1] + 1) if hit.size else (0, 0)
+                assert (lo, hi) == expected, (b, t)
+            else:
+                assert all(lo <= j < hi for j in hit), (b, t)
+    assert (ranges[2] == 0).all()  # example 2 has no queries

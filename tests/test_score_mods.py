@@ -364,6 +364,16 @@ def test_gpu_modifiers_default_blocks(shape, case, dtype, is_causal):
     check_against_reference("pallas", shape, dtype, is_causal, _gpu_case(case, shape), None, seed=3)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_gpu_bias_shared_over_batch_head_dim_128(is_causal):
+    """A bias shared by the batch ([1, heads, q, k]) makes the dbias kernel loop over the batch, and Triton
+    pipelines that loop's Q, dO, K and V loads: at head_dim 128 its stages must fit shared memory."""
+    shape = (2, 1024, 1024, 4, 4, 128)
+    case = dict(bias=_normal(66, (1, shape[3], shape[1], shape[2])).astype(jnp.bfloat16))
+    check_against_reference("pallas", shape, jnp.bfloat16, is_causal, case, None, seed=4)
+
+
 @pytest.mark.parametrize("bias_dtype", [jnp.float32, jnp.bfloat16, None])
 @pytest.mark.parametrize("mask_spans_queries", [True, False])
 def test_default_tiles_leave_room_for_bias_and_mask_tiles(bias_dtype, mask_spans_queries):

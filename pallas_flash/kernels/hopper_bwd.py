@@ -38,7 +38,7 @@ from pallas_flash.config import H100_SHARED_MEMORY, NUM_CONSUMERS, HopperBwdConf
 from pallas_flash.kernels import tiles
 from pallas_flash.kernels.hopper_fwd import (CONSUMER_REGISTERS, HEAD_DIM_TILE, LOG2E, PRODUCER_REGISTERS,
                                              _pad_axis, _round_up, fill_ring, pad_segment_ids, padded_head_dim,
-                                             query_tile_schedule, stream_kv_blocks)
+                                             query_tile_schedule, segment_block_ranges, stream_kv_blocks)
 
 MAX_HEAD_DIM = 128  # at 256, K and V of a 128-key CTA alone take 128 KiB of shared memory
 
@@ -65,13 +65,14 @@ def _visible(q_pos, k_pos, *, band: masks.Band, kv_len, q_seg, kv_seg, shape, q_
     return masks.visible(q_pos, k_pos, band=band, kv_len=kv_len, **ids)
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv_ids_ref, dq_acc_ref, dk_ref,
-                 dv_ref, scoped, *, scale: float, band: masks.Band, kv_len: int, group: int,
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv_ids_ref, q_ranges_ref,
+                 dq_acc_ref, dk_ref, dv_ref, scoped, *, scale: float, band: masks.Band, kv_len: int, group: int,
                  config: HopperBwdConfig):
     """Grid (batch, kv_heads, kv_tiles), 3 warpgroups ("wg"): 0 and 1 consume, 2 produces.
 
     q_ref/do_ref [batch, q_pad, heads, d], k_ref/v_ref [batch, kv_pad, kv_heads, d], lse2_ref/delta_ref
     [batch, heads, q_pad] float32, q_ids_ref/kv_ids_ref None or int32 [batch, q_pad] / [batch, kv_pad],
+    q_ranges_ref None or with them the query blocks each key tile's ids may meet (`segment_block_ranges`),
     dk_ref/dv_ref like k_ref (summed over the group's query heads).
     dq_acc_ref: None, or (config.dq_atomic) a float32 [batch, q_pad, heads, d] buffer of zeros that each
     query block's dS K is reduce-added into by TMA (unscaled)."""
@@ -93,6 +94,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
     q_lo, _, _, q_hi = tiles.q_block_range(kv_tile, block_q=block_q, block_kv=NUM_CONSUMERS * block_kv,
                                            num_q_blocks=num_q_blocks, kv_len=k_ref.shape[1], band=band,
                                            always_mask=True)
+    if has_segments:
+        q_lo = jnp.maximum(q_lo, q_ranges_ref[batch, kv_tile, 0])
+        q_hi = jnp.maximum(jnp.minimum(q_hi, q_ranges_ref[batch, kv_tile, 1]), q_lo)
     q_steps = q_hi - q_lo
     total_steps = group * q_steps
     wg = lax.axis_index("wg")
@@ -226,7 +230,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
         fill_ring(load, num_stages=num_stages, steps=total_steps)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv_ids_ref, dq_ref, scoped, *,
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, dq_ref, scoped, *,
                scale: float, band: masks.Band, kv_len: int, num_q_tiles: int, group: int,
                config: HopperBwdConfig):
     """Grid (batch, heads, q_tiles), 3 warpgroups ("wg"): 0 and 1 consume, 2 produces.
@@ -241,7 +245,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv_i
     batch, head = lax.axis_index("batch"), lax.axis_index("heads")
     tile_start, kv_lo, kv_hi = query_tile_schedule(num_q_tiles, block_q=block_q, block_kv=block_kv,
                                                    num_kv_blocks=num_kv_blocks, kv_len=kv_len, band=band,
-                                                   has_segments=has_segments)
+                                                   segment_ranges=kv_ranges_ref)
     wg = lax.axis_index("wg")
 
     @pl.when(wg < NUM_CONSUMERS)
@@ -361,7 +365,7 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_ids, kv_ids, *, scale: float, band: mas
 
     def entry(*refs):
         inputs, rest = refs[:6], refs[6:]
-        segment_refs, rest = (rest[:2], rest[2:]) if has_segments else ((None, None), rest)
+        segment_refs, rest = (rest[:3], rest[3:]) if has_segments else ((None, None, None), rest)
         dq_acc, outputs = (rest[0], rest[1:]) if config.dq_atomic else (None, rest)
         pl.run_scoped(
             lambda *scoped: body(*inputs, *segment_refs, dq_acc, *outputs, scoped),
@@ -373,7 +377,10 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_ids, kv_ids, *, scale: float, band: mas
             collective_axes="wg",
         )
 
-    operands = (q, k, v, d_out, lse2, delta) + ((q_ids, kv_ids) if has_segments else ())
+    operands = (q, k, v, d_out, lse2, delta)
+    if has_segments:
+        operands += (q_ids, kv_ids, segment_block_ranges(kv_ids, q_ids, rows_per_tile=NUM_CONSUMERS * block_kv,
+                                                         cols_per_block=block_q))
     out_type = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
     grid = dict(grid=(batch, kv_heads, kv_pad // (NUM_CONSUMERS * block_kv)),
                 grid_names=("batch", "kv_heads", "kv_tiles"), num_threads=NUM_CONSUMERS + 1, thread_name="wg")
@@ -398,7 +405,7 @@ def _dq(q, k, v, d_out, lse2, delta, q_ids, kv_ids, *, scale: float, band: masks
 
     def entry(*refs):
         inputs, rest = refs[:6], refs[6:]
-        segment_refs, (dq_ref,) = (rest[:2], rest[2:]) if has_segments else ((None, None), rest)
+        segment_refs, (dq_ref,) = (rest[:3], rest[3:]) if has_segments else ((None, None, None), rest)
         smem = (
             plgpu.SMEM((NUM_CONSUMERS, block_q, head_dim), q.dtype, transforms=transforms),
             plgpu.SMEM((NUM_CONSUMERS, block_q, head_dim), d_out.dtype, transforms=transforms),
@@ -419,7 +426,10 @@ def _dq(q, k, v, d_out, lse2, delta, q_ids, kv_ids, *, scale: float, band: masks
             collective_axes="wg",
         )
 
-    operands = (q, k, v, d_out, lse2, delta) + ((q_ids, kv_ids) if has_segments else ())
+    operands = (q, k, v, d_out, lse2, delta)
+    if has_segments:
+        operands += (q_ids, kv_ids, segment_block_ranges(q_ids, kv_ids, rows_per_tile=NUM_CONSUMERS * block_q,
+                                                         cols_per_block=block_kv))
     return plgpu.kernel(
         entry,
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),

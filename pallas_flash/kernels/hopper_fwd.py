@@ -80,7 +80,7 @@ def padded_head_dim(head_dim: int) -> int:
     return _round_up(head_dim, HEAD_DIM_TILE)
 
 
-def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, out_ref, lse_ref, scoped, *, scale: float,
+def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, lse_ref, scoped, *, scale: float,
             band: masks.Band, kv_len: int, num_q_tiles: int, group: int, config: HopperConfig,
             interpreting: bool):
     """Grid (batch, heads, q_tiles), 3 warpgroups ("wg"): 0 and 1 consume, 2 produces.
@@ -90,7 +90,8 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, out_ref, lse_ref, scoped
     that is then added, and layouts are left out. Same barriers, copies and wgmmas otherwise.
 
     q_ref [batch, q_pad, heads, d], k_ref/v_ref [batch, kv_pad, kv_heads, d], q_ids_ref/kv_ids_ref None or
-    int32 [batch, q_pad] / [batch, kv_pad] (padding ids never match), out_ref like q_ref, lse_ref
+    int32 [batch, q_pad] / [batch, kv_pad] (padding ids never match), kv_ranges_ref None or with them the
+    key blocks each query tile's ids may meet (`segment_block_ranges`), out_ref like q_ref, lse_ref
     [batch, heads, q_pad] (natural log)."""
     (qo_smem2, k_smem, v_smem, lse_smem2), q_ready, (k_ready, v_ready), (k_free, v_free), turn, segments = scoped
     has_segments = q_ids_ref is not None
@@ -100,7 +101,7 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, out_ref, lse_ref, scoped
     batch, head = lax.axis_index("batch"), lax.axis_index("heads")
     tile_start, kv_lo, kv_hi = query_tile_schedule(num_q_tiles, block_q=block_q, block_kv=block_kv,
                                                    num_kv_blocks=num_kv_blocks, kv_len=kv_len, band=band,
-                                                   has_segments=has_segments)
+                                                   segment_ranges=kv_ranges_ref)
     # A row may see no key at all (segments, or a window's left edge past the keys): keep its m = -inf safe.
     rows_may_be_empty = has_segments or band.left is not None
     wg = lax.axis_index("wg")
@@ -238,20 +239,49 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, out_ref, lse_ref, scoped
 
 
 def query_tile_schedule(num_q_tiles: int, *, block_q: int, block_kv: int, num_kv_blocks: int, kv_len: int,
-                        band: masks.Band, has_segments: bool):
+                        band: masks.Band, segment_ranges=None):
     """The first query row of this CTA's tile of NUM_CONSUMERS * block_q rows (grid axis "q_tiles"), and the
-    key blocks [lo, hi) it visits: those its rows' band reaches, never none (a tile that sees no key still
-    visits one block, fully masked, so every loop and barrier keeps one shape). With a causal band (right
-    edge only) the tiles run in reverse: the last ones visit the most key blocks, so they launch first.
+    key blocks [lo, hi) it visits: those its rows' band reaches, narrowed to the tile's `segment_ranges`
+    entry (None, or the ref of `segment_block_ranges`), never none (a tile that sees no key still visits
+    one block, fully masked, so every loop and barrier keeps one shape). With a causal band (right edge
+    only) the tiles run in reverse: the last ones visit the most key blocks, so they launch first.
     Shared by the forward and the dQ kernel."""
     tile = lax.axis_index("q_tiles")
     if band.right is not None and band.left is None:
         tile = num_q_tiles - 1 - tile
     lo, _, _, hi = tiles.kv_block_range(tile, block_q=NUM_CONSUMERS * block_q, block_kv=block_kv,
                                         num_kv_blocks=num_kv_blocks, kv_len=kv_len, band=band,
-                                        always_mask=has_segments)
+                                        always_mask=segment_ranges is not None)
+    if segment_ranges is not None:
+        batch = lax.axis_index("batch")
+        lo = jnp.maximum(lo, segment_ranges[batch, tile, 0])
+        hi = jnp.minimum(hi, segment_ranges[batch, tile, 1])
     lo = jnp.minimum(lo, num_kv_blocks - 1)
     return tile * (NUM_CONSUMERS * block_q), lo, jnp.maximum(hi, lo + 1)
+
+
+def segment_block_ranges(row_ids, col_ids, *, rows_per_tile: int, cols_per_block: int):
+    """For each tile of `rows_per_tile` rows, the column blocks [lo, hi) that may hold one of its segment
+    ids: int32 [batch, num_tiles, 2] (lo = hi = 0 where none can). row_ids [batch, rows] and col_ids
+    [batch, cols] are padded ids (`pad_segment_ids`); a tile and a block may share an id only if their
+    [min, max] id intervals overlap (padding ids left out), so the range is exact for sorted ids (packed
+    sequences, lengths) and conservative for any others: the kernels still mask every visited block."""
+    valid_from = masks.KEY_PADDING_ID + 1  # both padding ids are below this
+
+    def intervals(ids, size):
+        ids = ids.reshape(ids.shape[0], -1, size)
+        valid = ids >= valid_from
+        big = jnp.iinfo(jnp.int32).max
+        return jnp.where(valid, ids, big).min(axis=2), jnp.where(valid, ids, -big).max(axis=2)
+
+    row_lo, row_hi = intervals(row_ids, rows_per_tile)
+    col_lo, col_hi = intervals(col_ids, cols_per_block)
+    overlap = ((row_lo[:, :, None] <= col_hi[:, None, :]) & (col_lo[:, None, :] <= row_hi[:, :, None]))
+    num_blocks = overlap.shape[2]
+    first = jnp.argmax(overlap, axis=2)
+    last = num_blocks - 1 - jnp.argmax(overlap[:, :, ::-1], axis=2)
+    found = overlap.any(axis=2)
+    return jnp.stack([jnp.where(found, first, 0), jnp.where(found, last + 1, 0)], axis=2).astype(jnp.int32)
 
 
 def stream_kv_blocks(gmem, smem, ready, free, *, batch, kv_head, block_kv: int, num_stages: int, kv_lo, kv_hi,
@@ -310,7 +340,7 @@ def _forward_padded(q, k, v, q_ids, kv_ids, *, scale: float, band: masks.Band, k
     transforms = (plgpu.TilingTransform((8, HEAD_DIM_TILE)), plgpu.SwizzleTransform(128))
 
     def entry(q_ref, k_ref, v_ref, *refs):
-        q_ids_ref, kv_ids_ref = refs[:2] if has_segments else (None, None)
+        segment_refs = refs[:3] if has_segments else (None, None, None)
         out_ref, lse_ref = refs[-2:]
         smem = (
             plgpu.SMEM((NUM_CONSUMERS, config.block_q, head_dim), q.dtype, transforms=transforms),
@@ -327,7 +357,7 @@ def _forward_padded(q, k, v, q_ids, kv_ids, *, scale: float, band: masks.Band, k
         body = functools.partial(_kernel, scale=scale, band=band, kv_len=kv_len, num_q_tiles=num_q_tiles,
                                  group=heads // kv_heads, config=config, interpreting=interpret is not None)
         pl.run_scoped(
-            lambda *scoped: body(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, out_ref, lse_ref, scoped),
+            lambda *scoped: body(q_ref, k_ref, v_ref, *segment_refs, out_ref, lse_ref, scoped),
             smem,
             plgpu.Barrier(num_barriers=NUM_CONSUMERS),
             (plgpu.Barrier(num_barriers=config.num_stages),) * 2,
@@ -337,7 +367,10 @@ def _forward_padded(q, k, v, q_ids, kv_ids, *, scale: float, band: masks.Band, k
             collective_axes="wg",
         )
 
-    operands = (q, k, v) + ((q_ids, kv_ids) if has_segments else ())
+    operands = (q, k, v)
+    if has_segments:
+        operands += (q_ids, kv_ids, segment_block_ranges(q_ids, kv_ids, rows_per_tile=NUM_CONSUMERS * config.block_q,
+                                                         cols_per_block=config.block_kv))
     return plgpu.kernel(
         entry,
         out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),

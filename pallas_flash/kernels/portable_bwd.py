@@ -345,5 +345,22 @@ def backward(q, k, v, do, lse2, delta, q_segment_ids=None, kv_segment_ids=None, 
     dbias_ = None
     if mods.bias_dims is not None:
         dbias_ = dbias(*inputs, visible_tiles, block_q=config.block_q_dq, block_kv=config.block_kv_dq,
-                       num_warps=config.num_warps_dq, num_stages=config.num_stages_dq, **common)
+                       num_warps=config.num_warps_dq, num_stages=_dbias_stages(config, q, mods, mod_arrays),
+                       **common)
     return dq_, dk, dv, dbias_
+
+
+def _dbias_stages(config, q, mods: masks.ScoreMods, mod_arrays: masks.ModArrays) -> int:
+    """Pipeline stages for the dbias kernel. Its loop streams Q, dO, K and V tiles (and a bias tile) every
+    step, where the dQ kernel keeps Q and dO resident, and Triton buffers `num_stages` copies of them: as
+    many stages as fit the dQ kernel's own fitted footprint (1 at head_dim 128 in bf16, where 3 asked for
+    288 KiB on the H100, over its 227 KiB, once the loop had more than one step: a bias broadcast over
+    batch or heads)."""
+    row = q.shape[3] * q.dtype.itemsize
+    spans_both = mods.bias_dims[2] and mods.bias_dims[3]
+    tile_bytes = mod_arrays.bias.dtype.itemsize if spans_both else 0
+    if mods.mask_dims is not None and mods.mask_dims[2] and mods.mask_dims[3]:
+        tile_bytes += 4  # the mask travels as int32 (tiles.mod_operands)
+    per_stage = (2 * config.block_q_dq + 2 * config.block_kv_dq) * row + config.block_q_dq * config.block_kv_dq * tile_bytes
+    budget = config.shared_memory(q.shape[3], q.dtype.itemsize, tile_bytes)["dq"]
+    return max(1, min(config.num_stages_dq, budget // per_stage))
