@@ -206,24 +206,39 @@ def test_hopper_kernels_are_chosen_for_mask_features(monkeypatch):
 def test_segment_block_ranges_cover_every_meeting(sort):
     """The Hopper kernels visit only the key blocks `segment_block_ranges` names for a query tile: every
     (tile, block) pair that shares a segment id must be inside it, and for sorted ids (packed sequences,
-    lengths) it must be exactly the first to the last such block."""
+    lengths) it must be exactly the first to the last such block. Blocks they visit unmasked (the
+    same-segment run) must hold only the tile's one id, as the tile must; for sorted ids, all such blocks."""
     from pallas_flash.kernels import hopper_fwd
     rows, cols, tile, block = 96, 80, 16, 8
     k1, k2 = jax.random.split(jax.random.key(5))
-    q_ids = jax.random.randint(k1, (3, rows), 0, 6)
-    kv_ids = jax.random.randint(k2, (3, cols), 1, 7)
+    q_ids = jax.random.randint(k1, (3, rows), 0, 3 if sort else 6)
+    kv_ids = jax.random.randint(k2, (3, cols), 1, 4 if sort else 7)
     if sort:
         q_ids, kv_ids = jnp.sort(q_ids, axis=1), jnp.sort(kv_ids, axis=1)
     # Padding past per-example lengths, as the kernels' wrappers pad.
     q_ids = jnp.where(jnp.arange(rows) < jnp.array([96, 40, 0])[:, None], q_ids, masks.QUERY_PADDING_ID)
     kv_ids = jnp.where(jnp.arange(cols) < jnp.array([80, 80, 30])[:, None], kv_ids, masks.KEY_PADDING_ID)
     ranges = np.asarray(hopper_fwd.segment_block_ranges(q_ids, kv_ids, rows_per_tile=tile, cols_per_block=block))
-    assert ranges.shape == (3, rows // tile, 2)
+    assert ranges.shape == (3, rows // tile, 4)
+    q_tiles = np.asarray(q_ids).reshape(3, rows // tile, tile)
+    kv_blocks = np.asarray(kv_ids).reshape(3, cols // block, block)
+    same_runs = 0
+    for b in range(3):
+        for t in range(rows // tile):
+            same = [j for j in range(cols // block)
+                    if len(set(q_tiles[b, t]) | set(kv_blocks[b, j])) == 1 and q_tiles[b, t, 0] >= 0]
+            same_lo, same_hi = ranges[b, t, 2:]
+            assert set(range(same_lo, same_hi)) <= set(same), (b, t)
+            if sort:
+                assert list(range(same_lo, same_hi)) == same, (b, t)
+            same_runs += same_hi > same_lo
+    if sort:
+        assert same_runs, "the sorted case is meant to have same-segment blocks"
     meets = (np.asarray(q_ids)[:, :, None] == np.asarray(kv_ids)[:, None, :])  # [batch, rows, cols]
     meets = meets.reshape(3, rows // tile, tile, cols // block, block).any(axis=(2, 4))  # [batch, tiles, blocks]
     for b in range(3):
         for t in range(rows // tile):
-            lo, hi = ranges[b, t]
+            lo, hi = ranges[b, t, :2]
             hit = np.flatnonzero(meets[b, t])
             if sort:
                 expected = (hit[0], hit[-1] + 1) if hit.size else (0, 0)

@@ -38,7 +38,8 @@ from pallas_flash.config import H100_SHARED_MEMORY, NUM_CONSUMERS, HopperBwdConf
 from pallas_flash.kernels import tiles
 from pallas_flash.kernels.hopper_fwd import (CONSUMER_REGISTERS, HEAD_DIM_TILE, LOG2E, PRODUCER_REGISTERS,
                                              _pad_axis, _round_up, fill_ring, pad_segment_ids, padded_head_dim,
-                                             query_tile_schedule, segment_block_ranges, stream_kv_blocks)
+                                             query_tile_schedule, segment_block_ranges, stream_kv_blocks,
+                                             unmasked_blocks)
 
 MAX_HEAD_DIM = 128  # at 256, K and V of a 128-key CTA alone take 128 KiB of shared memory
 
@@ -88,15 +89,18 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
     # Padded keys need a mask only where their dS reaches real rows: the one-pass dQ. (Without it only
     # their own dK/dV rows see them, and those are sliced off.)
     mask_padded_keys = dq_acc_ref is not None and kv_len != k_ref.shape[1]
-    # Every step is masked with segment ids or padded keys to hide; else only the band's edges are.
-    always_mask = has_segments or mask_padded_keys
+    # Every step is masked with padded keys to hide; else the band's edges, and with segment ids the query
+    # blocks outside the tile's same-segment run.
+    always_mask = mask_padded_keys
     # Query blocks this CTA visits per head: those its keys' band reaches (maybe none).
     q_lo, _, _, q_hi = tiles.q_block_range(kv_tile, block_q=block_q, block_kv=NUM_CONSUMERS * block_kv,
                                            num_q_blocks=num_q_blocks, kv_len=k_ref.shape[1], band=band,
                                            always_mask=True)
+    same = None
     if has_segments:
         q_lo = jnp.maximum(q_lo, q_ranges_ref[batch, kv_tile, 0])
         q_hi = jnp.maximum(jnp.minimum(q_hi, q_ranges_ref[batch, kv_tile, 1]), q_lo)
+        same = (q_ranges_ref[batch, kv_tile, 2], q_ranges_ref[batch, kv_tile, 3])
     q_steps = q_hi - q_lo
     total_steps = group * q_steps
     wg = lax.axis_index("wg")
@@ -135,11 +139,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
             s = pl.run_scoped(s_t, plgpu.ACC((block_kv, block_q), jnp.float32))
             lse2 = _load(lse_smem.at[slot], column)
             p = jnp.exp2(s * c - lax.broadcast_in_dim(lse2, s.shape, [1]))
-            if masked:
-                q_seg = None
-                if has_segments:
-                    plgpu.barrier_wait(q_ids_ready.at[slot])
+            q_seg = None
+            if has_segments:  # every step waits (one wait per phase); masked ones read the ids
+                plgpu.barrier_wait(q_ids_ready.at[slot])
+                if masked:
                     q_seg = _load(q_ids_smem.at[slot], column)
+            if masked:
                 visible = _visible(q_block * block_q + _iota(s.shape, 1), kv_start + _iota(s.shape, 0), band=band,
                                    kv_len=kv_len if mask_padded_keys else None, q_seg=q_seg, kv_seg=kv_seg,
                                    shape=s.shape, q_axis=1)
@@ -184,17 +189,17 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
             plgpu.copy_smem_to_gmem(dq_smem, dq_acc_ref.at[q_rows], reduction_op="add")
             return dk, dv
 
-        # Query blocks that see every key of this warpgroup skip the mask (none, with `always_mask`).
-        _, unmasked_lo, unmasked_hi, _ = tiles.q_block_range(
+        # Query blocks that see every key of this warpgroup (in its band and, with segment ids, in the tile's
+        # one segment) skip the mask (none, with `always_mask`).
+        _, *band_range, _ = tiles.q_block_range(
             lax.div(kv_start, block_kv), block_q=block_q, block_kv=block_kv, num_q_blocks=num_q_blocks,
             kv_len=k_ref.shape[1], band=band, always_mask=always_mask)
-        unmasked_lo = jnp.clip(unmasked_lo, q_lo, q_hi)
-        unmasked_hi = jnp.clip(unmasked_hi, unmasked_lo, q_hi)
+        unmasked_lo, unmasked_hi = unmasked_blocks(band_range, (q_lo, q_hi), same)
 
         def head(g, carry):
             carry = lax.fori_loop(q_lo, unmasked_lo, functools.partial(step, g=g, masked=True), carry)
             carry = lax.fori_loop(unmasked_lo, unmasked_hi, functools.partial(step, g=g, masked=False), carry)
-            if band.left is None and not always_mask:
+            if band.left is None and not always_mask and not has_segments:
                 return carry  # unmasked_hi == q_hi: no trailing edge (and no code for one)
             return lax.fori_loop(unmasked_hi, q_hi, functools.partial(step, g=g, masked=True), carry)
 
@@ -230,8 +235,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
         fill_ring(load, num_stages=num_stages, steps=total_steps)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, dq_ref, scoped, *,
-               scale: float, band: masks.Band, kv_len: int, num_q_tiles: int, group: int,
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, dq_ref,
+               scoped, *, scale: float, band: masks.Band, kv_len: int, num_q_tiles: int, group: int,
                config: HopperBwdConfig):
     """Grid (batch, heads, q_tiles), 3 warpgroups ("wg"): 0 and 1 consume, 2 produces.
 
@@ -243,9 +248,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv_i
     num_kv_blocks = k_ref.shape[1] // block_kv
     dtype = q_ref.dtype
     batch, head = lax.axis_index("batch"), lax.axis_index("heads")
-    tile_start, kv_lo, kv_hi = query_tile_schedule(num_q_tiles, block_q=block_q, block_kv=block_kv,
-                                                   num_kv_blocks=num_kv_blocks, kv_len=kv_len, band=band,
-                                                   segment_ranges=kv_ranges_ref)
+    tile_start, kv_lo, kv_hi, same = query_tile_schedule(num_q_tiles, block_q=block_q, block_kv=block_kv,
+                                                         num_kv_blocks=num_kv_blocks, kv_len=kv_len, band=band,
+                                                         segment_ranges=kv_ranges_ref)
     wg = lax.axis_index("wg")
 
     @pl.when(wg < NUM_CONSUMERS)
@@ -287,11 +292,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv_i
                                   plgpu.ACC((block_q, block_kv), jnp.float32))
             plgpu.barrier_arrive(v_free.at[slot])
             p = jnp.exp2(s * c - lax.broadcast_in_dim(lse2, s.shape, [0]))
-            if masked:
-                kv_seg = None
-                if has_segments:  # the block's ids ride with K, released at the end of this step
-                    plgpu.barrier_wait(kv_ids_ready.at[slot])
+            kv_seg = None
+            if has_segments:  # the block's ids ride with K (released at the end of this step); every step
+                plgpu.barrier_wait(kv_ids_ready.at[slot])  # waits (one wait per phase), masked ones read them
+                if masked:
                     kv_seg = _load(kv_ids_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
+            if masked:
                 visible = _visible(q_start + _iota(s.shape, 0), kv_step * block_kv + _iota(s.shape, 1), band=band,
                                    kv_len=kv_len if kv_len % block_kv else None, q_seg=q_seg, kv_seg=kv_seg,
                                    shape=s.shape, q_axis=0)
@@ -306,14 +312,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv_i
             plgpu.barrier_arrive(k_free.at[slot])
             return dq
 
-        # Only the band's edges and the ragged last block pay for the mask (every block, with segment ids).
-        _, unmasked_lo, unmasked_hi, _ = tiles.kv_block_range(
+        # Only the band's edges, the ragged last block and (with segment ids) blocks that are not wholly in
+        # the tile's one segment pay for the mask.
+        _, *band_range, _ = tiles.kv_block_range(
             lax.div(q_start, block_q), block_q=block_q, block_kv=block_kv, num_kv_blocks=num_kv_blocks,
-            kv_len=kv_len, band=band, always_mask=has_segments)
-        unmasked_lo = jnp.clip(unmasked_lo, kv_lo, kv_hi)
-        unmasked_hi = jnp.clip(unmasked_hi, unmasked_lo, kv_hi)
+            kv_len=kv_len, band=band, always_mask=False)
+        unmasked_lo, unmasked_hi = unmasked_blocks(band_range, (kv_lo, kv_hi), same)
         dq = _zeros((block_q, q_smem.shape[-1]))
-        if band.left is not None:  # else unmasked_lo == kv_lo: no leading edge (and no code for one)
+        if band.left is not None or has_segments:  # else unmasked_lo == kv_lo: no leading edge (nor code for one)
             dq = lax.fori_loop(kv_lo, unmasked_lo, functools.partial(step, masked=True), dq)
         dq = lax.fori_loop(unmasked_lo, unmasked_hi, functools.partial(step, masked=False), dq)
         # The trailing edge (a loop even for one block: the step index must be a traced value).

@@ -99,9 +99,9 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
     num_kv_blocks = k_ref.shape[1] // block_kv
     dtype = q_ref.dtype
     batch, head = lax.axis_index("batch"), lax.axis_index("heads")
-    tile_start, kv_lo, kv_hi = query_tile_schedule(num_q_tiles, block_q=block_q, block_kv=block_kv,
-                                                   num_kv_blocks=num_kv_blocks, kv_len=kv_len, band=band,
-                                                   segment_ranges=kv_ranges_ref)
+    tile_start, kv_lo, kv_hi, same = query_tile_schedule(num_q_tiles, block_q=block_q, block_kv=block_kv,
+                                                         num_kv_blocks=num_kv_blocks, kv_len=kv_len, band=band,
+                                                         segment_ranges=kv_ranges_ref)
     # A row may see no key at all (segments, or a window's left edge past the keys): keep its m = -inf safe.
     rows_may_be_empty = has_segments or band.left is not None
     wg = lax.axis_index("wg")
@@ -151,9 +151,10 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
             acc, m, l = carry
             slot = lax.rem(kv_step - kv_lo, num_stages)
             kv_seg = None
-            if masked and has_segments:  # read the block's ids before K's slot is released
-                plgpu.barrier_wait(kv_ids_ready.at[slot])
-                kv_seg = load(kv_ids_smem.at[slot], column)
+            if has_segments:  # every step waits (one wait per phase); masked ones read the ids before
+                plgpu.barrier_wait(kv_ids_ready.at[slot])  # K's slot is released
+                if masked:
+                    kv_seg = load(kv_ids_smem.at[slot], column)
 
             def qk(s_ref):
                 plgpu.wgmma(s_ref, qo_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
@@ -202,15 +203,14 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m_new, l
 
-        # Only the blocks on the band's edges (and the ragged last block) pay for the mask; with segment
-        # ids, every block does.
-        _, unmasked_lo, unmasked_hi, _ = tiles.kv_block_range(
+        # Only the blocks on the band's edges, the ragged last block and (with segment ids) blocks that are
+        # not wholly in the tile's one segment pay for the mask.
+        _, *band_range, _ = tiles.kv_block_range(
             lax.div(q_start, block_q), block_q=block_q, block_kv=block_kv, num_kv_blocks=num_kv_blocks,
-            kv_len=kv_len, band=band, always_mask=has_segments)
-        unmasked_lo = jnp.clip(unmasked_lo, kv_lo, kv_hi)
-        unmasked_hi = jnp.clip(unmasked_hi, unmasked_lo, kv_hi)
+            kv_len=kv_len, band=band, always_mask=False)
+        unmasked_lo, unmasked_hi = unmasked_blocks(band_range, (kv_lo, kv_hi), same)
         carry = (acc, m, l)
-        if band.left is not None:  # else unmasked_lo == kv_lo: no leading edge (and no code for one)
+        if band.left is not None or has_segments:  # else unmasked_lo == kv_lo: no leading edge (nor code for one)
             carry = lax.fori_loop(kv_lo, unmasked_lo, functools.partial(step, masked=True), carry)
         carry = lax.fori_loop(unmasked_lo, unmasked_hi, functools.partial(step, masked=False), carry)
         # The trailing edge (a loop even for one block: the step index must be a traced value).
@@ -252,38 +252,62 @@ def query_tile_schedule(num_q_tiles: int, *, block_q: int, block_kv: int, num_kv
     lo, _, _, hi = tiles.kv_block_range(tile, block_q=NUM_CONSUMERS * block_q, block_kv=block_kv,
                                         num_kv_blocks=num_kv_blocks, kv_len=kv_len, band=band,
                                         always_mask=segment_ranges is not None)
+    same = None
     if segment_ranges is not None:
         batch = lax.axis_index("batch")
         lo = jnp.maximum(lo, segment_ranges[batch, tile, 0])
         hi = jnp.minimum(hi, segment_ranges[batch, tile, 1])
+        same = (segment_ranges[batch, tile, 2], segment_ranges[batch, tile, 3])
     lo = jnp.minimum(lo, num_kv_blocks - 1)
-    return tile * (NUM_CONSUMERS * block_q), lo, jnp.maximum(hi, lo + 1)
+    return tile * (NUM_CONSUMERS * block_q), lo, jnp.maximum(hi, lo + 1), same
+
+
+def unmasked_blocks(band_range, visited, same=None):
+    """The blocks a consumer visits without the mask: its band's unmasked blocks (`band_range`, the middle
+    two of `tiles.kv_block_range`/`q_block_range`), within the blocks its CTA visits (`visited` = (lo, hi)),
+    and with segment ids within the tile's same-segment run (`same`, from `segment_block_ranges`). Returns
+    (first, end): the visit order is masked [lo, first), unmasked [first, end), masked [end, hi)."""
+    first, end = band_range
+    lo, hi = visited
+    if same is not None:
+        first, end = jnp.maximum(first, same[0]), jnp.minimum(end, same[1])
+    first = jnp.clip(first, lo, hi)
+    return first, jnp.clip(end, first, hi)
 
 
 def segment_block_ranges(row_ids, col_ids, *, rows_per_tile: int, cols_per_block: int):
-    """For each tile of `rows_per_tile` rows, the column blocks [lo, hi) that may hold one of its segment
-    ids: int32 [batch, num_tiles, 2] (lo = hi = 0 where none can). row_ids [batch, rows] and col_ids
-    [batch, cols] are padded ids (`pad_segment_ids`); a tile and a block may share an id only if their
-    [min, max] id intervals overlap (padding ids left out), so the range is exact for sorted ids (packed
-    sequences, lengths) and conservative for any others: the kernels still mask every visited block."""
+    """Per tile of `rows_per_tile` rows, int32 [batch, num_tiles, 4]: the column blocks [lo, hi) that may
+    hold one of its segment ids (lo = hi = 0 where none can), and [same_lo, same_hi), a run of blocks whose
+    ids all equal the tile's single id (empty unless the tile has one id and no padding): those need no
+    segment mask. row_ids [batch, rows] and col_ids [batch, cols] are padded ids (`pad_segment_ids`). A tile
+    and a block may share an id only if their [min, max] id intervals overlap (padding ids left out), so
+    [lo, hi) is exact for sorted ids (packed sequences, lengths) and conservative for any others."""
     valid_from = masks.KEY_PADDING_ID + 1  # both padding ids are below this
 
     def intervals(ids, size):
         ids = ids.reshape(ids.shape[0], -1, size)
         valid = ids >= valid_from
         big = jnp.iinfo(jnp.int32).max
-        return jnp.where(valid, ids, big).min(axis=2), jnp.where(valid, ids, -big).max(axis=2)
+        low, high = jnp.where(valid, ids, big).min(axis=2), jnp.where(valid, ids, -big).max(axis=2)
+        return low, high, jnp.logical_and(valid.all(axis=2), low == high)  # ..., one id and no padding
 
-    row_lo, row_hi = intervals(row_ids, rows_per_tile)
-    col_lo, col_hi = intervals(col_ids, cols_per_block)
-    overlap = ((row_lo[:, :, None] <= col_hi[:, None, :]) & (col_lo[:, None, :] <= row_hi[:, :, None]))
-    num_blocks = overlap.shape[2]
-    first = jnp.argmax(overlap, axis=2)
-    last = num_blocks - 1 - jnp.argmax(overlap[:, :, ::-1], axis=2)
-    found = overlap.any(axis=2)
-    return jnp.stack([jnp.where(found, first, 0), jnp.where(found, last + 1, 0)], axis=2).astype(jnp.int32)
+    row_lo, row_hi, row_single = intervals(row_ids, rows_per_tile)
+    col_lo, col_hi, col_single = intervals(col_ids, cols_per_block)
+    overlap = (row_lo[:, :, None] <= col_hi[:, None, :]) & (col_lo[:, None, :] <= row_hi[:, :, None])
+    same = row_single[:, :, None] & col_single[:, None, :] & (row_lo[:, :, None] == col_lo[:, None, :])
+    blocks = jnp.arange(overlap.shape[2])
 
+    def first(flags, default):
+        return jnp.where(flags.any(axis=2), jnp.argmax(flags, axis=2), default)
 
+    lo = first(overlap, 0)
+    hi = jnp.where(overlap.any(axis=2), overlap.shape[2] - jnp.argmax(overlap[:, :, ::-1], axis=2), 0)
+    same_lo = first(same, 0)
+    # The run of same-segment blocks from same_lo ends at the next block that is not one (ids need not be
+    # sorted, so there may be more such blocks after it: they are masked, which is still exact).
+    after_run = (blocks >= same_lo[:, :, None]) & ~same
+    same_hi = jnp.where(same.any(axis=2), first(after_run, overlap.shape[2]), 0)
+    return jnp.stack([lo, hi, same_lo, same_hi], axis=2).astype(jnp.int32)
 def stream_kv_blocks(gmem, smem, ready, free, *, batch, kv_head, block_kv: int, num_stages: int, kv_lo, kv_hi,
                      kv_ids=None):
     """The producer warpgroup's loop (this forward's and the dQ kernel's): TMA key/value blocks kv_lo ..
