@@ -15,8 +15,11 @@ padded rows, so that every recomputed P of such a row is exactly 0):
     `block_kv_dq` keys, two consumers of `block_q_dq` rows each with Q, dO, lse2, delta resident:
     S = Q K^T, dP = dO V^T, dS = P (dP - delta), dQ += dS K.
 
-Causal (top-left aligned: query i sees key j <= i): the dK/dV CTA starts at the first query block that sees
-its keys, the dQ CTA stops at its last row's diagonal; only blocks that straddle the diagonal are masked.
+Masks as in the forward (`hopper_fwd`): a causal or windowed band (top-left aligned: causal query i sees key
+j <= i) bounds the blocks each CTA visits (`tiles.q_block_range` for a dK/dV tile, `tiles.kv_block_range`
+for a dQ tile), and only blocks on the band's edges are masked; segment ids (lengths folded in) narrow the
+visited blocks further (`segment_block_ranges`), ride the Q ring (dK/dV) or the K ring (dQ), and mask the
+blocks that are not wholly inside the tile's one segment.
 Ragged lengths are padded in the wrapper: padded query rows have lse2 = +inf and dO = 0 (no contribution),
 padded keys are masked in the dQ pass (their dK/dV rows are sliced off). head_dim is padded to a multiple
 of 64 (the wgmma contraction granule of a 128-byte swizzle).

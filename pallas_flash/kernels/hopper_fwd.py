@@ -18,7 +18,9 @@ The FA3 recipe, one CTA per (batch, head, tile of `2 * block_q` queries):
 
 Segment ids (packed sequences; per-example lengths arrive folded into them, see `api._segments`): int32 ids
 of the CTA's query rows are loaded once per consumer, the ids of each key block ride the K ring (loaded by
-the producer beside K, read before K's slot is released); every block is then masked by id equality. A row
+the producer beside K, read before K's slot is released). A CTA visits only the key blocks its tile's ids
+can meet, and skips the id mask on blocks wholly inside the tile's one segment (`segment_block_ranges`,
+computed in XLA; the kernel reads its tile's entry as scalars); other blocks are masked by id equality. A row
 that sees no key (segments, or a window past the keys) keeps m = -inf: masked steps shift exp2 by 0 there,
 and the epilogue writes zeros and lse = -inf.
 
@@ -243,9 +245,10 @@ def query_tile_schedule(num_q_tiles: int, *, block_q: int, block_kv: int, num_kv
     """The first query row of this CTA's tile of NUM_CONSUMERS * block_q rows (grid axis "q_tiles"), and the
     key blocks [lo, hi) it visits: those its rows' band reaches, narrowed to the tile's `segment_ranges`
     entry (None, or the ref of `segment_block_ranges`), never none (a tile that sees no key still visits
-    one block, fully masked, so every loop and barrier keeps one shape). With a causal band (right edge
-    only) the tiles run in reverse: the last ones visit the most key blocks, so they launch first.
-    Shared by the forward and the dQ kernel."""
+    one block, fully masked, so every loop and barrier keeps one shape), and the tile's same-segment run of
+    blocks (None without segment ids; see `unmasked_blocks`). With a causal band (right edge only) the tiles
+    run in reverse: the last ones visit the most key blocks, so they launch first. Shared by the forward and
+    the dQ kernel."""
     tile = lax.axis_index("q_tiles")
     if band.right is not None and band.left is None:
         tile = num_q_tiles - 1 - tile
