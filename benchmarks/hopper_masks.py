@@ -2,7 +2,7 @@
 portable kernels (what `implementation=None` ran for these calls before) and cuDNN where `jax.nn` takes the
 same mask; and the portable dbias kernel's band skipping (a causal bias gradient against a full one).
 
-  PYTHONPATH=. python -m benchmarks.hopper_masks --out DIR [--budget S] [--only NAME,...]
+  PYTHONPATH=. python -m benchmarks.hopper_masks --out DIR [--budget S] [--only NAME,...] [--head_dims 128,64]
 
 bf16, B*N = 16k tokens, H*D = 2048 (the anchor shapes), N = 8192. Each line: the scenario, the pass (fwd or
 fwd+bwd = grad of <out, ct> in q, k, v), ms (median of `benchmarks.attention.median_ms`), useful TFLOP/s (4*D
@@ -66,7 +66,7 @@ def timed(fn, args):
     return ms
 
 
-def run(out_dir: str, budget_s: float, only=None):
+def run(out_dir: str, budget_s: float, only=None, head_dims=(128, 64)):
     start = time.perf_counter()
     env = environment()
     os.makedirs(out_dir, exist_ok=True)
@@ -78,7 +78,7 @@ def run(out_dir: str, budget_s: float, only=None):
         log.flush()
         print(json.dumps({k: record[k] for k in record if k not in env}), flush=True)
 
-    for head_dim in (128, 64):
+    for head_dim in head_dims:
         batch, heads = TOKENS // N, WIDTH // head_dim
         keys = jax.random.split(jax.random.key(head_dim), 2)
         arg_sets = []
@@ -150,8 +150,10 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--budget", type=float, default=480.0, help="start no new measurement after S seconds")
     parser.add_argument("--only", default="", help="comma list of scenario names (bias_full, bias_causal too)")
+    parser.add_argument("--head_dims", default="128,64", help="comma list")
     args = parser.parse_args()
-    run(args.out, args.budget, [name for name in args.only.split(",") if name])
+    run(args.out, args.budget, [name for name in args.only.split(",") if name],
+        tuple(int(d) for d in args.head_dims.split(",")))
 
 
 if __name__ == "__main__":
