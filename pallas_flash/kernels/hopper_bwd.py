@@ -41,8 +41,8 @@ from pallas_flash.config import H100_SHARED_MEMORY, NUM_CONSUMERS, HopperBwdConf
 from pallas_flash.kernels import tiles
 from pallas_flash.kernels.hopper_fwd import (CONSUMER_REGISTERS, HEAD_DIM_TILE, LOG2E, PRODUCER_REGISTERS,
                                              _pad_axis, _round_up, fill_ring, pad_segment_ids, padded_head_dim,
-                                             query_tile_schedule, segment_block_ranges, stream_kv_blocks,
-                                             unmasked_blocks)
+                                             load_own_ids, query_tile_schedule, segment_block_ranges,
+                                             stream_kv_blocks, unmasked_blocks)
 
 MAX_HEAD_DIM = 128  # at 256, K and V of a 128-key CTA alone take 128 KiB of shared memory
 
@@ -120,10 +120,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
         kv_seg = None
         if has_segments:
             q_ids_smem, kv_ids_smem, q_ids_ready, kv_ids_ready = segments
-            plgpu.copy_gmem_to_smem(kv_ids_ref.at[batch, pl.ds(kv_start, block_kv)], kv_ids_smem.at[wg],
-                                    kv_ids_ready.at[wg])
-            plgpu.barrier_wait(kv_ids_ready.at[wg])
-            kv_seg = _load(kv_ids_smem.at[wg], plgpu.Layout.WGMMA.reduce(1))
+            kv_seg = load_own_ids(kv_ids_ref, kv_ids_smem, kv_ids_ready, wg=wg, batch=batch, start=kv_start,
+                                  size=block_kv, layout=plgpu.Layout.WGMMA.reduce(1))
         plgpu.barrier_wait(k_ready.at[wg])
         plgpu.barrier_wait(v_ready.at[wg])
         c = scale * LOG2E  # exp(scale * s - lse) = exp2(c * s - lse2)
@@ -271,10 +269,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv_i
         q_seg = None
         if has_segments:
             q_ids_smem, kv_ids_smem, q_ids_ready, kv_ids_ready = segments
-            plgpu.copy_gmem_to_smem(q_ids_ref.at[batch, pl.ds(q_start, block_q)], q_ids_smem.at[wg],
-                                    q_ids_ready.at[wg])
-            plgpu.barrier_wait(q_ids_ready.at[wg])
-            q_seg = _load(q_ids_smem.at[wg], row)
+            q_seg = load_own_ids(q_ids_ref, q_ids_smem, q_ids_ready, wg=wg, batch=batch, start=q_start,
+                                 size=block_q, layout=row)
         for ready in resident_ready:
             plgpu.barrier_wait(ready.at[wg])
         lse2 = _load(lse_smem2.at[wg], row)

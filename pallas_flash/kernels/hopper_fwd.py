@@ -139,10 +139,8 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
         q_seg = None
         if has_segments:
             q_ids_smem, kv_ids_smem, q_ids_ready, kv_ids_ready = segments
-            plgpu.copy_gmem_to_smem(q_ids_ref.at[batch, pl.ds(q_start, block_q)], q_ids_smem.at[wg],
-                                    q_ids_ready.at[wg])
-            plgpu.barrier_wait(q_ids_ready.at[wg])
-            q_seg = load(q_ids_smem.at[wg], row)
+            q_seg = load_own_ids(q_ids_ref, q_ids_smem, q_ids_ready, wg=wg, batch=batch, start=q_start,
+                                 size=block_q, layout=row, load=load)
 
         plgpu.barrier_wait(q_ready.at[wg])
         plgpu.barrier_wait(k_ready.at[0])  # kv_hi > kv_lo always (query_tile_schedule)
@@ -263,6 +261,14 @@ def query_tile_schedule(num_q_tiles: int, *, block_q: int, block_kv: int, num_kv
         same = (segment_ranges[batch, tile, 2], segment_ranges[batch, tile, 3])
     lo = jnp.minimum(lo, num_kv_blocks - 1)
     return tile * (NUM_CONSUMERS * block_q), lo, jnp.maximum(hi, lo + 1), same
+
+
+def load_own_ids(ids_ref, smem, ready, *, wg, batch, start, size: int, layout, load=smem_vector_load):
+    """Consumer warpgroup `wg`'s resident segment ids, ids_ref[batch, start:start + size]: TMA into its slot
+    of `smem`, then into registers in `layout` (`load` reads a shared-memory vector)."""
+    plgpu.copy_gmem_to_smem(ids_ref.at[batch, pl.ds(start, size)], smem.at[wg], ready.at[wg])
+    plgpu.barrier_wait(ready.at[wg])
+    return load(smem.at[wg], layout)
 
 
 def unmasked_blocks(band_range, visited, same=None):
