@@ -33,3 +33,20 @@ def smem_vector_load(ref, layout):
     if inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty:
         return plgpu.load(ref, (), layout=layout)
     return plgpu.load(ref, layout=layout)
+
+
+def mosaic_gpu_interpret_params(detect_races: bool = True):
+    """Parameters that run a Mosaic GPU kernel in JAX's CPU interpreter (private in JAX 0.10-0.11), or None
+    where this JAX has no such interpreter."""
+    try:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    except ImportError:
+        return None
+    return InterpretGPUParams(detect_races=detect_races)
+
+
+def mosaic_gpu_races_found() -> bool:
+    """Whether the Mosaic GPU interpreter's race detection flagged a race in the last interpreted kernel."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+
+    return interpret_pallas_call.get_races().races_found

@@ -114,6 +114,38 @@ def test_gpu_mosaic(shape, dtype, is_causal):
     check_against_reference("mosaic", shape, dtype, is_causal, None, seed=2)
 
 
+@pytest.mark.parametrize("shape, is_causal, window", [
+    ((1, 200, 130, 2, 1, 64), False, None),  # ragged keys: the masked tail block
+    ((1, 130, 200, 2, 1, 64), True, None),   # diagonal blocks, reversed tile order
+    ((1, 150, 150, 1, 1, 64), False, (40, 10)),  # both band edges, skipped blocks
+    ((1, 256, 64, 1, 1, 64), False, (20, None)),  # query tiles past every key: one fully masked block
+], ids=["ragged", "causal", "window", "empty_tiles"])
+def test_hopper_forward_in_mosaic_gpu_interpreter(shape, is_causal, window):
+    """The Hopper forward (barriers, TMA rings, ping-pong schedule, band ranges, masks) in JAX's Mosaic GPU
+    CPU interpreter with race detection, against the reference. The interpreter cannot run wgmma on a
+    transposed shared-memory ref or a register operand, so there the two matmuls are plain dots on the same
+    shared-memory tiles (`interpreting` in the kernel); everything else is the kernel that runs on the GPU.
+    (Calls with segment ids hang in JAX 0.10.2's interpreter; they are tested on the GPU.)"""
+    from pallas_flash import _compat, masks
+    from pallas_flash.config import HopperConfig
+    from pallas_flash.kernels import hopper_fwd
+    params = _compat.mosaic_gpu_interpret_params(detect_races=True)
+    if params is None:
+        pytest.skip("this JAX has no Mosaic GPU interpreter")
+    q, k, v, _ = make_inputs(shape, jnp.bfloat16, seed=14)
+    out, lse = hopper_fwd.hopper_forward(q, k, v, scale=0.125, is_causal=is_causal, local_window_size=window,
+                                         config=HopperConfig(64, 64, 2), interpret=params)
+    assert not _compat.mosaic_gpu_races_found()
+    ref_out, ref_lse = pf.attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)), scale=0.125,
+                                              band=masks.Band.of(is_causal, window))
+    assert_close(out, ref_out, jnp.bfloat16)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    finite = np.isfinite(np.asarray(ref_lse))
+    assert_close(np.where(finite, lse, 0.0), np.where(finite, ref_lse, 0.0), jnp.float32, what="lse")
+    if window == (20, None):
+        assert (~finite).any(), "this case is meant to contain rows that see no key"
+
+
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_lse_combines_key_halves(impl, is_causal):

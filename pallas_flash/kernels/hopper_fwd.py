@@ -87,9 +87,11 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
             interpreting: bool):
     """Grid (batch, heads, q_tiles), 3 warpgroups ("wg"): 0 and 1 consume, 2 produces.
 
-    `interpreting`: the Mosaic GPU interpreter (JAX 0.10-0.11) has no `pl.run_state` and no CPU rule for
-    register layouts (`layout_cast`, `plgpu.broadcasted_iota`); there P V goes into a fresh accumulator
-    that is then added, and layouts are left out. Same barriers, copies and wgmmas otherwise.
+    `interpreting`: JAX's Mosaic GPU interpreter (CPU) has no `pl.run_state`, no CPU rule for register
+    layouts (`layout_cast`, `plgpu.broadcasted_iota`), and no wgmma on a transposed shared-memory ref or a
+    register operand: there Q K^T and P V are plain dots on the same shared-memory tiles, layouts are left
+    out, and the producer drains the ring at the end (`fill_ring`). Same barriers, copies, ranges and masks
+    otherwise (tests/test_attention.py runs it with race detection; the GPU kernel's jaxpr is unchanged).
 
     q_ref [batch, q_pad, heads, d], k_ref/v_ref [batch, kv_pad, kv_heads, d], q_ids_ref/kv_ids_ref None or
     int32 [batch, q_pad] / [batch, kv_pad] (padding ids never match), kv_ranges_ref None or with them the
@@ -161,7 +163,12 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
                 plgpu.barrier_arrive(turn)  # our QK^T is queued: the other consumer may issue its PV
                 return s_ref[...]
 
-            s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
+            if interpreting:
+                s = lax.dot_general(qo_smem[...], k_smem.at[slot][...], (((1,), (1,)), ((), ())),
+                                    preferred_element_type=jnp.float32)
+                plgpu.barrier_arrive(turn)
+            else:
+                s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
             plgpu.barrier_arrive(k_free.at[slot])
             plgpu.barrier_wait(turn)
             if masked:
@@ -196,8 +203,11 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
                     plgpu.barrier_wait(k_ready.at[lax.rem(kv_step + 1 - kv_lo, num_stages)])
 
             if interpreting:
-                acc = acc + pl.run_scoped(lambda acc_ref: (pv(acc_ref), acc_ref[...])[1],
-                                          plgpu.ACC(acc.shape, jnp.float32))
+                acc = acc + jnp.dot(p16, v_smem.at[slot][...], preferred_element_type=jnp.float32)
+
+                @pl.when(kv_step + 1 < kv_hi)
+                def _():
+                    plgpu.barrier_wait(k_ready.at[lax.rem(kv_step + 1 - kv_lo, num_stages)])
             else:
                 acc = pl.run_state(pv)(plgpu.ACC.init(acc))
             plgpu.barrier_arrive(v_free.at[slot])
@@ -235,7 +245,7 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
         ids = None if not has_segments else (kv_ids_ref, segments[1], segments[3])
         stream_kv_blocks((k_ref, v_ref), (k_smem, v_smem), (k_ready, v_ready), (k_free, v_free), batch=batch,
                          kv_head=lax.div(head, group), block_kv=block_kv, num_stages=num_stages, kv_lo=kv_lo,
-                         kv_hi=kv_hi, kv_ids=ids)
+                         kv_hi=kv_hi, kv_ids=ids, interpreting=interpreting)
 
 
 def query_tile_schedule(num_q_tiles: int, *, block_q: int, block_kv: int, num_kv_blocks: int, kv_len: int,
@@ -318,14 +328,14 @@ def segment_block_ranges(row_ids, col_ids, *, rows_per_tile: int, cols_per_block
     same_hi = jnp.where(same.any(axis=2), first(after_run, overlap.shape[2]), 0)
     return jnp.stack([lo, hi, same_lo, same_hi], axis=2).astype(jnp.int32)
 def stream_kv_blocks(gmem, smem, ready, free, *, batch, kv_head, block_kv: int, num_stages: int, kv_lo, kv_hi,
-                     kv_ids=None):
+                     kv_ids=None, interpreting: bool = False):
     """The producer warpgroup's loop (this forward's and the dQ kernel's): TMA key/value blocks kv_lo ..
     kv_hi-1 of (batch, kv_head) into a `num_stages` shared-memory ring. `gmem`, `smem`, `ready`, `free` are
     (key, value) pairs of refs and barriers; slot s is refilled once the consumers arrive on its "free"
     barrier. K of step i + num_stages may land once both consumers finished Q K^T of step i, before they
     finish its P V: K and V have separate "free" barriers. `kv_ids`: None, or (ids ref [batch, kv_pad],
     ring [num_stages, block_kv], ready barriers): the block's segment ids, loaded with K (and released
-    with it)."""
+    with it). `interpreting`: drain the ring at the end (see `fill_ring`)."""
 
     def load(step, slot, wait_free: bool):
         keys = pl.ds((kv_lo + step) * block_kv, block_kv)
@@ -337,13 +347,19 @@ def stream_kv_blocks(gmem, smem, ready, free, *, batch, kv_head, block_kv: int, 
                 ids_ref, ids_ring, ids_ready = kv_ids
                 plgpu.copy_gmem_to_smem(ids_ref.at[batch, keys], ids_ring.at[slot], ids_ready.at[slot])
 
-    fill_ring(load, num_stages=num_stages, steps=kv_hi - kv_lo)
+    def drain(slot):
+        for is_free in free:
+            plgpu.barrier_wait(is_free.at[slot])
+
+    fill_ring(load, num_stages=num_stages, steps=kv_hi - kv_lo, drain=drain if interpreting else None)
 
 
-def fill_ring(load, *, num_stages: int, steps):
+def fill_ring(load, *, num_stages: int, steps, drain=None):
     """A producer's loop over a `num_stages` shared-memory ring: `load(step, slot, wait_free)` for steps
     0 .. steps-1, the first `num_stages` into empty slots, each later one into slot step % num_stages once
-    `load` has waited for the consumers to free it (wait_free=True)."""
+    `load` has waited for the consumers to free it (wait_free=True). `drain(slot)`, if given, then waits
+    for the consumers to free the last steps' slots: the Mosaic GPU interpreter requires every thread to
+    observe every phase of a barrier it waits on; on the GPU the kernel ends without it."""
 
     @pl.loop(0, jnp.minimum(num_stages, steps))
     def _fill(step):
@@ -352,6 +368,11 @@ def fill_ring(load, *, num_stages: int, steps):
     @pl.loop(num_stages, steps)
     def _stream(step):
         load(step, lax.rem(step, num_stages), wait_free=True)
+
+    if drain is not None:
+        @pl.loop(jnp.maximum(steps - num_stages, 0), steps)
+        def _drain(step):
+            drain(lax.rem(step, num_stages))
 
 
 def pad_segment_ids(q_ids, kv_ids, q_pad: int, kv_pad: int):
