@@ -14,6 +14,7 @@ import typing
 
 from models.gpt import PRESETS as MODEL_PRESETS
 from models.gpt import GPTConfig
+from train.data import SLOT_LEN, VOCAB_SIZE
 
 ATTENTIONS = ("flash", "dense", "both")
 BUILTIN_DATA = ("stdlib", "recall")
@@ -50,9 +51,10 @@ class TrainConfig:
     progress: bool = True               # tqdm progress bar
     corpus_bytes: int = 4_000_000       # stdlib corpus size; 0: all of it
     val_fraction: float = 0.05
-    recall_doc_len: int = 4096          # recall task: tokens per document (records of 8 tokens)
-    recall_key_len: int = 2
-    recall_query_probability: float = 0.5
+    recall_doc_len: int = 4096          # recall task: tokens per document (slots of 2 tokens)
+    recall_num_keys: int = 48           # recall task: keys per document
+    recall_values_per_key: int = 4      # recall task: value symbols of each key (a forgotten value's chance)
+    recall_fact_probability: float = 0.125  # recall task: the chance a slot is a key-value fact, not filler
     recall_far_distance: int = 1024     # recall task: values bound further back than this score as "far"
 
     def __post_init__(self):
@@ -81,11 +83,15 @@ class TrainConfig:
         require(self.attention in ATTENTIONS, "attention", f"must be one of {ATTENTIONS}")
         require(self.data in BUILTIN_DATA or pathlib.Path(self.data).is_file(), "data",
                 f"must be one of {BUILTIN_DATA} or the path of an existing text file")
-        require(self.recall_key_len in (1, 2), "recall_key_len", "must be 1 or 2")
-        require(0 <= self.recall_query_probability < 1, "recall_query_probability", "must be in [0, 1)")
+        for field in ("recall_num_keys", "recall_values_per_key"):
+            require(isinstance(getattr(self, field), int) and getattr(self, field) >= 1, field,
+                    "must be a positive integer")
+        require(1 + self.recall_num_keys * (1 + self.recall_values_per_key) <= VOCAB_SIZE, "recall_num_keys",
+                f"with recall_values_per_key={self.recall_values_per_key} needs more than {VOCAB_SIZE} tokens")
+        require(0 < self.recall_fact_probability <= 1, "recall_fact_probability", "must be in (0, 1]")
         require(isinstance(self.recall_far_distance, int) and self.recall_far_distance >= 1, "recall_far_distance",
                 "must be a positive integer")
-        require(self.recall_doc_len % 8 == 0, "recall_doc_len", "must be a multiple of the record length 8")
+        require(self.recall_doc_len % SLOT_LEN == 0, "recall_doc_len", f"must be a multiple of the slot length {SLOT_LEN}")
         if self.model.vocab_size < 256:
             raise ValueError(f"model.vocab_size={self.model.vocab_size}: must be at least 256 for byte-level data")
         for field in TRAINER_SET_MODEL_FIELDS:
@@ -126,7 +132,7 @@ PRESETS: dict[str, TrainConfig] = {
     # train/data.py's recall_document).
     "long": TrainConfig(name="long", model=_model("small", num_layers=2, num_heads=4, num_kv_heads=4,
                                                   embed_dim=256, mlp_dim=512, dtype="bfloat16"),
-                        data="recall", recall_key_len=1, recall_query_probability=0.8, seq_len=4096, batch_size=8,
+                        data="recall", recall_fact_probability=0.05, seq_len=4096, batch_size=8,
                         steps=3500, learning_rate=1e-2, warmup_steps=200, weight_decay=0.0, eval_every=875,
                         eval_tokens=131072, max_context=4096, progress=False),
 }
