@@ -5,14 +5,16 @@ see the same batches in the same order, and a resumed run continues exactly wher
 
 - `stdlib`: the Python standard library's own sources as bytes (vocab 256), split into train and
   validation by a hash of each file's path.
-- `recall`: a synthetic associative-recall stream. Documents of `recall_doc_len` tokens are made of 8-token
-  records: a key (`recall_key_len` symbols), then `=` and a value (bind a fresh key to a random value), or
-  `?` and the value of a key bound earlier in the same document (a query, with probability
-  `recall_query_probability` while unused keys remain; its key is chosen uniformly among the bindings so far).
-  A recalled value is predictable only if the key's last showing lies inside the model's context, so a model
-  trained and evaluated with a longer context can reach a lower validation loss on the same tokens: the
+- `recall`: a synthetic associative-recall stream (`recall_document`). Documents of `recall_doc_len` tokens
+  are two-token slots, each a fact (a key, then the value it has throughout the document) with probability
+  `recall_fact_probability`, else filler. Every key has its own `recall_values_per_key` value symbols, so a
+  key's second and later showings repeat a value that only its earlier showing tells: predictable when that
+  showing lies inside the model's context, a guess among the key's symbols when not. Sparse facts put the
+  showings of one key `recall_num_keys / recall_fact_probability` slots apart on average, so a model
+  trained and evaluated with a longer context reaches a lower validation loss on the same tokens: the
   FlashAttention paper's 1k -> 4k effect in a form where the cause is known. Each recalled token carries its
-  distance (tokens back to that last showing), so evaluation can score far answers on their own.
+  distance (tokens back to the key's last showing), so evaluation scores answers by distance and by whether
+  the showing was inside the window.
 - any other value: a path to a text file, read as bytes; the last `val_fraction` of it is validation.
 """
 from __future__ import annotations
@@ -25,13 +27,11 @@ import numpy as np
 
 VOCAB_SIZE = 256
 # Recall documents: token 0 is filler, 1..num_keys the keys, and after them each key's own value symbols.
-# Because a value symbol belongs to one key, a repeated value is found in one attention hop: the key
-# token's query matches the earlier value tokens of its own key (a two-hop induction circuit, needed when
-# keys and values share symbols, did not form within CPU budgets; see the CPU results README).
+# A value symbol belongs to one key, so a repeated value is found by one attention hop (the key's query
+# matches earlier values of its family) plus a key -> family bigram. Keys and values sharing symbols would
+# need a two-layer induction circuit, which did not form in CPU budgets (train/results/2026-11-23-cpu-recall).
 FILLER = 0
 SLOT_LEN = 2
-NUM_KEYS, VALUES_PER_KEY = 48, 4
-FACT_PROBABILITY = 0.125
 # Separate seed namespaces: validation documents do not depend on the training seed, so runs with
 # different seeds or contexts are scored on the same tokens.
 _TRAIN_STREAM, _VAL_STREAM = 0, 1
@@ -66,9 +66,8 @@ def _read(paths) -> np.ndarray:
     return np.frombuffer(b"".join(p.read_bytes() for p in paths), dtype=np.uint8)
 
 
-def recall_document(rng: np.random.Generator, doc_len: int, *, num_keys: int = NUM_KEYS,
-                    values_per_key: int = VALUES_PER_KEY,
-                    fact_probability: float = FACT_PROBABILITY) -> tuple[np.ndarray, np.ndarray]:
+def recall_document(rng: np.random.Generator, doc_len: int, *, num_keys: int, values_per_key: int,
+                    fact_probability: float) -> tuple[np.ndarray, np.ndarray]:
     """One recall document: uint8 tokens [doc_len] and int32 distances [doc_len].
 
     The document is doc_len / 2 slots of two tokens: with probability `fact_probability` a fact (a key drawn
@@ -162,8 +161,7 @@ class RecallDataset(Dataset):
 
     has_answers = True
 
-    def __init__(self, *, doc_len: int, num_keys: int = NUM_KEYS, values_per_key: int = VALUES_PER_KEY,
-                 fact_probability: float = FACT_PROBABILITY, **kwargs):
+    def __init__(self, *, doc_len: int, num_keys: int, values_per_key: int, fact_probability: float, **kwargs):
         super().__init__(**kwargs)
         self.doc_len, self.num_keys, self.values_per_key = doc_len, num_keys, values_per_key
         self.fact_probability = fact_probability
