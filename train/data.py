@@ -28,8 +28,9 @@ import numpy as np
 VOCAB_SIZE = 256
 # Recall documents: token 0 is filler, 1..num_keys the keys, and after them each key's own value symbols.
 # A value symbol belongs to one key, so a repeated value is found by one attention hop (the key's query
-# matches earlier values of its family) plus a key -> family bigram. Keys and values sharing symbols would
-# need a two-layer induction circuit, which did not form in CPU budgets (train/results/2026-11-23-cpu-recall).
+# matches earlier values of its family) plus a key -> family bigram. With any value symbol after any key,
+# recall needs a two-layer induction circuit (match the key, copy the token after it), which did not form
+# within CPU budgets (train/results/2026-11-23-cpu-recall).
 FILLER = 0
 SLOT_LEN = 2
 # Separate seed namespaces: validation documents do not depend on the training seed, so runs with
