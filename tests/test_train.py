@@ -34,7 +34,9 @@ def test_cli_overrides_every_level():
     (["--data", "/no/such/file.txt"], "data"),
     (["--warmup_steps", "500", "--steps", "100"], "warmup_steps"),
     (["--min_lr_ratio", "1.5"], "min_lr_ratio"),
-    (["--recall_doc_len", "30"], "recall_doc_len"),
+    (["--recall_doc_len", "31"], "recall_doc_len"),
+    (["--recall_num_keys", "16", "--recall_values_per_key", "16"], "recall_num_keys"),
+    (["--recall_fact_probability", "0"], "recall_fact_probability"),
 ])
 def test_bad_values_name_the_field(args, field, capsys):
     with pytest.raises(SystemExit):
@@ -42,29 +44,73 @@ def test_bad_values_name_the_field(args, field, capsys):
     assert f"{field}=" in capsys.readouterr().err
 
 
-def test_recall_documents_are_answerable_from_earlier_bindings():
-    tokens, distances = data_lib.recall_document(np.random.default_rng(3), 4096)
-    records, record_distances = tokens.reshape(-1, 8), distances.reshape(-1, 8)
-    bound, last_seen = {}, {}
-    for index, (record, distance) in enumerate(zip(records, record_distances)):
-        key, op, value = bytes(record[:2]), record[2], bytes(record[3:])
-        if op == data_lib.SET_OP:
-            assert key not in bound and not distance.any()
-            bound[key] = value
+RECALL = dict(num_keys=4, values_per_key=16, fact_probability=1 / 16)
+
+
+def test_recall_documents_repeat_each_keys_value_and_measure_the_distance():
+    tokens, distances = data_lib.recall_document(np.random.default_rng(3), 4096, **RECALL)
+    slots, slot_distances = tokens.reshape(-1, 2), distances.reshape(-1, 2)
+    value_of, last_seen = {}, {}
+    for index, ((key, value), (_, distance)) in enumerate(zip(slots, slot_distances)):
+        assert not slot_distances[index, 0]
+        if key == data_lib.FILLER:
+            assert value == data_lib.FILLER and not distance
+            continue
+        assert 1 <= key <= 4
+        family_start = 1 + 4 + (key - 1) * 16
+        assert family_start <= value < family_start + 16, (key, value)
+        if key in value_of:
+            assert value == value_of[key] and distance == 2 * (index - last_seen[key])
         else:
-            assert op == data_lib.GET_OP and bound[key] == value and not distance[:3].any()
-            assert (distance[3:] == 8 * (index - last_seen[key])).all()
-        last_seen[key] = index
-    assert 0.4 < (record_distances[:, -1] > 0).mean() < 0.6
-    assert (distances > 1024).any()
+            assert not distance
+        value_of[key], last_seen[key] = value, index
+    assert 0.04 < (slots[:, 0] != data_lib.FILLER).mean() < 0.09
+
+
+def test_recall_distances_follow_the_designed_distribution():
+    # A key's showings are num_keys / fact_probability = 64 slots = 128 tokens apart on average (geometric),
+    # so exp(-1) of the repeats reach back more than 128 tokens and exp(-4) more than 512.
+    rng = np.random.default_rng(0)
+    distances = np.concatenate([data_lib.recall_document(rng, 4096, **RECALL)[1] for _ in range(200)])
+    repeats = distances[distances > 0]
+    assert len(repeats) > 5000 and (repeats % 2 == 0).all()
+    assert abs(repeats.mean() - 128) < 8
+    assert abs((repeats > 128).mean() - np.exp(-1)) < 0.03
+    assert abs((repeats > 512).mean() - np.exp(-4)) < 0.01
+    assert repeats.max() > 1024
+
+
+def test_recall_documents_are_a_function_of_the_seed():
+    def batch(seed, step):
+        args = ["--data", "recall", "--recall_doc_len", "256", "--recall_fact_probability", "0.5", "--seq_len",
+                "64", "--batch_size", "4", "--seed", str(seed), "--eval_tokens", "512"]
+        dataset = data_lib.make_dataset(parse_args(args))
+        return dataset.train_batch(step), dataset.eval_batches()
+
+    (train_a, val_a), (train_b, _), (train_c, val_c) = batch(0, 3), batch(0, 3), batch(1, 3)
+    assert all(np.array_equal(train_a[k], train_b[k]) for k in train_a)
+    assert not np.array_equal(train_a["inputs"], train_c["inputs"])
+    assert all(np.array_equal(a[k], c[k]) for a, c in zip(val_a, val_c) for k in a)   # validation: seed-free
+
+
+def test_answer_groups_split_by_window_and_distance():
+    # Targets 0..7 of one window; target t's key showing is t - d tokens into the window.
+    distances = np.array([[0, 1, 0, 3, 0, 8, 2, 20]])
+    groups = {k: np.asarray(v)[0].tolist() for k, v in loop.answer_groups(distances, far_distance=8).items()}
+    assert groups["seen_answer"] == [0, 1, 0, 1, 0, 0, 1, 0]
+    assert groups["unseen_answer"] == [0, 0, 0, 0, 0, 1, 0, 1]
+    assert groups["far_answer"] == [0, 0, 0, 0, 0, 0, 0, 1]
+    buckets = [name for name in groups if name.startswith("answer_d")]
+    assert buckets == ["answer_d0_2", "answer_d2_4", "answer_d4_8", "answer_d8_16", "answer_d16_inf"]
+    assert (np.sum([groups[b] for b in buckets], axis=0) == groups["answer"]).all()
 
 
 def test_recall_batches_do_not_depend_on_the_window_layout():
-    cfg = parse_args(["--data", "recall", "--recall_doc_len", "64", "--seq_len", "32", "--batch_size", "4",
-                      "--eval_tokens", "256"])
+    dense_facts = ["--data", "recall", "--recall_doc_len", "64", "--recall_fact_probability", "0.5"]
+    cfg = parse_args(dense_facts + ["--seq_len", "32", "--batch_size", "4", "--eval_tokens", "256"])
     short = data_lib.make_dataset(cfg)
-    long = data_lib.make_dataset(parse_args(["--data", "recall", "--recall_doc_len", "64", "--seq_len", "128",
-                                             "--batch_size", "1", "--eval_tokens", "256"]))
+    long = data_lib.make_dataset(parse_args(dense_facts + ["--seq_len", "128", "--batch_size", "1",
+                                                           "--eval_tokens", "256"]))
     for step in (0, 5):
         a, b = short.train_batch(step), long.train_batch(step)
         assert np.array_equal(a["inputs"].reshape(-1), b["inputs"].reshape(-1))
@@ -120,7 +166,7 @@ def test_both_writes_the_report(tmp_path):
 
 def test_long_range_verdict_says_no_to_noise():
     from train.report import long_range_verdict
-    chance = data_lib.RECALL_CHANCE
+    chance = 1 / 64   # the first runs' task: a guess among 64 symbols
     # The first H100 run: nothing learned, the 4k run 0.0003 nats "better".
     noise = long_range_verdict({"val_loss": 3.7263, "val_answer_accuracy": 0.0167},
                                {"val_loss": 3.7260, "val_answer_accuracy": 0.0169}, chance)

@@ -5,14 +5,16 @@ see the same batches in the same order, and a resumed run continues exactly wher
 
 - `stdlib`: the Python standard library's own sources as bytes (vocab 256), split into train and
   validation by a hash of each file's path.
-- `recall`: a synthetic associative-recall stream. Documents of `recall_doc_len` tokens are made of 8-token
-  records: a key (`recall_key_len` symbols), then `=` and a value (bind a fresh key to a random value), or
-  `?` and the value of a key bound earlier in the same document (a query, with probability
-  `recall_query_probability` while unused keys remain; its key is chosen uniformly among the bindings so far).
-  A recalled value is predictable only if the key's last showing lies inside the model's context, so a model
-  trained and evaluated with a longer context can reach a lower validation loss on the same tokens: the
+- `recall`: a synthetic associative-recall stream (`recall_document`). Documents of `recall_doc_len` tokens
+  are two-token slots, each a fact (a key, then the value it has throughout the document) with probability
+  `recall_fact_probability`, else filler. Every key has its own `recall_values_per_key` value symbols, so a
+  key's second and later showings repeat a value that only its earlier showing tells: predictable when that
+  showing lies inside the model's context, a guess among the key's symbols when not. Sparse facts put the
+  showings of one key `recall_num_keys / recall_fact_probability` slots apart on average, so a model
+  trained and evaluated with a longer context reaches a lower validation loss on the same tokens: the
   FlashAttention paper's 1k -> 4k effect in a form where the cause is known. Each recalled token carries its
-  distance (tokens back to that last showing), so evaluation can score far answers on their own.
+  distance (tokens back to the key's last showing), so evaluation scores answers by distance and by whether
+  the showing was inside the window.
 - any other value: a path to a text file, read as bytes; the last `val_fraction` of it is validation.
 """
 from __future__ import annotations
@@ -24,15 +26,13 @@ import sysconfig
 import numpy as np
 
 VOCAB_SIZE = 256
-KEY_LEN, VALUE_LEN = 2, 5
-RECORD_LEN = KEY_LEN + 1 + VALUE_LEN
-# 64 printable symbols for keys and values, so a document prints as readable text.
-ALPHABET = np.frombuffer(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+/", dtype=np.uint8)
-NUM_KEYS = len(ALPHABET) ** 2
-SET_OP, GET_OP = ord("="), ord("?")
-# Accuracy on a recalled value's token when its binding is out of sight: a uniform guess among the symbols.
-RECALL_CHANCE = 1 / len(ALPHABET)
-GET_PROBABILITY = 0.5
+# Recall documents: token 0 is filler, 1..num_keys the keys, and after them each key's own value symbols.
+# A value symbol belongs to one key, so a repeated value is found by one attention hop (the key's query
+# matches earlier values of its family) plus a key -> family bigram. With any value symbol after any key,
+# recall needs a two-layer induction circuit (match the key, copy the token after it), which did not form
+# within CPU budgets (train/results/2026-11-23-cpu-recall).
+FILLER = 0
+SLOT_LEN = 2
 # Separate seed namespaces: validation documents do not depend on the training seed, so runs with
 # different seeds or contexts are scored on the same tokens.
 _TRAIN_STREAM, _VAL_STREAM = 0, 1
@@ -67,45 +67,39 @@ def _read(paths) -> np.ndarray:
     return np.frombuffer(b"".join(p.read_bytes() for p in paths), dtype=np.uint8)
 
 
-def recall_document(rng: np.random.Generator, doc_len: int, *, key_len: int = KEY_LEN,
-                    query_probability: float = GET_PROBABILITY) -> tuple[np.ndarray, np.ndarray]:
-    """One recall document: uint8 tokens [doc_len] and int32 distances [doc_len]: for a recalled value's
-    token, how many tokens back its key was last shown (the binding, or an earlier query of the same key,
-    which shows the same value); 0 for every other token.
+def recall_document(rng: np.random.Generator, doc_len: int, *, num_keys: int, values_per_key: int,
+                    fact_probability: float) -> tuple[np.ndarray, np.ndarray]:
+    """One recall document: uint8 tokens [doc_len] and int32 distances [doc_len].
 
-    Keys are distinct bindings (one symbol: 64 keys, two: 4096); once all are bound every record is a query.
-    With one-symbol keys a two-layer model needs only an induction head (match the key, copy what followed).
-    Measured on CPU (the `long` preset's model, 80% queries, float32), 2026-11-23: with documents as long as
-    the context (doc_len 128, context 128, lr 1e-2) answer accuracy reached 62% by step 150, and 59% at
-    context 512 with 128-token documents; with doc_len 512 or 4096 it learned nothing in 150-300 steps (contexts
-    128 and 512, lr 1e-2 or 2e-3, bf16 or float32), and a model first trained on 128-token documents lost the
-    skill (near answers 60% -> 11%) within 200 steps on 4096-token documents. The H100 runs at 1k and 4k
-    context on 4096-token documents stayed at chance for 2,800 steps. Two-symbol keys (50% queries, lr 2e-3)
-    had learned nothing in 1000 H100 steps. So the long-document task as built does not train in these
-    budgets; showing the 1k -> 4k effect needs a task or schedule that does (issue 4).
+    The document is doc_len / 2 slots of two tokens: with probability `fact_probability` a fact (a key drawn
+    uniformly from `num_keys`, then its value), else two FILLER tokens. Each key has `values_per_key` value
+    symbols of its own and takes one of them, uniformly, for the whole document, so every showing of a key
+    after its first repeats the value shown before. A distance is, for such a repeated value's token, how
+    many tokens back the key was last shown; 0 for every other token (first showings, keys, filler), which
+    no context can predict beyond their frequencies.
+
+    Showings of one key are `num_keys / fact_probability` slots apart on average (geometrically distributed),
+    so the parameters set how far back recall reaches: the fraction of repeats more than D tokens back is
+    about exp(-D * fact_probability / (2 * num_keys)).
     """
-    value_len = RECORD_LEN - key_len - 1
-    num_keys = len(ALPHABET) ** key_len
-    num_records = doc_len // RECORD_LEN
-    is_get = rng.random(num_records) < query_probability
-    is_get[0] = False
-    is_get[np.cumsum(~is_get) > num_keys] = True
-    num_sets = int((~is_get).sum())
-    keys = rng.choice(num_keys, size=num_sets, replace=False)
-    values = rng.integers(0, len(ALPHABET), size=(num_sets, value_len))
-    sets_before = np.cumsum(~is_get) - (~is_get)
-    binding = np.where(is_get, (rng.random(num_records) * sets_before).astype(np.int64), np.cumsum(~is_get) - 1)
-    digits = np.stack([keys[binding] // len(ALPHABET) ** (key_len - 1 - i) % len(ALPHABET) for i in range(key_len)], axis=1)
-    records = np.concatenate([ALPHABET[digits], np.where(is_get, GET_OP, SET_OP).astype(np.uint8)[:, None],
-                              ALPHABET[values[binding]]], axis=1)
-    last_seen = {}
-    distance = np.zeros((num_records, RECORD_LEN), dtype=np.int32)
-    for r in range(num_records):
-        b = int(binding[r])
-        if is_get[r]:
-            distance[r, key_len + 1:] = (r - last_seen[b]) * RECORD_LEN
-        last_seen[b] = r
-    return records.reshape(-1), distance.reshape(-1)
+    if doc_len % SLOT_LEN:
+        raise ValueError(f"doc_len={doc_len} must be a multiple of the slot length {SLOT_LEN}")
+    if 1 + num_keys * (1 + values_per_key) > VOCAB_SIZE:
+        raise ValueError(f"{num_keys} keys with {values_per_key} values each need more than {VOCAB_SIZE} tokens")
+    choice = rng.integers(0, values_per_key, size=num_keys)
+    is_fact = rng.random(doc_len // SLOT_LEN) < fact_probability
+    fact_slots = np.flatnonzero(is_fact)
+    keys = rng.integers(0, num_keys, size=len(fact_slots))
+    slots = np.full((len(is_fact), SLOT_LEN), FILLER, dtype=np.uint8)
+    slots[fact_slots, 0] = 1 + keys
+    slots[fact_slots, 1] = 1 + num_keys + keys * values_per_key + choice[keys]
+    # Facts sorted by key, then slot: a fact whose predecessor in that order has the same key repeats it.
+    order = np.lexsort((fact_slots, keys))
+    same_key = keys[order[1:]] == keys[order[:-1]]
+    repeats, previous = order[1:][same_key], order[:-1][same_key]
+    distances = np.zeros((len(is_fact), SLOT_LEN), dtype=np.int32)
+    distances[fact_slots[repeats], 1] = (fact_slots[repeats] - fact_slots[previous]) * SLOT_LEN
+    return slots.reshape(-1), distances.reshape(-1)
 
 
 class Dataset:
@@ -168,15 +162,15 @@ class RecallDataset(Dataset):
 
     has_answers = True
 
-    def __init__(self, *, doc_len: int, key_len: int = KEY_LEN, query_probability: float = GET_PROBABILITY,
-                 **kwargs):
+    def __init__(self, *, doc_len: int, num_keys: int, values_per_key: int, fact_probability: float, **kwargs):
         super().__init__(**kwargs)
-        self.doc_len, self.key_len, self.query_probability = doc_len, key_len, query_probability
+        self.doc_len, self.num_keys, self.values_per_key = doc_len, num_keys, values_per_key
+        self.fact_probability = fact_probability
 
     def _stream(self, seed: tuple, start: int, length: int) -> tuple[np.ndarray, np.ndarray]:
         first, last = start // self.doc_len, (start + length - 1) // self.doc_len
-        docs = [recall_document(np.random.default_rng((*seed, d)), self.doc_len, key_len=self.key_len,
-                                query_probability=self.query_probability) for d in range(first, last + 1)]
+        docs = [recall_document(np.random.default_rng((*seed, d)), self.doc_len, num_keys=self.num_keys,
+                                values_per_key=self.values_per_key, fact_probability=self.fact_probability) for d in range(first, last + 1)]
         offset = start - first * self.doc_len
         tokens = np.concatenate([d[0] for d in docs])[offset:offset + length]
         answers = np.concatenate([d[1] for d in docs])[offset:offset + length]
@@ -197,8 +191,9 @@ def make_dataset(cfg) -> Dataset:
     """The dataset a `TrainConfig` names: "stdlib", "recall" or a path to a text file."""
     common = dict(seed=cfg.seed, seq_len=cfg.seq_len, batch_size=cfg.batch_size, eval_tokens=cfg.eval_tokens)
     if cfg.data == "recall":
-        return RecallDataset(doc_len=cfg.recall_doc_len, key_len=cfg.recall_key_len,
-                             query_probability=cfg.recall_query_probability, **common)
+        return RecallDataset(doc_len=cfg.recall_doc_len, num_keys=cfg.recall_num_keys,
+                             values_per_key=cfg.recall_values_per_key,
+                             fact_probability=cfg.recall_fact_probability, **common)
     if cfg.data == "stdlib":
         train, val = stdlib_files(cfg.corpus_bytes, cfg.val_fraction)
         return TextDataset(_read(train), _read(val), **common)

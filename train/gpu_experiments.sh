@@ -3,9 +3,12 @@
 #   speed:  flash vs dense on the stdlib corpus at 4k context, same seed and data order: loss curves,
 #           tokens/s, memory, and the longest context each trains at (doubling until out of memory, flash
 #           up to 262,144); about 5 minutes;
-#   recall: the associative-recall task trained at 1k and at 4k context on the same tokens: validation loss,
-#           and accuracy on values bound more than 1k tokens back; about 6 minutes (run 2 showed the old
-#           90 s limits stopped both runs before their 3,500 steps).
+#   recall: the associative-recall task (the `long` preset: 4,096-token documents of sparse key-value facts,
+#           a key's showings ~512 tokens apart; train/data.py) trained at 1k and at 4k context on the same
+#           tokens: validation loss, and accuracy on values whose key was last shown more than 1k tokens back
+#           (a 1-in-16 guess without it); about 6 minutes (run 2 showed the old 90 s limits stopped both runs
+#           before their 3,500 steps). The same comparison 8x smaller learned on CPU
+#           (train/results/2026-11-23-cpu-recall).
 # Usage: bash train/gpu_experiments.sh [OUT_DIR] [speed|recall|all]   (default: $OUT, else
 #        train/results/<date>; all). The summary is rebuilt from whatever parts OUT_DIR holds.
 # Writes OUT_DIR/results.{md,json}, long_range.png, small_both/{report.md,report.json,loss.png}, logs/.

@@ -50,11 +50,30 @@ def _token_losses(model, batch, *, deterministic):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]), logits
 
 
+def answer_groups(distances: jax.Array, far_distance: int) -> dict[str, jax.Array]:
+    """Masks [batch, seq] of the recalled values a recall evaluation scores, by name.
+
+    `answer`: all of them; `near_answer` / `far_answer`: bound at most / more than `far_distance` tokens
+    back; `seen_answer` / `unseen_answer`: the key's last showing inside / before the window, so recallable /
+    not recallable at this context (target t is the window's token t + 1, so the showing's key is at t - d);
+    `answer_d{lo}_{hi}`: lo < distance <= hi, edges at 1/4, 1/2, 1 and 2 times `far_distance`.
+    """
+    is_answer = distances > 0
+    seen = distances <= jnp.arange(distances.shape[-1])
+    groups = {"answer": is_answer, "near_answer": is_answer & (distances <= far_distance),
+              "far_answer": distances > far_distance, "seen_answer": is_answer & seen,
+              "unseen_answer": is_answer & ~seen}
+    edges = [0, far_distance // 4, far_distance // 2, far_distance, 2 * far_distance]
+    for lo, hi in zip(edges, edges[1:]):
+        groups[f"answer_d{lo}_{hi}"] = (distances > lo) & (distances <= hi)
+    groups[f"answer_d{edges[-1]}_inf"] = distances > edges[-1]
+    return groups
+
+
 def make_steps(graphdef, tx, far_distance: int = 0):
     """jit-compiled (train_step, eval_step) for one model structure.
 
-    On the recall task the eval step also scores the recalled values, all of them and split by how far back
-    their binding lies: near (at most `far_distance` tokens) and far (more).
+    On the recall task the eval step also scores the recalled values, in the groups of `answer_groups`.
     """
 
     def train_step(params, opt_state, rest, batch):
@@ -72,12 +91,10 @@ def make_steps(graphdef, tx, far_distance: int = 0):
         sums = {"loss": losses.sum(), "tokens": jnp.float32(losses.size)}
         if "distances" in batch:
             correct = (jnp.argmax(logits, axis=-1) == batch["targets"]).astype(jnp.float32)
-            distances = batch["distances"]
-            for prefix, mask in (("answer", distances > 0), ("near_answer", (distances > 0) & (distances <= far_distance)),
-                                 ("far_answer", distances > far_distance)):
+            for name, mask in answer_groups(batch["distances"], far_distance).items():
                 mask = mask.astype(jnp.float32)
-                sums |= {f"{prefix}_loss": (losses * mask).sum(), f"{prefix}_correct": (correct * mask).sum(),
-                         f"{prefix}s": mask.sum()}
+                sums |= {f"{name}_loss": (losses * mask).sum(), f"{name}_correct": (correct * mask).sum(),
+                         f"{name}s": mask.sum()}
         return sums
 
     return jax.jit(train_step, donate_argnums=(0, 1, 2)), jax.jit(eval_step)
@@ -89,13 +106,12 @@ def evaluate(eval_step, params, rest, batches) -> dict[str, float]:
         for name, value in jax.device_get(eval_step(params, rest, batch)).items():
             totals[name] = totals.get(name, 0.0) + float(value)
     metrics = {"val_loss": totals["loss"] / totals["tokens"]}
-    for prefix in ("answer", "near_answer", "far_answer"):
-        if f"{prefix}s" in totals:
-            count = totals[f"{prefix}s"]
-            metrics[f"val_{prefix}s"] = int(count)
-            if count:
-                metrics |= {f"val_{prefix}_loss": totals[f"{prefix}_loss"] / count,
-                            f"val_{prefix}_accuracy": totals[f"{prefix}_correct"] / count}
+    for group in (k.removesuffix("_correct") for k in totals if k.endswith("_correct")):
+        count = totals[f"{group}s"]
+        metrics[f"val_{group}s"] = int(count)
+        if count:
+            metrics |= {f"val_{group}_loss": totals[f"{group}_loss"] / count,
+                        f"val_{group}_accuracy": totals[f"{group}_correct"] / count}
     return metrics
 
 
@@ -190,7 +206,9 @@ def train(cfg: TrainConfig, attention: str, run_dir: pathlib.Path) -> RunResult:
             val = {"step": done, **evaluate(eval_step, params, rest, eval_batches)}
             result.evals.append(val)
             metrics_file.write(json.dumps(val) + "\n")
-            message = " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in val.items())
+            # The log line keeps the loss and the accuracies; metrics.jsonl has every count and loss.
+            message = " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in val.items()
+                               if k in ("step", "val_loss") or k.endswith("_accuracy"))
             bar.write(f"[{attention}] {message}")
             last_time = time.perf_counter()   # evaluation time is not training time
         if checkpointer and cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
