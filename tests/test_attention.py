@@ -125,7 +125,8 @@ def test_hopper_forward_in_mosaic_gpu_interpreter(shape, is_causal, window):
     CPU interpreter with race detection, against the reference. The interpreter cannot run wgmma on a
     transposed shared-memory ref or a register operand, so there the two matmuls are plain dots on the same
     shared-memory tiles (`interpreting` in the kernel); everything else is the kernel that runs on the GPU.
-    (Calls with segment ids hang in JAX 0.10.2's interpreter; they are tested on the GPU.)"""
+    (Calls with segment ids hang in JAX 0.10.2's interpreter, at the kernel's scalar reads of its block
+    ranges from global memory; they are tested on the GPU.)"""
     from pallas_flash import _compat, masks
     from pallas_flash.config import HopperConfig
     from pallas_flash.kernels import hopper_fwd
