@@ -65,6 +65,25 @@ def visible(q_pos, k_pos, *, band: Band, kv_len: int | None = None, q_segment=No
     return mask
 
 
+def pad_segment_ids(q_ids, kv_ids, q_pad: int, kv_pad: int):
+    """int32 segment ids padded to the kernels' lengths with the padding ids (which match nothing), or
+    (None, None) without ids."""
+    if q_ids is None:
+        return None, None
+
+    def pad(ids, size, value):
+        ids = ids.astype(jnp.int32)
+        return ids if ids.shape[1] == size else jnp.pad(ids, ((0, 0), (0, size - ids.shape[1])),
+                                                        constant_values=value)
+
+    return pad(q_ids, q_pad, QUERY_PADDING_ID), pad(kv_ids, kv_pad, KEY_PADDING_ID)
+
+
+def integer_cotangent(x):
+    """The cotangent of an integer input of a custom_vjp (segment ids, masks, seeds): float0 zeros, or None."""
+    return None if x is None else np.zeros(x.shape, jax.dtypes.float0)
+
+
 def segments_from_lengths(segment_ids, lengths, length: int, padding_id: int):
     """Fold per-example lengths [batch] into segment ids [batch, length]: positions past an example's
     length get `padding_id`. Returns None when there are neither ids nor lengths."""
@@ -122,9 +141,8 @@ class ModArrays(typing.NamedTuple):
     def cotangents(self, dbias=None) -> "ModArrays":
         """The cotangent of these arrays in a custom_vjp: `dbias` for the bias, float0 for the mask and seed
         (not differentiable), zeros for the ALiBi slopes (constants: the API stops their gradient)."""
-        integer = lambda x: None if x is None else np.zeros(x.shape, jax.dtypes.float0)
         slopes = None if self.alibi_slopes is None else jnp.zeros_like(self.alibi_slopes)
-        return ModArrays(dbias, integer(self.mask), slopes, integer(self.dropout_seed))
+        return ModArrays(dbias, integer_cotangent(self.mask), slopes, integer_cotangent(self.dropout_seed))
 
 
 def soft_cap(x, cap: float):

@@ -14,7 +14,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from pallas_flash import block_sparse, masks
 
@@ -233,11 +232,7 @@ def _chunked_bwd(scale, band, block_kv, mods, block_mask, residuals, cotangents)
         dbias = dbias.reshape(mod_arrays.bias.shape).astype(mod_arrays.bias.dtype)
     d_mods = mod_arrays.cotangents(dbias if has_bias else None)
     return ((dq * scale).astype(q.dtype), (unblock(dk) * scale).astype(k.dtype), unblock(dv).astype(v.dtype),
-            _integer_cotangent(q_segment_ids), _integer_cotangent(kv_segment_ids), d_mods)
-
-
-def _integer_cotangent(x):
-    return None if x is None else np.zeros(x.shape, jax.dtypes.float0)
+            masks.integer_cotangent(q_segment_ids), masks.integer_cotangent(kv_segment_ids), d_mods)
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)

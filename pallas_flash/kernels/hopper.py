@@ -11,7 +11,6 @@ import logging
 import os
 
 import jax
-import numpy as np
 
 from pallas_flash import masks
 from pallas_flash.config import H100_SHARED_MEMORY, HopperBwdConfig, HopperConfig, KernelConfig
@@ -83,7 +82,7 @@ def _attention_bwd(scale, band, config, residuals, cotangents):
         dq, dk, dv = hopper_bwd.hopper_backward(q, k, v, out, lse, d_out, d_lse, scale=scale, is_causal=is_causal,
                                                 local_window_size=window, q_segment_ids=q_ids,
                                                 kv_segment_ids=kv_ids, config=bwd_config)
-        return dq, dk, dv, _integer_cotangent(q_ids), _integer_cotangent(kv_ids)
+        return dq, dk, dv, masks.integer_cotangent(q_ids), masks.integer_cotangent(kv_ids)
     if use_hopper_backward():
         _logger.debug("pallas_flash: the Hopper backward takes head_dim <= %d; head_dim %d runs the portable "
                       "backward", hopper_bwd.MAX_HEAD_DIM, q.shape[-1])
@@ -91,10 +90,6 @@ def _attention_bwd(scale, band, config, residuals, cotangents):
                                                          config=config, interpret=False, q_segment_ids=q_ids,
                                                          kv_segment_ids=kv_ids)
     return dq, dk, dv, d_q_ids, d_kv_ids
-
-
-def _integer_cotangent(x):
-    return None if x is None else np.zeros(x.shape, jax.dtypes.float0)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

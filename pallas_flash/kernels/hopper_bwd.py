@@ -40,9 +40,9 @@ from pallas_flash._compat import smem_vector_load as _load
 from pallas_flash.config import H100_SHARED_MEMORY, NUM_CONSUMERS, HopperBwdConfig
 from pallas_flash.kernels import tiles
 from pallas_flash.kernels.hopper_fwd import (CONSUMER_REGISTERS, HEAD_DIM_TILE, LOG2E, PRODUCER_REGISTERS,
-                                             _pad_axis, _round_up, fill_ring, pad_segment_ids, padded_head_dim,
-                                             load_own_ids, query_tile_schedule, segment_block_ranges,
-                                             stream_kv_blocks, unmasked_blocks)
+                                             _pad_axis, _round_up, fill_ring, load_own_ids, padded_head_dim,
+                                             query_tile_schedule, segment_block_ranges, stream_kv_blocks,
+                                             tile_visible, unmasked_blocks)
 
 MAX_HEAD_DIM = 128  # at 256, K and V of a 128-key CTA alone take 128 KiB of shared memory
 
@@ -57,16 +57,6 @@ def _zeros(shape):
 def _transforms():
     # 128-byte swizzle over (8, 64)-element tiles: the layout wgmma reads without bank conflicts.
     return (plgpu.TilingTransform((8, HEAD_DIM_TILE)), plgpu.SwizzleTransform(128))
-
-
-def _visible(q_pos, k_pos, *, band: masks.Band, kv_len, q_seg, kv_seg, shape, q_axis: int):
-    """The tile's visibility (None: all visible); q_seg/kv_seg: None or the rows'/columns' segment-id
-    vectors, broadcast here along the tile's query axis `q_axis` and the other axis."""
-    ids = {}
-    if q_seg is not None:
-        ids = dict(q_segment=lax.broadcast_in_dim(q_seg, shape, [q_axis]),
-                   kv_segment=lax.broadcast_in_dim(kv_seg, shape, [1 - q_axis]))
-    return masks.visible(q_pos, k_pos, band=band, kv_len=kv_len, **ids)
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv_ids_ref, q_ranges_ref,
@@ -146,9 +136,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
                 if masked:
                     q_seg = _load(q_ids_smem.at[slot], column)
             if masked:
-                visible = _visible(q_block * block_q + _iota(s.shape, 1), kv_start + _iota(s.shape, 0), band=band,
-                                   kv_len=kv_len if mask_padded_keys else None, q_seg=q_seg, kv_seg=kv_seg,
-                                   shape=s.shape, q_axis=1)
+                visible = tile_visible(q_block * block_q + _iota(s.shape, 1), kv_start + _iota(s.shape, 0),
+                                       band=band, kv_len=kv_len if mask_padded_keys else None, q_seg=q_seg,
+                                       kv_seg=kv_seg, shape=s.shape, q_axis=1)
                 if visible is not None:  # None: traced for a loop that runs no iterations
                     p = jnp.where(visible, p, 0.0)
             plgpu.barrier_wait(do_ready.at[slot])
@@ -297,9 +287,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv_i
                 if masked:
                     kv_seg = _load(kv_ids_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
             if masked:
-                visible = _visible(q_start + _iota(s.shape, 0), kv_step * block_kv + _iota(s.shape, 1), band=band,
-                                   kv_len=kv_len if kv_len % block_kv else None, q_seg=q_seg, kv_seg=kv_seg,
-                                   shape=s.shape, q_axis=0)
+                visible = tile_visible(q_start + _iota(s.shape, 0), kv_step * block_kv + _iota(s.shape, 1),
+                                       band=band, kv_len=kv_len if kv_len % block_kv else None, q_seg=q_seg,
+                                       kv_seg=kv_seg, shape=s.shape, q_axis=0)
                 if visible is not None:  # None: traced for a loop that runs no iterations
                     p = jnp.where(visible, p, 0.0)
             ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))
@@ -493,7 +483,7 @@ def hopper_backward(q, k, v, out, lse, d_out, d_lse, *, scale: float, is_causal:
     # Padded query rows: lse2 = +inf makes their P exactly 0 in both passes.
     lse2 = jnp.pad(lse2, ((0, 0), (0, 0), (0, q_pad - q_len)), constant_values=jnp.inf)
     delta = _pad_axis(delta, 2, q_pad)
-    ids = pad_segment_ids(q_segment_ids, kv_segment_ids, q_pad, kv_pad)
+    ids = masks.pad_segment_ids(q_segment_ids, kv_segment_ids, q_pad, kv_pad)
 
     common = dict(scale=scale, band=band, kv_len=kv_len, config=config)
     if config.dq_atomic:

@@ -172,12 +172,9 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
             plgpu.barrier_arrive(k_free.at[slot])
             plgpu.barrier_wait(turn)
             if masked:
-                ids = {}
-                if has_segments:
-                    ids = dict(q_segment=lax.broadcast_in_dim(q_seg, s.shape, [0]),
-                               kv_segment=lax.broadcast_in_dim(kv_seg, s.shape, [1]))
-                visible = masks.visible(q_start + iota(s.shape, 0), kv_step * block_kv + iota(s.shape, 1),
-                                        band=band, kv_len=kv_len if kv_len % block_kv else None, **ids)
+                visible = tile_visible(q_start + iota(s.shape, 0), kv_step * block_kv + iota(s.shape, 1),
+                                       band=band, kv_len=kv_len if kv_len % block_kv else None, q_seg=q_seg,
+                                       kv_seg=kv_seg, shape=s.shape, q_axis=0)
                 if visible is not None:  # None: traced for a loop that runs no iterations
                     s = jnp.where(visible, s, -jnp.inf)
             # c > 0, so max(c * s) = c * max(s).
@@ -273,6 +270,17 @@ def query_tile_schedule(num_q_tiles: int, *, block_q: int, block_kv: int, num_kv
     return tile * (NUM_CONSUMERS * block_q), lo, jnp.maximum(hi, lo + 1), same
 
 
+def tile_visible(q_pos, k_pos, *, band: masks.Band, kv_len, q_seg, kv_seg, shape, q_axis: int):
+    """A tile's visibility (`masks.visible`; None: all visible). q_seg/kv_seg: None, or the segment-id vectors
+    of the tile's queries and keys, broadcast here along its query axis `q_axis` and the other axis. Shared
+    by the forward (query-major tiles) and the backward kernels (dK/dV's are key-major)."""
+    ids = {}
+    if q_seg is not None:
+        ids = dict(q_segment=lax.broadcast_in_dim(q_seg, shape, [q_axis]),
+                   kv_segment=lax.broadcast_in_dim(kv_seg, shape, [1 - q_axis]))
+    return masks.visible(q_pos, k_pos, band=band, kv_len=kv_len, **ids)
+
+
 def load_own_ids(ids_ref, smem, ready, *, wg, batch, start, size: int, layout, load=smem_vector_load):
     """Consumer warpgroup `wg`'s resident segment ids, ids_ref[batch, start:start + size]: TMA into its slot
     of `smem`, then into registers in `layout` (`load` reads a shared-memory vector)."""
@@ -327,6 +335,8 @@ def segment_block_ranges(row_ids, col_ids, *, rows_per_tile: int, cols_per_block
     after_run = (blocks >= same_lo[:, :, None]) & ~same
     same_hi = jnp.where(same.any(axis=2), first(after_run, overlap.shape[2]), 0)
     return jnp.stack([lo, hi, same_lo, same_hi], axis=2).astype(jnp.int32)
+
+
 def stream_kv_blocks(gmem, smem, ready, free, *, batch, kv_head, block_kv: int, num_stages: int, kv_lo, kv_hi,
                      kv_ids=None, interpreting: bool = False):
     """The producer warpgroup's loop (this forward's and the dQ kernel's): TMA key/value blocks kv_lo ..
@@ -373,15 +383,6 @@ def fill_ring(load, *, num_stages: int, steps, drain=None):
         @pl.loop(jnp.maximum(steps - num_stages, 0), steps)
         def _drain(step):
             drain(lax.rem(step, num_stages))
-
-
-def pad_segment_ids(q_ids, kv_ids, q_pad: int, kv_pad: int):
-    """Segment ids padded to the kernels' lengths with the padding ids (which match nothing), or (None, None)."""
-    if q_ids is None:
-        return None, None
-    pad = lambda ids, size, value: jnp.pad(ids.astype(jnp.int32), ((0, 0), (0, size - ids.shape[1])),
-                                           constant_values=value)
-    return pad(q_ids, q_pad, masks.QUERY_PADDING_ID), pad(kv_ids, kv_pad, masks.KEY_PADDING_ID)
 
 
 def _forward_padded(q, k, v, q_ids, kv_ids, *, scale: float, band: masks.Band, kv_len: int,
@@ -459,7 +460,7 @@ def hopper_forward(query, key, value, *, scale: float, is_causal: bool = False, 
     q = _pad_axis(_pad_axis(query, 1, q_pad), 3, padded_dim)
     k = _pad_axis(_pad_axis(key, 1, kv_pad), 3, padded_dim)
     v = _pad_axis(_pad_axis(value, 1, kv_pad), 3, padded_dim)
-    q_ids, kv_ids = pad_segment_ids(q_segment_ids, kv_segment_ids, q_pad, kv_pad)
+    q_ids, kv_ids = masks.pad_segment_ids(q_segment_ids, kv_segment_ids, q_pad, kv_pad)
     out, lse = _forward_padded(q, k, v, q_ids, kv_ids, scale=scale, band=band, kv_len=kv_len, config=config,
                                interpret=interpret)
     return out[:, :q_len, :, :head_dim], lse[:, :, :q_len]

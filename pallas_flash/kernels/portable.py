@@ -11,7 +11,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from pallas_flash import block_sparse, masks
 from pallas_flash.config import KernelConfig
@@ -63,21 +62,10 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def _integer_cotangent(x):
-    return None if x is None else np.zeros(x.shape, jax.dtypes.float0)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
 def _flash(q, k, v, q_segment_ids, kv_segment_ids, mod_arrays, scale, band, config, interpret, mods, block_mask):
     return _flash_fwd(q, k, v, q_segment_ids, kv_segment_ids, mod_arrays, scale, band, config, interpret, mods,
                       block_mask)[0]
-
-
-def _pad_segments(q_segment_ids, kv_segment_ids, q_pad, kv_pad):
-    if q_segment_ids is None:
-        return None, None
-    return (_pad_to(q_segment_ids, 1, q_pad, masks.QUERY_PADDING_ID),
-            _pad_to(kv_segment_ids, 1, kv_pad, masks.KEY_PADDING_ID))
 
 
 def _flash_fwd(q, k, v, q_segment_ids, kv_segment_ids, mod_arrays, scale, band, config, interpret, mods,
@@ -92,7 +80,7 @@ def _flash_fwd(q, k, v, q_segment_ids, kv_segment_ids, mod_arrays, scale, band, 
     v_p = _pad_to(_pad_to(v, 1, kv_pad), 3, dim_pad)
     visits = _visits(block_mask, block_q=block_q, block_kv=block_kv, q_pad=q_pad, kv_pad=kv_pad, kv_len=kv_len,
                      band=band, has_segments=q_segment_ids is not None, by="query")
-    out, lse = portable_fwd.forward(q_p, k_p, v_p, *_pad_segments(q_segment_ids, kv_segment_ids, q_pad, kv_pad),
+    out, lse = portable_fwd.forward(q_p, k_p, v_p, *masks.pad_segment_ids(q_segment_ids, kv_segment_ids, q_pad, kv_pad),
                                     mod_arrays, visits, scale=scale, band=band, kv_len=kv_len, block_q=block_q,
                                     block_kv=block_kv, num_warps=config.num_warps, num_stages=config.num_stages,
                                     interpret=interpret, mods=mods)
@@ -145,14 +133,14 @@ def backward(q, k, v, out, lse, cotangents, *, scale, band, config, interpret, q
     dq, dk, dv, dbias = portable_bwd.backward(
         pad_rows(q, q_pad), pad_rows(k, kv_pad), pad_rows(v, kv_pad), pad_rows(d_out.astype(q.dtype), q_pad),
         _pad_to(lse2, 2, q_pad, jnp.inf), _pad_to(delta, 2, q_pad),
-        *_pad_segments(q_segment_ids, kv_segment_ids, q_pad, kv_pad), mod_arrays, block_tables,
+        *masks.pad_segment_ids(q_segment_ids, kv_segment_ids, q_pad, kv_pad), mod_arrays, block_tables,
         scale=scale, band=band, kv_len=kv_len, config=fitted, interpret=interpret, mods=mods)
     if dbias is not None:  # unpad, in the bias's dtype
         bias = mod_arrays.bias
         dbias = dbias[:, :, :bias.shape[2], :bias.shape[3]].astype(bias.dtype)
     d_mods = mod_arrays.cotangents(dbias)
     return (dq[:, :q_len, :, :head_dim], dk[:, :kv_len, :, :head_dim], dv[:, :kv_len, :, :head_dim],
-            _integer_cotangent(q_segment_ids), _integer_cotangent(kv_segment_ids), d_mods)
+            masks.integer_cotangent(q_segment_ids), masks.integer_cotangent(kv_segment_ids), d_mods)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

@@ -361,6 +361,7 @@ def _dbias_stages(config, q, mods: masks.ScoreMods, mod_arrays: masks.ModArrays)
     tile_bytes = mod_arrays.bias.dtype.itemsize if spans_both else 0
     if mods.mask_dims is not None and mods.mask_dims[2] and mods.mask_dims[3]:
         tile_bytes += 4  # the mask travels as int32 (tiles.mod_operands)
-    per_stage = (2 * config.block_q_dq + 2 * config.block_kv_dq) * row + config.block_q_dq * config.block_kv_dq * tile_bytes
+    per_stage = ((2 * config.block_q_dq + 2 * config.block_kv_dq) * row
+                 + config.block_q_dq * config.block_kv_dq * tile_bytes)
     budget = config.shared_memory(q.shape[3], q.dtype.itemsize, tile_bytes)["dq"]
     return max(1, min(config.num_stages_dq, budget // per_stage))
