@@ -188,3 +188,73 @@ def test_context_and_curve_verdicts():
     agreement = {"mean_abs_diff_second_half": 0.0119}
     assert curves_verdict(agreement, {"flash": 1.8704, "dense": 1.8681})["met"]
     assert not curves_verdict(agreement, {"flash": 1.9704, "dense": 1.8681})["met"]
+
+
+# Final val losses by seed: {seed: (flash, dense)}.
+def _finals(pairs):
+    return {seed: {"flash": flash, "dense": dense} for seed, (flash, dense) in pairs.items()}
+
+
+def test_seed_paired_verdict_meets_differences_within_the_noise():
+    from train.report import curves_agree_verdict
+    # The H100 runs 1-3 (seed 0 each, so run-to-run noise only) as if they were seeds: d = +0.0023, -0.0277,
+    # +0.0475 straddle 0.
+    verdict = curves_agree_verdict(_finals({0: (1.8704, 1.8681), 1: (1.8658, 1.8935), 2: (1.9481, 1.9006)}), {})
+    assert verdict["method"] == "seed_paired" and verdict["met"], verdict["why"]
+    assert verdict["mean_diff"] == pytest.approx((0.0023 - 0.0277 + 0.0475) / 3)
+    assert verdict["diffs"] == pytest.approx([0.0023, -0.0277, 0.0475])
+
+
+def test_seed_paired_verdict_fails_a_consistent_offset():
+    from train.report import curves_agree_verdict
+    # flash 0.08 above dense on every seed, give or take 0.01: d = 0.07, 0.08, 0.09, so the mean 0.08 has a
+    # standard error of 0.01 / sqrt(3) = 0.0058; dense's seed-to-seed std is 0.03.
+    verdict = curves_agree_verdict(_finals({0: (1.97, 1.90), 1: (2.01, 1.93), 2: (1.96, 1.87)}), {})
+    assert not verdict["met"]
+    assert verdict["mean_diff"] == pytest.approx(0.08)
+    assert verdict["standard_error"] == pytest.approx(0.01 / 3 ** 0.5)
+    assert verdict["seed_std"]["dense"] == pytest.approx(0.03)
+    assert not verdict["within_standard_errors"] and not verdict["within_seed_noise"]
+    assert "+0.0800" in verdict["why"]
+
+
+def test_seed_paired_verdict_fails_a_mean_difference_beyond_one_seeds_spread():
+    from train.report import seed_paired_verdict
+    # d = 0.10, -0.02, 0.20 scatter too much to resolve their mean 0.093 (2 standard errors: 0.127), but it
+    # is more than one model differs from another seed's (typical std 0.074): not "within bf16 noise".
+    verdict = seed_paired_verdict(_finals({0: (2.00, 1.90), 1: (1.89, 1.91), 2: (2.10, 1.90)}))
+    assert verdict["within_standard_errors"] and not verdict["within_seed_noise"] and not verdict["met"]
+    assert verdict["noise"] == pytest.approx(((0.105 ** 2 + 0.01 ** 2 / 3) / 2) ** 0.5, rel=1e-3)
+
+
+def test_one_seed_keeps_the_fixed_margins_and_says_it_cannot_tell():
+    from train.report import curves_agree_verdict, seed_paired_verdict
+    run4 = curves_agree_verdict(_finals({0: (1.8541, 1.9337)}), {"mean_abs_diff_second_half": 0.0789})
+    assert run4["method"] == "fixed_margins" and not run4["met"] and "one seed cannot" in run4["why"]
+    close = curves_agree_verdict(_finals({0: (1.8704, 1.8681)}), {"mean_abs_diff_second_half": 0.0119})
+    assert close["met"] and "one seed cannot" in close["why"]
+    with pytest.raises(ValueError, match="at least 2 seeds"):
+        seed_paired_verdict(_finals({0: (1.8704, 1.8681)}))
+
+
+def _comparison_report(seed, flash, dense):
+    """A report.json of `--attention both` with only what train.report.summarize reads."""
+    runs = {name: {"steps": [1, 2, 3, 4], "losses": [5.0, 3.0, 2.5, final + 0.3], "final_eval": {"val_loss": final}}
+            for name, final in (("flash", flash), ("dense", dense))}
+    return {"date": "2026-11-23", "device": "gpu: test", "jax": "0", "command": f"python -m train --seed {seed}",
+            "config": {"seed": seed, "seq_len": 4096}, "runs": runs, "max_context": {},
+            "agreement": {"mean_abs_diff": 0.01, "max_abs_diff": 0.02, "mean_abs_diff_second_half": 0.01}}
+
+
+def test_summary_pairs_the_seeds(tmp_path):
+    from train.report import summarize
+    for name, (seed, flash, dense) in {"small_both": (0, 1.8704, 1.8681), "small_both_seed1": (1, 1.8658, 1.8935),
+                                       "small_both_seed2": (2, 1.9481, 1.9006)}.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "report.json").write_text(json.dumps(_comparison_report(seed, flash, dense)))
+    claim = summarize(tmp_path)["claims"]["curves_agree"]
+    assert claim["method"] == "seed_paired" and claim["seeds"] == [0, 1, 2] and claim["met"]
+    results_md = (tmp_path / "results.md").read_text()
+    assert "| 1 | 1.8658 | 1.8935 | -0.0277 |" in results_md and "(agreement.png)" in results_md
+    assert (tmp_path / "agreement.png").stat().st_size > 0
+    assert json.loads((tmp_path / "results.json").read_text())["claims"]["curves_agree"]["seeds"] == [0, 1, 2]
