@@ -149,12 +149,13 @@ ACCURACY_MARGIN = 0.05
 # The recall task's loss, when its evaluations recorded a standard error (val_loss_se, over validation
 # windows; train/loop.py's evaluate): a gain of more than SE_MULTIPLE combined standard errors,
 # sqrt(se_short^2 + se_long^2). LOSS_MARGIN does not fit that data: its validation loss is ~0.06 nats per
-# token, nearly all of it the unpredictable filler/fact choice of each slot (~0.05), the same for any
-# context; a context changes only the answers' share (2026-11-23 H100 run 5: 0.0067 nats between 1k and
-# 4k, 90% of what was left above that floor). Both runs are scored on the same validation tokens, so
-# treating their errors as independent overstates the sample's noise in the difference; it covers the
-# validation sample only, not seed-to-seed training noise, which the far-answer accuracy part (chance vs
-# near-perfect) does not need. Runs without val_loss_se fall back to LOSS_MARGIN, and the verdict says so.
+# token, nearly all of it the unpredictable filler-or-fact choice of each slot (~0.054 at any context), and a
+# context changes only the answers' share, 0.7% of the tokens (2026-11-23 H100 run 5 at step 875: answers
+# carried 0.0070 nats per validation token at 1k, 0.0002 at 4k: the whole 0.0067 gap). Both runs are scored
+# on the same validation tokens, so treating their errors as independent overstates the sample's noise in
+# the difference. It covers the validation sample only, not seed-to-seed training noise; the far-answer
+# accuracy part (chance against near-perfect) is the evidence that needs no such error. Runs without
+# val_loss_se fall back to LOSS_MARGIN, and the verdict says so.
 SE_MULTIPLE = 3
 # Curves agree, with one seed only (curves_verdict): final validation losses within LOSS_MARGIN, and the
 # train losses of the same steps within 0.05 nats on average over the second half (bf16 runs drift apart
