@@ -1,4 +1,5 @@
 """CPU smoke tests of the trainer: config/CLI, data, loss decreases, exact resume, the `both` report."""
+import dataclasses
 import json
 import shutil
 
@@ -137,6 +138,24 @@ def test_tiny_steps_lower_the_loss(tmp_path):
     result = loop.train(cfg, "flash", tmp_path)
     assert np.mean(result.losses[-5:]) < result.losses[0] - 1.0
     assert result.evals[-1]["val_loss"] < np.log(256) - 1.0
+    config = json.loads((tmp_path / "config.json").read_text())   # written before the first step
+    assert config["attention"] == "flash" and config["steps"] == 30 and config["seq_len"] == 64
+
+
+def test_evaluation_records_the_standard_error_over_windows():
+    from flax import nnx
+    cfg = parse_args(SMALL)
+    graphdef, params, rest = loop.init_model(cfg, "flash")
+    _, eval_step = loop.make_steps(graphdef, loop.make_optimizer(cfg))
+    batches = data_lib.make_dataset(cfg).eval_batches()
+    metrics = loop.evaluate(eval_step, params, rest, batches)
+    model = nnx.merge(graphdef, params, rest)
+    window_means = np.concatenate([np.asarray(loop._token_losses(model, b, deterministic=True)[0]).mean(axis=-1)
+                                   for b in batches])
+    assert metrics["val_windows"] == len(window_means) == 1024 // 64 and metrics["val_tokens"] == 1024
+    assert metrics["val_loss"] == pytest.approx(window_means.mean(), rel=1e-5)
+    assert metrics["val_loss_se"] == pytest.approx(window_means.std(ddof=1) / len(window_means) ** 0.5, rel=1e-3)
+    assert metrics["val_loss_se"] > 0
 
 
 def test_resume_reproduces_the_next_loss_exactly(tmp_path):
@@ -176,6 +195,79 @@ def test_long_range_verdict_says_no_to_noise():
                                   {"val_loss": 3.50, "val_far_answer_accuracy": 0.03}, chance)["met"]
     assert long_range_verdict({"val_loss": 3.70, "val_far_answer_accuracy": 0.016},
                               {"val_loss": 3.50, "val_far_answer_accuracy": 0.60}, chance)["met"]
+
+
+# 2026-11-23 H100 run 5 at step 875 (train/results/2026-11-23-h100-run5-recall): 1k vs 4k context.
+RUN5_1K = {"val_loss": 0.0665, "val_far_answer_accuracy": 0.0590}
+RUN5_4K = {"val_loss": 0.0598, "val_far_answer_accuracy": 0.9851}
+
+
+def test_long_range_loss_gain_beyond_three_standard_errors_is_met():
+    from train.report import LOSS_MARGIN, long_range_verdict
+    # Gain 0.0067, below the stdlib margin, but 3 combined standard errors are 3 * hypot(5e-4, 4e-4) = 0.0019.
+    verdict = long_range_verdict({**RUN5_1K, "val_loss_se": 5e-4}, {**RUN5_4K, "val_loss_se": 4e-4}, 1 / 16)
+    assert 0.0067 < LOSS_MARGIN
+    assert verdict["loss_method"] == "standard_error" and verdict["loss_met"] and verdict["met"], verdict["why"]
+    assert verdict["loss_needed"] == pytest.approx(3 * (5e-4 ** 2 + 4e-4 ** 2) ** 0.5)
+    assert "3 combined standard errors = 0.0019" in verdict["why"]
+
+
+def test_long_range_loss_gain_within_three_standard_errors_is_not_met():
+    from train.report import long_range_verdict
+    # 3 * hypot(0.002, 0.002) = 0.0085 > 0.0067: not met, though far answers are recalled far above chance.
+    verdict = long_range_verdict({**RUN5_1K, "val_loss_se": 0.002}, {**RUN5_4K, "val_loss_se": 0.002}, 1 / 16)
+    assert verdict["loss_method"] == "standard_error"
+    assert not verdict["loss_met"] and verdict["accuracy_met"] and not verdict["met"]
+
+
+def test_long_range_loss_without_standard_errors_falls_back_to_the_stdlib_margin():
+    from train.report import LOSS_MARGIN, long_range_verdict
+    for short, long in ((RUN5_1K, RUN5_4K), ({**RUN5_1K, "val_loss_se": 5e-4}, RUN5_4K)):   # none, or one run only
+        verdict = long_range_verdict(short, long, 1 / 16)
+        assert verdict["loss_method"] == "fixed_margin" and verdict["loss_needed"] == LOSS_MARGIN
+        assert not verdict["loss_met"] and verdict["accuracy_met"] and not verdict["met"]
+        assert "stdlib corpus" in verdict["why"] and "no standard error" in verdict["why"]
+    bigger = long_range_verdict(RUN5_1K, {**RUN5_4K, "val_loss": 0.0665 - LOSS_MARGIN}, 1 / 16)
+    assert bigger["loss_method"] == "fixed_margin" and bigger["loss_met"] and bigger["met"]
+
+
+def _cut_recall_run(out_dir, name, seq_len, batch_size, evals, last_step, *, config_json):
+    """A recall run that gpu_experiments.sh's time limit cut: metrics.jsonl and its log, no run.json."""
+    run_dir = out_dir / name
+    run_dir.mkdir(parents=True)
+    lines = [{"step": s, "loss": 0.07, "grad_norm": 0.1} for s in range(1, last_step + 1)]
+    lines += [{"step": step, **values} for step, values in evals.items()]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sorted(lines, key=lambda r: r["step"])))
+    if config_json:
+        config = json.loads(json.dumps(dataclasses.asdict(
+            parse_args(["--preset", "long", "--seq_len", str(seq_len), "--batch_size", str(batch_size),
+                        "--steps", "3500", "--recall_values_per_key", "8"])), default=repr))
+        (run_dir / "config.json").write_text(json.dumps({**config, "attention": "flash"}))
+    (out_dir / "logs").mkdir(exist_ok=True)
+    command = f"python -m train --preset long --seq_len {seq_len} --batch_size {batch_size}"
+    (out_dir / "logs" / f"{name}.log").write_text(
+        f"== {name}: {command}\nrun long: flash attention, data recall, context {seq_len}, batch {batch_size}, "
+        f"3500 steps -> {run_dir}\n== {name} exit 124\n")
+
+
+def test_summary_compares_cut_recall_runs_at_their_last_common_evaluation(tmp_path):
+    from train.report import summarize
+    se = {"val_loss_se": 4e-4}
+    # long_1k evaluated at 875 and 1750, long_4k at 875 only: the 1750 numbers must not be compared.
+    _cut_recall_run(tmp_path, "long_1k", 1024, 32, {875: {**RUN5_1K, **se}, 1750: {"val_loss": 0.0590, **se}},
+                    1800, config_json=False)
+    _cut_recall_run(tmp_path, "long_4k", 4096, 8, {875: {**RUN5_4K, **se}}, 1100, config_json=True)
+    claim = summarize(tmp_path)["claims"]["longer_context_lower_val_loss"]
+    assert claim["compared_step"] == 875 and claim["compared_eval"]["long_1k"]["val_loss"] == 0.0665
+    assert claim["met"] and claim["loss_method"] == "standard_error"
+    assert claim["chance"] == 1 / 8   # long_4k's config.json, not the preset's 16
+    assert claim["runs"]["long_1k"]["config_source"] == "logs/long_1k.log"
+    assert claim["runs"]["long_4k"]["config_source"] == "config.json"
+    results_md = (tmp_path / "results.md").read_text()
+    assert ("runs cut by their time limit at steps 1,800 and 1,100 of 3,500; compared at step 875, the last "
+            "evaluation both reached") in results_md
+    assert "long_1k stored no config" in results_md and "long_4k stored no config" not in results_md
+    assert (tmp_path / "long_range.png").stat().st_size > 0 and "small_both/loss.png" not in results_md
 
 
 def test_context_and_curve_verdicts():

@@ -10,8 +10,10 @@
 #   recall: the associative-recall task (the `long` preset: 4,096-token documents of sparse key-value facts,
 #           a key's showings ~512 tokens apart; train/data.py) trained at 1k and at 4k context on the same
 #           tokens: validation loss, and accuracy on values whose key was last shown more than 1k tokens back
-#           (a 1-in-16 guess without it); about 6 minutes (run 2 showed the old 90 s limits stopped both runs
-#           before their 3,500 steps). The same comparison 8x smaller learned on CPU
+#           (a 1-in-16 guess without it); about 2 x 3 minutes: 1,000 steps at the ~230-240k tokens/s measured
+#           on the H100 are ~145 s, plus ~30 s of start-up, compilation and evaluation, under a 240 s limit each
+#           (run 5, train/results/2026-11-23-h100-run5-recall, hit 180 s limits at step ~1,030-1,100 of the
+#           3,500 steps the preset had then). The same comparison 8x smaller learned on CPU
 #           (train/results/2026-11-23-cpu-recall).
 # Usage: bash train/gpu_experiments.sh [OUT_DIR] [speed|agree|recall|all]   (default: $OUT, else
 #        train/results/<date>; all = speed, agree, recall in that order). The summary is rebuilt from
@@ -49,7 +51,7 @@ if [[ $PART == agree || $PART == all ]]; then
   done
 fi
 if [[ $PART == recall || $PART == all ]]; then
-  run long_1k 180 --preset long --seq_len 1024 --batch_size 32
-  run long_4k 180 --preset long --seq_len 4096 --batch_size 8
+  run long_1k 240 --preset long --seq_len 1024 --batch_size 32
+  run long_4k 240 --preset long --seq_len 4096 --batch_size 8
 fi
 python -m train.report "$OUT_DIR" 2>&1 | tee "$OUT_DIR/logs/summary.log"

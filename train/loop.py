@@ -88,7 +88,9 @@ def make_steps(graphdef, tx, far_distance: int = 0):
 
     def eval_step(params, rest, batch):
         losses, logits = _token_losses(nnx.merge(graphdef, params, rest), batch, deterministic=True)
-        sums = {"loss": losses.sum(), "tokens": jnp.float32(losses.size)}
+        window_losses = losses.mean(axis=-1)
+        sums = {"loss": losses.sum(), "tokens": jnp.float32(losses.size), "windows": jnp.float32(losses.shape[0]),
+                "window_loss": window_losses.sum(), "window_loss_sq": jnp.square(window_losses).sum()}
         if "distances" in batch:
             correct = (jnp.argmax(logits, axis=-1) == batch["targets"]).astype(jnp.float32)
             for name, mask in answer_groups(batch["distances"], far_distance).items():
@@ -101,11 +103,22 @@ def make_steps(graphdef, tx, far_distance: int = 0):
 
 
 def evaluate(eval_step, params, rest, batches) -> dict[str, float]:
+    """Validation loss, its standard error, and on the recall task the answer groups' losses and accuracies.
+
+    The standard error is over validation windows, not tokens: the tokens of one window share its key-value
+    bindings (and on text, its file), so their losses are not independent samples, while the windows are
+    (nearly) so. All windows have seq_len tokens, so val_loss is also the mean of the window means.
+    """
     totals: dict[str, float] = {}
     for batch in batches:
         for name, value in jax.device_get(eval_step(params, rest, batch)).items():
             totals[name] = totals.get(name, 0.0) + float(value)
-    metrics = {"val_loss": totals["loss"] / totals["tokens"]}
+    windows = totals["windows"]
+    metrics = {"val_loss": totals["loss"] / totals["tokens"], "val_tokens": int(totals["tokens"]),
+               "val_windows": int(windows)}
+    if windows >= 2:
+        variance = (totals["window_loss_sq"] - totals["window_loss"] ** 2 / windows) / (windows - 1)
+        metrics["val_loss_se"] = math.sqrt(max(variance, 0.0) / windows)
     for group in (k.removesuffix("_correct") for k in totals if k.endswith("_correct")):
         count = totals[f"{group}s"]
         metrics[f"val_{group}s"] = int(count)
@@ -152,6 +165,10 @@ def train(cfg: TrainConfig, attention: str, run_dir: pathlib.Path) -> RunResult:
     """Trains `cfg` with one attention, writing metrics.jsonl and checkpoints under `run_dir`."""
     start_time = time.perf_counter()
     run_dir.mkdir(parents=True, exist_ok=True)
+    # Written first, so a run cut short (its time limit, a crash) still says what it was; run.json comes
+    # only at the end.
+    (run_dir / "config.json").write_text(json.dumps({**_jsonable(dataclasses.asdict(cfg)), "attention": attention},
+                                                    indent=1))
     dataset = data_lib.make_dataset(cfg)
     eval_batches = dataset.eval_batches()
     graphdef, params, rest = init_model(cfg, attention)
