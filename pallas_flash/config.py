@@ -21,11 +21,14 @@ class HopperConfig:
       block_q: query rows per consumer warpgroup (a CTA owns 2 * block_q rows); multiple of 64 (wgmma M).
       block_kv: keys per K/V block: 64, 128, 192 or 256.
       num_stages: depth of the K/V shared-memory ring (>= 2).
+      persistent: one CTA per SM loops over the query tiles (the K/V ring and the ping-pong run on across
+        tiles, and the next tile's Q loads during this one's epilogue), instead of one CTA per tile.
     """
 
     block_q: int = 64
     block_kv: int = 128
     num_stages: int = 2
+    persistent: bool = True
 
     def __post_init__(self):
         if not isinstance(self.block_q, int) or self.block_q < 64 or self.block_q % 64:
@@ -35,12 +38,21 @@ class HopperConfig:
             raise ValueError(f"HopperConfig.block_kv must be 64, 128, 192 or 256, got {self.block_kv!r}")
         if not isinstance(self.num_stages, int) or self.num_stages < 2:
             raise ValueError(f"HopperConfig.num_stages must be an int >= 2, got {self.num_stages!r}")
+        if not isinstance(self.persistent, bool):
+            raise ValueError(f"HopperConfig.persistent must be a bool, got {self.persistent!r}")
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
-        q_and_o = NUM_CONSUMERS * self.block_q * head_dim * itemsize
+        q_tile = NUM_CONSUMERS * self.block_q * head_dim * itemsize
         kv_ring = 2 * self.num_stages * self.block_kv * head_dim * itemsize
         lse = NUM_CONSUMERS * self.block_q * 4
-        return q_and_o + kv_ring + lse + _HOPPER_SMEM_SLACK
+        return q_tile * (2 if self.separate_out(head_dim, itemsize) else 1) + kv_ring + lse + _HOPPER_SMEM_SLACK
+
+    def separate_out(self, head_dim: int, itemsize: int = 2) -> bool:
+        """Whether the output tile gets its own shared memory (else it reuses Q's): a persistent CTA then
+        loads the next tile's Q while it stores this one's output. Only where it fits (not at head_dim 256)."""
+        q_tile = NUM_CONSUMERS * self.block_q * head_dim * itemsize
+        shared = q_tile + 2 * self.num_stages * self.block_kv * head_dim * itemsize + NUM_CONSUMERS * self.block_q * 4
+        return self.persistent and shared + q_tile + _HOPPER_SMEM_SLACK <= H100_SHARED_MEMORY
 
     @classmethod
     def default(cls, head_dim: int, kv_len: int | None = None, is_causal: bool = False) -> "HopperConfig":

@@ -114,17 +114,21 @@ def test_gpu_mosaic(shape, dtype, is_causal):
     check_against_reference("mosaic", shape, dtype, is_causal, None, seed=2)
 
 
-@pytest.mark.parametrize("shape, is_causal, window", [
-    ((1, 200, 130, 2, 1, 64), False, None),  # ragged keys: the masked tail block
-    ((1, 130, 200, 2, 1, 64), True, None),   # diagonal blocks, reversed tile order
-    ((1, 150, 150, 1, 1, 64), False, (40, 10)),  # both band edges, skipped blocks
-    ((1, 256, 64, 1, 1, 64), False, (20, None)),  # query tiles past every key: one fully masked block
-], ids=["ragged", "causal", "window", "empty_tiles"])
-def test_hopper_forward_in_mosaic_gpu_interpreter(shape, is_causal, window):
+@pytest.mark.parametrize("shape, is_causal, window, num_stages, persistent", [
+    ((1, 200, 130, 2, 1, 64), False, None, 2, True),  # ragged keys: the masked tail block; 3 blocks a tile
+    ((1, 130, 200, 2, 1, 64), True, None, 3, True),   # diagonal blocks, reversed tile order, 6 blocks a CTA
+    ((1, 130, 200, 2, 1, 64), True, None, 2, False),  # the same, one CTA per tile
+    ((1, 150, 150, 1, 1, 64), False, (40, 10), 2, True),  # both band edges, skipped blocks
+    ((1, 256, 64, 1, 1, 64), False, (20, None), 2, True),  # query tiles past every key: one fully masked block
+], ids=["ragged", "causal", "causal_per_tile_ctas", "window", "empty_tiles"])
+def test_hopper_forward_in_mosaic_gpu_interpreter(shape, is_causal, window, num_stages, persistent):
     """The Hopper forward (barriers, TMA rings, ping-pong schedule, band ranges, masks) in JAX's Mosaic GPU
     CPU interpreter with race detection, against the reference. The interpreter cannot run wgmma on a
     transposed shared-memory ref or a register operand, so there the two matmuls are plain dots on the same
     shared-memory tiles (`interpreting` in the kernel); everything else is the kernel that runs on the GPU.
+    Persistent: two CTAs, each running several query tiles, whose K/V ring slots and barrier phases carry
+    over from one tile to the next (block counts per tile that are not multiples of the ring depth catch a
+    ring that restarts per tile: it hangs or reads the wrong block).
     (Calls with segment ids hang in JAX 0.10.2's interpreter, at the kernel's scalar reads of its block
     ranges from global memory; they are tested on the GPU.)"""
     from pallas_flash import _compat, masks
@@ -135,7 +139,7 @@ def test_hopper_forward_in_mosaic_gpu_interpreter(shape, is_causal, window):
         pytest.skip("this JAX has no Mosaic GPU interpreter")
     q, k, v, _ = make_inputs(shape, jnp.bfloat16, seed=14)
     out, lse = hopper_fwd.hopper_forward(q, k, v, scale=0.125, is_causal=is_causal, local_window_size=window,
-                                         config=HopperConfig(64, 64, 2), interpret=params)
+                                         config=HopperConfig(64, 64, num_stages, persistent), interpret=params)
     assert not _compat.mosaic_gpu_races_found()
     ref_out, ref_lse = pf.attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)), scale=0.125,
                                               band=masks.Band.of(is_causal, window))

@@ -50,6 +50,9 @@ from pallas_flash.kernels import tiles
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
+# A persistent forward's CTAs take the (batch, head) pairs in chunks whose keys and values together fit in
+# this much of the H100's 50 MB L2, so that the CTAs running at once re-read them from L2, not HBM.
+L2_SHARE_BYTES = 16 * 2**20
 HEAD_DIM_TILE = 64  # a 128-byte swizzle row of 16-bit elements: the wgmma contraction granule
 MAX_HEAD_DIM = 256
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -83,29 +86,40 @@ def padded_head_dim(head_dim: int) -> int:
 
 
 def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, lse_ref, scoped, *, scale: float,
-            band: masks.Band, kv_len: int, num_q_tiles: int, group: int, config: HopperConfig,
-            interpreting: bool):
-    """Grid (batch, heads, q_tiles), 3 warpgroups ("wg"): 0 and 1 consume, 2 produces.
+            band: masks.Band, kv_len: int, tiles_of_cta, config: HopperConfig, group: int, interpreting: bool):
+    """3 warpgroups ("wg"): 0 and 1 consume, 2 produces. Each CTA runs the query tiles `tiles_of_cta` gives it
+    (one per CTA, or, persistent, a strided share of all of them); the K/V ring's slots, the barriers'
+    phases and the consumers' ping-pong continue from one tile to the next.
 
     `interpreting`: JAX's Mosaic GPU interpreter (CPU) has no `pl.run_state`, no CPU rule for register
     layouts (`layout_cast`, `plgpu.broadcasted_iota`), and no wgmma on a transposed shared-memory ref or a
     register operand: there Q K^T and P V are plain dots on the same shared-memory tiles, layouts are left
-    out, and the producer drains the ring at the end (`fill_ring`). Same barriers, copies, ranges and masks
-    otherwise (tests/test_attention.py runs it with race detection; the GPU kernel's jaxpr is unchanged).
+    out, and the producer drains the ring at the end (`drain_ring`). Same barriers, copies, ranges and masks
+    otherwise (tests/test_attention.py runs it with race detection).
 
     q_ref [batch, q_pad, heads, d], k_ref/v_ref [batch, kv_pad, kv_heads, d], q_ids_ref/kv_ids_ref None or
     int32 [batch, q_pad] / [batch, kv_pad] (padding ids never match), kv_ranges_ref None or with them the
     key blocks each query tile's ids may meet (`segment_block_ranges`), out_ref like q_ref, lse_ref
     [batch, heads, q_pad] (natural log)."""
-    (qo_smem2, k_smem, v_smem, lse_smem2), q_ready, (k_ready, v_ready), (k_free, v_free), turn, segments = scoped
+    ((q_smem2, o_smem2, k_smem, v_smem, lse_smem2), q_ready, (k_ready, v_ready), (k_free, v_free), turn,
+     segments) = scoped
     has_segments = q_ids_ref is not None
     block_q, block_kv, num_stages = config.block_q, config.block_kv, config.num_stages
     num_kv_blocks = k_ref.shape[1] // block_kv
+    num_q_tiles = q_ref.shape[1] // (NUM_CONSUMERS * block_q)
     dtype = q_ref.dtype
-    batch, head = lax.axis_index("batch"), lax.axis_index("heads")
-    tile_start, kv_lo, kv_hi, same = query_tile_schedule(num_q_tiles, block_q=block_q, block_kv=block_kv,
-                                                         num_kv_blocks=num_kv_blocks, kv_len=kv_len, band=band,
-                                                         segment_ranges=kv_ranges_ref)
+    num_tiles, tile_of = tiles_of_cta
+    num_tiles = num_tiles() if callable(num_tiles) else num_tiles
+    separate_out = o_smem2 is not None
+
+    def schedule(i):
+        """(batch, head, first row, key blocks [lo, hi), same-segment run) of this CTA's i-th tile."""
+        batch, head, tile = tile_of(i)
+        tile_start, kv_lo, kv_hi, same = query_tile_schedule(
+            num_q_tiles, block_q=block_q, block_kv=block_kv, num_kv_blocks=num_kv_blocks, kv_len=kv_len,
+            band=band, segment_ranges=kv_ranges_ref, tile=tile, batch=batch)
+        return batch, head, tile_start, kv_lo, kv_hi, same
+
     # A row may see no key at all (segments, or a window's left edge past the keys): keep its m = -inf safe.
     rows_may_be_empty = has_segments or band.left is not None
     wg = lax.axis_index("wg")
@@ -117,9 +131,13 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
     @pl.when(wg < NUM_CONSUMERS)
     def _consumer():
         plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-        qo_smem, lse_smem = qo_smem2.at[wg], lse_smem2.at[wg]
-        q_start = tile_start + wg * block_q
-        plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_start, block_q), head], qo_smem, q_ready.at[wg])
+        q_smem, lse_smem = q_smem2.at[wg], lse_smem2.at[wg]
+        o_smem = o_smem2.at[wg] if separate_out else q_smem
+
+        def load_q(i):
+            batch, head, tile_start, *_ = schedule(i)
+            rows = pl.ds(tile_start + wg * block_q, block_q)
+            plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem, q_ready.at[wg])
 
         def layout(x, layout):
             return x if interpreting else plgpu.layout_cast(x, layout)
@@ -134,127 +152,197 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
 
         row = plgpu.Layout.WGMMA.reduce(1)
         column = plgpu.Layout.WGMMA.reduce(0)
-        m = layout(jnp.full((block_q,), -jnp.inf, jnp.float32), row)
-        l = layout(jnp.zeros((block_q,), jnp.float32), row)
-        acc = layout(jnp.zeros((block_q, qo_smem.shape[-1]), jnp.float32), plgpu.Layout.WGMMA)
         c = scale * LOG2E  # logits in base-2 units: exp(scale * s) = exp2(c * s)
-        q_seg = None
-        if has_segments:
-            q_ids_smem, kv_ids_smem, q_ids_ready, kv_ids_ready = segments
-            q_seg = load_own_ids(q_ids_ref, q_ids_smem, q_ids_ready, wg=wg, batch=batch, start=q_start,
-                                 size=block_q, layout=row, load=load)
 
-        plgpu.barrier_wait(q_ready.at[wg])
-        plgpu.barrier_wait(k_ready.at[0])  # kv_hi > kv_lo always (query_tile_schedule)
-        # Consumer 1 parks at the schedule barrier until consumer 0 has issued its first QK^T.
-        pl.when(wg == 1)(take_turn)
+        def run_tile(i, ring_steps):
+            """Tile i; `ring_steps`: K/V blocks this consumer took from the ring before it (slot = count %
+            num_stages). Returns the count after it."""
+            batch, head, tile_start, kv_lo, kv_hi, same = schedule(i)
+            q_start = tile_start + wg * block_q
+            if not separate_out:  # the output reuses Q's tile: the last tile's store must have read it
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                load_q(i)
+            m = layout(jnp.full((block_q,), -jnp.inf, jnp.float32), row)
+            l = layout(jnp.zeros((block_q,), jnp.float32), row)
+            acc = layout(jnp.zeros((block_q, q_smem.shape[-1]), jnp.float32), plgpu.Layout.WGMMA)
+            q_seg = None
+            if has_segments:
+                q_ids_smem, kv_ids_smem, q_ids_ready, kv_ids_ready = segments
+                q_seg = load_own_ids(q_ids_ref, q_ids_smem, q_ids_ready, wg=wg, batch=batch, start=q_start,
+                                     size=block_q, layout=row, load=load)
 
-        def step(kv_step, carry, *, masked: bool):
-            acc, m, l = carry
-            slot = lax.rem(kv_step - kv_lo, num_stages)
-            kv_seg = None
-            if has_segments:  # every step waits (one wait per phase); masked ones read the ids before
-                plgpu.barrier_wait(kv_ids_ready.at[slot])  # K's slot is released
+            def slot_of(kv_step):
+                return lax.rem(ring_steps + kv_step - kv_lo, num_stages)
+
+            plgpu.barrier_wait(q_ready.at[wg])
+            plgpu.barrier_wait(k_ready.at[slot_of(kv_lo)])  # kv_hi > kv_lo always (query_tile_schedule)
+
+            def step(kv_step, carry, *, masked: bool):
+                acc, m, l = carry
+                slot = slot_of(kv_step)
+                kv_seg = None
+                if has_segments:  # every step waits (one wait per phase); masked ones read the ids before
+                    plgpu.barrier_wait(kv_ids_ready.at[slot])  # K's slot is released
+                    if masked:
+                        kv_seg = load(kv_ids_smem.at[slot], column)
+
+                def qk(s_ref):
+                    plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                    plgpu.barrier_arrive(turn)  # our QK^T is queued: the other consumer may issue its PV
+                    return s_ref[...]
+
+                if interpreting:
+                    s = lax.dot_general(q_smem[...], k_smem.at[slot][...], (((1,), (1,)), ((), ())),
+                                        preferred_element_type=jnp.float32)
+                    plgpu.barrier_arrive(turn)
+                else:
+                    s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
+                plgpu.barrier_arrive(k_free.at[slot])
+                plgpu.barrier_wait(turn)
                 if masked:
-                    kv_seg = load(kv_ids_smem.at[slot], column)
+                    visible = tile_visible(q_start + iota(s.shape, 0), kv_step * block_kv + iota(s.shape, 1),
+                                           band=band, kv_len=kv_len if kv_len % block_kv else None, q_seg=q_seg,
+                                           kv_seg=kv_seg, shape=s.shape, q_axis=0)
+                    if visible is not None:  # None: traced for a loop that runs no iterations
+                        s = jnp.where(visible, s, -jnp.inf)
+                # c > 0, so max(c * s) = c * max(s).
+                m_new = jnp.maximum(m, s.max(axis=1) * c)
+                # A row that has seen no key yet has m_new = -inf: shift by 0 so exp2 gives 0, not NaN. (An
+                # unmasked block always has a visible key, so only masked steps need this.)
+                shift = tiles.safe_exp_shift(m_new) if masked and rows_may_be_empty else m_new
+                alpha = jnp.exp2(m - shift)
+                p = jnp.exp2(s * c - lax.broadcast_in_dim(shift, s.shape, [0]))
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                l = l * alpha + p.sum(axis=1)
+                p16 = p.astype(dtype)
+                acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+                plgpu.barrier_arrive(turn)  # softmax done
+                plgpu.barrier_wait(v_ready.at[slot])
+                plgpu.barrier_wait(turn)  # the tensor cores are ours
 
-            def qk(s_ref):
-                plgpu.wgmma(s_ref, qo_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-                plgpu.barrier_arrive(turn)  # our QK^T is queued: the other consumer may issue its PV
-                return s_ref[...]
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
 
-            if interpreting:
-                s = lax.dot_general(qo_smem[...], k_smem.at[slot][...], (((1,), (1,)), ((), ())),
-                                    preferred_element_type=jnp.float32)
-                plgpu.barrier_arrive(turn)
-            else:
-                s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
-            plgpu.barrier_arrive(k_free.at[slot])
-            plgpu.barrier_wait(turn)
-            if masked:
-                visible = tile_visible(q_start + iota(s.shape, 0), kv_step * block_kv + iota(s.shape, 1),
-                                       band=band, kv_len=kv_len if kv_len % block_kv else None, q_seg=q_seg,
-                                       kv_seg=kv_seg, shape=s.shape, q_axis=0)
-                if visible is not None:  # None: traced for a loop that runs no iterations
-                    s = jnp.where(visible, s, -jnp.inf)
-            # c > 0, so max(c * s) = c * max(s).
-            m_new = jnp.maximum(m, s.max(axis=1) * c)
-            # A row that has seen no key yet has m_new = -inf: shift by 0 so exp2 gives 0, not NaN. (An
-            # unmasked block always has a visible key, so only masked steps need this.)
-            shift = tiles.safe_exp_shift(m_new) if masked and rows_may_be_empty else m_new
-            alpha = jnp.exp2(m - shift)
-            p = jnp.exp2(s * c - lax.broadcast_in_dim(shift, s.shape, [0]))
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            l = l * alpha + p.sum(axis=1)
-            p16 = p.astype(dtype)
-            acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-            plgpu.barrier_arrive(turn)  # softmax done
-            plgpu.barrier_wait(v_ready.at[slot])
-            plgpu.barrier_wait(turn)  # the tensor cores are ours
+                    @pl.when(kv_step + 1 < kv_hi)
+                    def _():  # overlap the next K block's wait with this PV
+                        plgpu.barrier_wait(k_ready.at[slot_of(kv_step + 1)])
 
-            def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                if interpreting:
+                    acc = acc + jnp.dot(p16, v_smem.at[slot][...], preferred_element_type=jnp.float32)
 
-                @pl.when(kv_step + 1 < kv_hi)
-                def _():  # overlap the next K block's wait with this PV
-                    plgpu.barrier_wait(k_ready.at[lax.rem(kv_step + 1 - kv_lo, num_stages)])
+                    @pl.when(kv_step + 1 < kv_hi)
+                    def _():
+                        plgpu.barrier_wait(k_ready.at[slot_of(kv_step + 1)])
+                else:
+                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_new, l
 
-            if interpreting:
-                acc = acc + jnp.dot(p16, v_smem.at[slot][...], preferred_element_type=jnp.float32)
+            # Only the blocks on the band's edges, the ragged last block and (with segment ids) blocks that
+            # are not wholly in the tile's one segment pay for the mask.
+            _, *band_range, _ = tiles.kv_block_range(
+                lax.div(q_start, block_q), block_q=block_q, block_kv=block_kv, num_kv_blocks=num_kv_blocks,
+                kv_len=kv_len, band=band, always_mask=False)
+            unmasked_lo, unmasked_hi = unmasked_blocks(band_range, (kv_lo, kv_hi), same)
+            carry = (acc, m, l)
+            if band.left is not None or has_segments:  # else unmasked_lo == kv_lo: no leading edge (nor its code)
+                carry = lax.fori_loop(kv_lo, unmasked_lo, functools.partial(step, masked=True), carry)
+            carry = lax.fori_loop(unmasked_lo, unmasked_hi, functools.partial(step, masked=False), carry)
+            # The trailing edge (a loop even for one block: the step index must be a traced value).
+            acc, m, l = lax.fori_loop(unmasked_hi, kv_hi, functools.partial(step, masked=True), carry)
 
-                @pl.when(kv_step + 1 < kv_hi)
-                def _():
-                    plgpu.barrier_wait(k_ready.at[lax.rem(kv_step + 1 - kv_lo, num_stages)])
-            else:
-                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-            plgpu.barrier_arrive(v_free.at[slot])
-            return acc, m_new, l
+            if separate_out:  # Q is spent: the next tile's loads while this one's output is stored
+                pl.when(i + 1 < num_tiles)(lambda: load_q(i + 1))
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store has read o_smem
+            inv_l = 1.0 / l
+            log_l = m + jnp.log2(l)
+            if rows_may_be_empty:  # rows that saw no key: zeros and lse = -inf, never NaN
+                inv_l = jnp.where(l == 0.0, 0.0, inv_l)
+                log_l = jnp.where(l == 0.0, -jnp.inf, log_l)
+            o_smem[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(dtype)
+            lse_smem[...] = log_l * LN2
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, out_ref.at[batch, pl.ds(q_start, block_q), head])
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(q_start, block_q)])
+            return ring_steps + kv_hi - kv_lo
 
-        # Only the blocks on the band's edges, the ragged last block and (with segment ids) blocks that are
-        # not wholly in the tile's one segment pay for the mask.
-        _, *band_range, _ = tiles.kv_block_range(
-            lax.div(q_start, block_q), block_q=block_q, block_kv=block_kv, num_kv_blocks=num_kv_blocks,
-            kv_len=kv_len, band=band, always_mask=False)
-        unmasked_lo, unmasked_hi = unmasked_blocks(band_range, (kv_lo, kv_hi), same)
-        carry = (acc, m, l)
-        if band.left is not None or has_segments:  # else unmasked_lo == kv_lo: no leading edge (nor code for one)
-            carry = lax.fori_loop(kv_lo, unmasked_lo, functools.partial(step, masked=True), carry)
-        carry = lax.fori_loop(unmasked_lo, unmasked_hi, functools.partial(step, masked=False), carry)
-        # The trailing edge (a loop even for one block: the step index must be a traced value).
-        acc, m, l = lax.fori_loop(unmasked_hi, kv_hi, functools.partial(step, masked=True), carry)
+        if separate_out:
+            load_q(0)
+        # Consumer 1 parks at the schedule barrier until consumer 0 has issued its first QK^T; from then on
+        # the two alternate, across tiles too.
+        pl.when(wg == 1)(take_turn)
+        for_each_tile(num_tiles, run_tile, 0)
         pl.when(wg == 0)(take_turn)  # balance consumer 1's opening turn
-
-        inv_l = 1.0 / l
-        log_l = m + jnp.log2(l)
-        if rows_may_be_empty:  # rows that saw no key: zeros and lse = -inf, never NaN
-            inv_l = jnp.where(l == 0.0, 0.0, inv_l)
-            log_l = jnp.where(l == 0.0, -jnp.inf, log_l)
-        qo_smem[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(dtype)
-        lse_smem[...] = log_l * LN2
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[batch, pl.ds(q_start, block_q), head])
-        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(q_start, block_q)])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == NUM_CONSUMERS)
     def _producer():
         plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
         ids = None if not has_segments else (kv_ids_ref, segments[1], segments[3])
-        stream_kv_blocks((k_ref, v_ref), (k_smem, v_smem), (k_ready, v_ready), (k_free, v_free), batch=batch,
-                         kv_head=lax.div(head, group), block_kv=block_kv, num_stages=num_stages, kv_lo=kv_lo,
-                         kv_hi=kv_hi, kv_ids=ids, interpreting=interpreting)
+
+        def stream_tile(i, ring_steps):
+            batch, head, _, kv_lo, kv_hi, _ = schedule(i)
+            stream_kv_blocks((k_ref, v_ref), (k_smem, v_smem), (k_ready, v_ready), (k_free, v_free),
+                             batch=batch, kv_head=lax.div(head, group), block_kv=block_kv,
+                             num_stages=num_stages, kv_lo=kv_lo, kv_hi=kv_hi, kv_ids=ids, done=ring_steps)
+            return ring_steps + kv_hi - kv_lo
+
+        ring_steps = for_each_tile(num_tiles, stream_tile, 0)
+        if interpreting:
+            drain_ring(lambda slot: [plgpu.barrier_wait(free.at[slot]) for free in (k_free, v_free)],
+                       num_stages=num_stages, steps=ring_steps)
+
+
+def for_each_tile(num_tiles, body, carry):
+    """carry = body(i, carry) for i in 0 .. num_tiles-1 (a Python 1: one call, no loop)."""
+    if isinstance(num_tiles, int) and num_tiles == 1:
+        return body(0, carry)
+    return lax.fori_loop(0, num_tiles, body, carry)
+
+
+def grid_tiles(batch: int, heads: int, num_q_tiles: int, *, persistent_ctas: int | None, kv_bytes_per_head: int):
+    """(grid, grid_names, tiles_of_cta) for `num_q_tiles` query tiles of each (batch, head).
+
+    One CTA per tile: grid (batch, heads, q_tiles), tiles_of_cta = (1, its grid indices). Persistent:
+    grid (persistent_ctas,), CTA c runs tiles c, c + persistent_ctas, ... of this order: the (batch, head)
+    pairs in chunks whose keys and values fit in L2 together (so CTAs running at once share them), within
+    a chunk tile-major (so with a causal band, where `query_tile_schedule` reverses the tile index, every
+    CTA starts with the longest tiles and the static split stays balanced)."""
+    if persistent_ctas is None:
+        def own_tile(i):
+            del i
+            return lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_tiles")
+        return (batch, heads, num_q_tiles), ("batch", "heads", "q_tiles"), (1, own_tile)
+
+    pairs = batch * heads
+    chunk = max(1, min(pairs, L2_SHARE_BYTES // max(kv_bytes_per_head, 1)))
+    total = pairs * num_q_tiles
+    ctas = min(persistent_ctas, total)
+
+    def tile_of(i):
+        flat = lax.axis_index("sm") + i * ctas
+        first_pair = lax.div(flat, chunk * num_q_tiles) * chunk
+        within = lax.rem(flat, chunk * num_q_tiles)
+        size = jnp.minimum(chunk, pairs - first_pair)  # the last chunk may be short
+        pair = first_pair + lax.rem(within, size)
+        return lax.div(pair, heads), lax.rem(pair, heads), lax.div(within, size)
+
+    def num_tiles():
+        return lax.div(total - lax.axis_index("sm") + ctas - 1, ctas)
+
+    return (ctas,), ("sm",), (num_tiles, tile_of)
 
 
 def query_tile_schedule(num_q_tiles: int, *, block_q: int, block_kv: int, num_kv_blocks: int, kv_len: int,
-                        band: masks.Band, segment_ranges=None):
+                        band: masks.Band, segment_ranges=None, tile=None, batch=None):
     """The first query row of this CTA's tile of NUM_CONSUMERS * block_q rows (grid axis "q_tiles"), and the
     key blocks [lo, hi) it visits: those its rows' band reaches, narrowed to the tile's `segment_ranges`
     entry (None, or the ref of `segment_block_ranges`), never none (a tile that sees no key still visits
     one block, fully masked, so every loop and barrier keeps one shape), and the tile's same-segment run of
     blocks (None without segment ids; see `unmasked_blocks`). With a causal band (right edge only) the tiles
     run in reverse: the last ones visit the most key blocks, so they launch first. Shared by the forward and
-    the dQ kernel."""
-    tile = lax.axis_index("q_tiles")
+    the dQ kernel. `tile`, `batch`: the tile's indices (default: this CTA's "q_tiles" and "batch")."""
+    tile = lax.axis_index("q_tiles") if tile is None else tile
     if band.right is not None and band.left is None:
         tile = num_q_tiles - 1 - tile
     lo, _, _, hi = tiles.kv_block_range(tile, block_q=NUM_CONSUMERS * block_q, block_kv=block_kv,
@@ -262,7 +350,7 @@ def query_tile_schedule(num_q_tiles: int, *, block_q: int, block_kv: int, num_kv
                                         always_mask=segment_ranges is not None)
     same = None
     if segment_ranges is not None:
-        batch = lax.axis_index("batch")
+        batch = lax.axis_index("batch") if batch is None else batch
         lo = jnp.maximum(lo, segment_ranges[batch, tile, 0])
         hi = jnp.minimum(hi, segment_ranges[batch, tile, 1])
         same = (segment_ranges[batch, tile, 2], segment_ranges[batch, tile, 3])
@@ -338,14 +426,14 @@ def segment_block_ranges(row_ids, col_ids, *, rows_per_tile: int, cols_per_block
 
 
 def stream_kv_blocks(gmem, smem, ready, free, *, batch, kv_head, block_kv: int, num_stages: int, kv_lo, kv_hi,
-                     kv_ids=None, interpreting: bool = False):
+                     kv_ids=None, done=0):
     """The producer warpgroup's loop (this forward's and the dQ kernel's): TMA key/value blocks kv_lo ..
     kv_hi-1 of (batch, kv_head) into a `num_stages` shared-memory ring. `gmem`, `smem`, `ready`, `free` are
     (key, value) pairs of refs and barriers; slot s is refilled once the consumers arrive on its "free"
     barrier. K of step i + num_stages may land once both consumers finished Q K^T of step i, before they
     finish its P V: K and V have separate "free" barriers. `kv_ids`: None, or (ids ref [batch, kv_pad],
     ring [num_stages, block_kv], ready barriers): the block's segment ids, loaded with K (and released
-    with it). `interpreting`: drain the ring at the end (see `fill_ring`)."""
+    with it). `done`: blocks already streamed through the ring (by earlier tiles of a persistent CTA)."""
 
     def load(step, slot, wait_free: bool):
         keys = pl.ds((kv_lo + step) * block_kv, block_kv)
@@ -357,32 +445,33 @@ def stream_kv_blocks(gmem, smem, ready, free, *, batch, kv_head, block_kv: int, 
                 ids_ref, ids_ring, ids_ready = kv_ids
                 plgpu.copy_gmem_to_smem(ids_ref.at[batch, keys], ids_ring.at[slot], ids_ready.at[slot])
 
-    def drain(slot):
-        for is_free in free:
-            plgpu.barrier_wait(is_free.at[slot])
-
-    fill_ring(load, num_stages=num_stages, steps=kv_hi - kv_lo, drain=drain if interpreting else None)
+    fill_ring(load, num_stages=num_stages, steps=kv_hi - kv_lo, done=done)
 
 
-def fill_ring(load, *, num_stages: int, steps, drain=None):
+def fill_ring(load, *, num_stages: int, steps, done=0):
     """A producer's loop over a `num_stages` shared-memory ring: `load(step, slot, wait_free)` for steps
-    0 .. steps-1, the first `num_stages` into empty slots, each later one into slot step % num_stages once
-    `load` has waited for the consumers to free it (wait_free=True). `drain(slot)`, if given, then waits
-    for the consumers to free the last steps' slots: the Mosaic GPU interpreter requires every thread to
-    observe every phase of a barrier it waits on; on the GPU the kernel ends without it."""
+    0 .. steps-1 into slot (done + step) % num_stages, where `done` steps went through the ring before; the
+    ring's first `num_stages` steps fill empty slots, each later one waits in `load` for the consumers to
+    free its slot (wait_free=True)."""
+    filling = jnp.clip(num_stages - done, 0, steps)
 
-    @pl.loop(0, jnp.minimum(num_stages, steps))
+    @pl.loop(0, filling)
     def _fill(step):
-        load(step, step, wait_free=False)
+        load(step, lax.rem(done + step, num_stages), wait_free=False)
 
-    @pl.loop(num_stages, steps)
+    @pl.loop(filling, steps)
     def _stream(step):
-        load(step, lax.rem(step, num_stages), wait_free=True)
+        load(step, lax.rem(done + step, num_stages), wait_free=True)
 
-    if drain is not None:
-        @pl.loop(jnp.maximum(steps - num_stages, 0), steps)
-        def _drain(step):
-            drain(lax.rem(step, num_stages))
+
+def drain_ring(drain, *, num_stages: int, steps):
+    """`drain(slot)` for the slots of a ring's last `num_stages` of `steps` steps: a producer's wait for the
+    consumers to free them. The Mosaic GPU interpreter requires every thread to observe every phase of a
+    barrier it waits on; on the GPU the kernel ends without it."""
+
+    @pl.loop(jnp.maximum(steps - num_stages, 0), steps)
+    def _drain(step):
+        drain(lax.rem(step, num_stages))
 
 
 def _forward_padded(q, k, v, q_ids, kv_ids, *, scale: float, band: masks.Band, kv_len: int,
@@ -394,11 +483,20 @@ def _forward_padded(q, k, v, q_ids, kv_ids, *, scale: float, band: masks.Band, k
     # 128-byte swizzle over (8, 64)-element tiles: the layout wgmma reads without bank conflicts.
     transforms = (plgpu.TilingTransform((8, HEAD_DIM_TILE)), plgpu.SwizzleTransform(128))
 
+    persistent_ctas = None
+    if config.persistent:  # one CTA per SM (a few in the interpreter, so that each runs several tiles)
+        persistent_ctas = 2 if interpret is not None else getattr(jax.devices()[0], "core_count", 132)
+    grid, grid_names, tiles_of_cta = grid_tiles(
+        batch, heads, num_q_tiles, persistent_ctas=persistent_ctas,
+        kv_bytes_per_head=2 * k.shape[1] * head_dim * k.dtype.itemsize * kv_heads // heads)
+    q_tile = plgpu.SMEM((NUM_CONSUMERS, config.block_q, head_dim), q.dtype, transforms=transforms)
+
     def entry(q_ref, k_ref, v_ref, *refs):
         segment_refs = refs[:3] if has_segments else (None, None, None)
         out_ref, lse_ref = refs[-2:]
         smem = (
-            plgpu.SMEM((NUM_CONSUMERS, config.block_q, head_dim), q.dtype, transforms=transforms),
+            q_tile,
+            q_tile if config.separate_out(head_dim, q.dtype.itemsize) else None,
             plgpu.SMEM((config.num_stages, config.block_kv, head_dim), k.dtype, transforms=transforms),
             plgpu.SMEM((config.num_stages, config.block_kv, head_dim), v.dtype, transforms=transforms),
             plgpu.SMEM((NUM_CONSUMERS, config.block_q), jnp.float32),
@@ -409,7 +507,7 @@ def _forward_padded(q, k, v, q_ids, kv_ids, *, scale: float, band: masks.Band, k
                         plgpu.SMEM((config.num_stages, config.block_kv), jnp.int32),
                         plgpu.Barrier(num_barriers=NUM_CONSUMERS),
                         plgpu.Barrier(num_barriers=config.num_stages))
-        body = functools.partial(_kernel, scale=scale, band=band, kv_len=kv_len, num_q_tiles=num_q_tiles,
+        body = functools.partial(_kernel, scale=scale, band=band, kv_len=kv_len, tiles_of_cta=tiles_of_cta,
                                  group=heads // kv_heads, config=config, interpreting=interpret is not None)
         pl.run_scoped(
             lambda *scoped: body(q_ref, k_ref, v_ref, *segment_refs, out_ref, lse_ref, scoped),
@@ -430,8 +528,8 @@ def _forward_padded(q, k, v, q_ids, kv_ids, *, scale: float, band: masks.Band, k
         entry,
         out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),
                   jax.ShapeDtypeStruct((batch, heads, q_pad), jnp.float32)),
-        grid=(batch, heads, num_q_tiles),
-        grid_names=("batch", "heads", "q_tiles"),
+        grid=grid,
+        grid_names=grid_names,
         num_threads=NUM_CONSUMERS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
