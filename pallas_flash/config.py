@@ -22,13 +22,14 @@ class HopperConfig:
       block_kv: keys per K/V block: 64, 128, 192 or 256.
       num_stages: depth of the K/V shared-memory ring (>= 2).
       persistent: one CTA per SM loops over the query tiles (the K/V ring and the ping-pong run on across
-        tiles, and the next tile's Q loads during this one's epilogue), instead of one CTA per tile.
+        tiles, and the next tile's Q loads during this one's epilogue), instead of one CTA per tile
+        (`default` picks it for short rows).
     """
 
     block_q: int = 64
     block_kv: int = 128
     num_stages: int = 2
-    persistent: bool = True
+    persistent: bool = False
 
     def __post_init__(self):
         if not isinstance(self.block_q, int) or self.block_q < 64 or self.block_q % 64:
@@ -58,14 +59,18 @@ class HopperConfig:
     def default(cls, head_dim: int, kv_len: int | None = None, is_causal: bool = False) -> "HopperConfig":
         """Per padded head_dim (a multiple of 64), from the H100 sweeps in pallas_flash/kernels/NOTES.md:
         at head_dim 64, 256-key blocks (fewer, longer wgmmas per softmax) except for short causal rows,
-        where most blocks are diagonal and 128 wastes less; at 128, 128-key blocks, 2 stages (3 do not fit)."""
+        where most blocks are diagonal and 128 wastes less; at 128, 128-key blocks, 2 stages (3 do not fit).
+        Persistent CTAs where tiles are short (kv_len <= 1024, and head_dim 64 causal up to 2048): there a
+        CTA's fixed cost (launch, Q load, ring fill, epilogue) is a large part of its time; on longer causal
+        rows the static split of unequal tiles loses to the hardware's dynamic one (NOTES.md, persistent)."""
+        short = kv_len is not None and kv_len <= 1024
         if head_dim <= 64:
             if is_causal and kv_len is not None and kv_len <= 2048:
-                return cls(block_q=64, block_kv=128, num_stages=3)
-            return cls(block_q=64, block_kv=256, num_stages=2)
+                return cls(block_q=64, block_kv=128, num_stages=3, persistent=True)
+            return cls(block_q=64, block_kv=256, num_stages=2, persistent=short)
         if head_dim <= 128:
-            return cls(block_q=64, block_kv=128, num_stages=2)
-        return cls(block_q=64, block_kv=64, num_stages=2)
+            return cls(block_q=64, block_kv=128, num_stages=2, persistent=short)
+        return cls(block_q=64, block_kv=64, num_stages=2, persistent=short)
 
 
 @dataclasses.dataclass(frozen=True)
