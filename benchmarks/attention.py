@@ -284,9 +284,14 @@ def median_ms(compiled, arg_sets, *, reps, min_sample_s):
     """Median over `reps` samples of the per-call time of back-to-back calls rotating over `arg_sets`."""
     for args in arg_sets:
         jax.block_until_ready(compiled(*args))
-    start = time.perf_counter()
-    jax.block_until_ready(compiled(*arg_sets[0]))
-    calls = max(1, math.ceil(min_sample_s / max(time.perf_counter() - start, 1e-7)))
+    # Calls per sample from the fastest of three single calls: one slow call (a host hiccup) used to leave
+    # whole points timed one call per sample, host launch overhead included (2026-11-23, sweep_bar).
+    probes = []
+    for _ in range(3):
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(*arg_sets[0]))
+        probes.append(time.perf_counter() - start)
+    calls = max(1, math.ceil(min_sample_s / max(min(probes), 1e-7)))
     samples = []
     for r in range(reps):
         start = time.perf_counter()
