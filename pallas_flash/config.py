@@ -60,17 +60,19 @@ class HopperConfig:
         """Per padded head_dim (a multiple of 64), from the H100 sweeps in pallas_flash/kernels/NOTES.md:
         at head_dim 64, 256-key blocks (fewer, longer wgmmas per softmax) except for short causal rows,
         where most blocks are diagonal and 128 wastes less; at 128, 128-key blocks, 2 stages (3 do not fit).
-        Persistent CTAs where tiles are short (kv_len <= 1024, and head_dim 64 causal up to 2048): there a
-        CTA's fixed cost (launch, Q load, ring fill, epilogue) is a large part of its time; on longer causal
-        rows the static split of unequal tiles loses to the hardware's dynamic one (NOTES.md, persistent)."""
-        short = kv_len is not None and kv_len <= 1024
+        Persistent CTAs where tiles are short and equal (kv_len <= 1024 without a causal band) and at head
+        dim 64 causal up to 2048: there a CTA's fixed cost (launch, Q load, ring fill, epilogue) is a large
+        part of its time; on causal rows at head_dim 128 and on long causal rows the static split of unequal
+        tiles loses to the hardware's dynamic one. Head dim 256 is unmeasured: one CTA per tile (NOTES.md,
+        persistent forward)."""
+        short_and_equal = kv_len is not None and kv_len <= 1024 and not is_causal
         if head_dim <= 64:
             if is_causal and kv_len is not None and kv_len <= 2048:
                 return cls(block_q=64, block_kv=128, num_stages=3, persistent=True)
-            return cls(block_q=64, block_kv=256, num_stages=2, persistent=short)
+            return cls(block_q=64, block_kv=256, num_stages=2, persistent=short_and_equal)
         if head_dim <= 128:
-            return cls(block_q=64, block_kv=128, num_stages=2, persistent=short)
-        return cls(block_q=64, block_kv=64, num_stages=2, persistent=short)
+            return cls(block_q=64, block_kv=128, num_stages=2, persistent=short_and_equal)
+        return cls(block_q=64, block_kv=64, num_stages=2)
 
 
 @dataclasses.dataclass(frozen=True)
