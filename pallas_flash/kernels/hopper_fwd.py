@@ -1,6 +1,7 @@
 """FlashAttention forward for Hopper (sm90), written with Pallas's Mosaic GPU backend.
 
-The FA3 recipe, one CTA per (batch, head, tile of `2 * block_q` queries):
+The FA3 recipe, one CTA per (batch, head, tile of `2 * block_q` queries), or with `HopperConfig.persistent`
+one CTA per SM that runs a share of those tiles one after another (`grid_tiles`):
   * three warpgroups: a producer that streams K/V blocks into a `num_stages`-deep shared-memory ring with
     TMA (each slot guarded by a "loaded" barrier that the TMA completes and a "consumed" barrier that both
     consumers arrive on), and two consumers, each owning `block_q` query rows;
@@ -14,7 +15,9 @@ The FA3 recipe, one CTA per (batch, head, tile of `2 * block_q` queries):
     see (`tiles.kv_block_range`, shared with the portable kernels); blocks every row of a warpgroup sees in
     full skip the mask;
   * the grid runs the query tiles of one (batch, head) back to back, so concurrent CTAs share K/V in L2; with
-    a causal band the longest tiles (last rows) launch first.
+    a causal band the longest tiles (last rows) launch first. Persistent CTAs keep the K/V ring, the barriers'
+    phases and the ping-pong running from one tile to the next, and load the next tile's Q during this
+    one's epilogue: short rows stop paying a CTA's fixed cost (launch, first loads, epilogue) per tile.
 
 Segment ids (packed sequences; per-example lengths arrive folded into them, see `api._segments`): int32 ids
 of the CTA's query rows are loaded once per consumer, the ids of each key block ride the K ring (loaded by
