@@ -114,6 +114,25 @@ def test_gpu_mosaic(shape, dtype, is_causal):
     check_against_reference("mosaic", shape, dtype, is_causal, None, seed=2)
 
 
+@pytest.mark.parametrize("pairs, num_q_tiles, chunk, max_ctas", [
+    (1, 1, 1, 132), (3, 7, 2, 2), (17, 3, 5, 7), (16, 16, 16, 132), (5, 16, 2, 3), (32, 128, 2, 132)])
+def test_persistent_order_runs_every_tile_once_in_balanced_pairs(pairs, num_q_tiles, chunk, max_ctas):
+    """The persistent Hopper forward's static split: every (pair, tile) exactly once over all CTAs, and
+    under a causal band (a tile of rank r visits T - r blocks) no CTA more than one (long, short) unit
+    (T + 1 blocks) above the mean."""
+    from pallas_flash.kernels.hopper_fwd import persistent_order, persistent_split
+    ctas, num_tiles_of = persistent_split(pairs * num_q_tiles, max_ctas)
+    seen, blocks = [], []
+    for cta in range(ctas):
+        owned = [2 * (cta + (i // 2) * ctas) + i % 2 for i in range(int(num_tiles_of(np.int32(cta))))]
+        pair, rank = persistent_order(np.asarray(owned, np.int32), pairs=pairs, chunk=chunk,
+                                      num_q_tiles=num_q_tiles)
+        seen += list(zip(np.asarray(pair).tolist(), np.asarray(rank).tolist()))
+        blocks.append(int(np.sum(num_q_tiles - np.asarray(rank))))
+    assert sorted(seen) == [(p, r) for p in range(pairs) for r in range(num_q_tiles)]
+    assert max(blocks) <= np.mean(blocks) + num_q_tiles + 1
+
+
 @pytest.mark.parametrize("shape, is_causal, window, num_stages, persistent", [
     ((1, 200, 130, 2, 1, 64), False, None, 2, True),  # ragged keys: the masked tail block; 3 blocks a tile
     ((1, 130, 200, 2, 1, 64), True, None, 3, True),   # diagonal blocks, reversed tile order, 6 blocks a CTA

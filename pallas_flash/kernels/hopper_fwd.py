@@ -306,11 +306,10 @@ def for_each_tile(num_tiles, body, carry):
 def grid_tiles(batch: int, heads: int, num_q_tiles: int, *, persistent_ctas: int | None, kv_bytes_per_head: int):
     """(grid, grid_names, tiles_of_cta) for `num_q_tiles` query tiles of each (batch, head).
 
-    One CTA per tile: grid (batch, heads, q_tiles), tiles_of_cta = (1, its grid indices). Persistent:
-    grid (persistent_ctas,), CTA c runs tiles c, c + persistent_ctas, ... of this order: the (batch, head)
-    pairs in chunks whose keys and values fit in L2 together (so CTAs running at once share them), within
-    a chunk tile-major (so with a causal band, where `query_tile_schedule` reverses the tile index, every
-    CTA starts with the longest tiles and the static split stays balanced)."""
+    One CTA per tile: grid (batch, heads, q_tiles), tiles_of_cta = (1, its grid indices). Persistent: grid
+    (ctas,), CTA c runs the tiles `persistent_order` puts at positions 2 (c + k ctas) and 2 (c + k ctas) + 1
+    for k = 0, 1, ...: each CTA takes whole (long, short) pairs, so the static split stays balanced under a
+    causal band, where the hardware's dynamic assignment of one-tile CTAs used to do it."""
     if persistent_ctas is None:
         def own_tile(i):
             del i
@@ -319,21 +318,48 @@ def grid_tiles(batch: int, heads: int, num_q_tiles: int, *, persistent_ctas: int
 
     pairs = batch * heads
     chunk = max(1, min(pairs, L2_SHARE_BYTES // max(kv_bytes_per_head, 1)))
-    total = pairs * num_q_tiles
-    ctas = min(persistent_ctas, total)
+    ctas, num_tiles_of = persistent_split(pairs * num_q_tiles, persistent_ctas)
 
     def tile_of(i):
-        flat = lax.axis_index("sm") + i * ctas
-        first_pair = lax.div(flat, chunk * num_q_tiles) * chunk
-        within = lax.rem(flat, chunk * num_q_tiles)
-        size = jnp.minimum(chunk, pairs - first_pair)  # the last chunk may be short
-        pair = first_pair + lax.rem(within, size)
-        return lax.div(pair, heads), lax.rem(pair, heads), lax.div(within, size)
+        position = 2 * (lax.axis_index("sm") + lax.div(i, 2) * ctas) + lax.rem(i, 2)
+        pair, rank = persistent_order(position, pairs=pairs, chunk=chunk, num_q_tiles=num_q_tiles)
+        return lax.div(pair, heads), lax.rem(pair, heads), rank
 
-    def num_tiles():
-        return lax.div(total - lax.axis_index("sm") + ctas - 1, ctas)
+    return (ctas,), ("sm",), (lambda: num_tiles_of(lax.axis_index("sm")), tile_of)
 
-    return (ctas,), ("sm",), (num_tiles, tile_of)
+
+def persistent_split(total: int, max_ctas: int):
+    """(ctas, num_tiles_of): CTA c of `ctas` owns positions 2 (c + k ctas) + {0, 1} < total."""
+    units = -(-total // 2)
+    ctas = min(max_ctas, units)
+
+    def num_tiles_of(cta):
+        owned = 2 * ((units - cta + ctas - 1) // ctas)
+        # An odd total leaves the last unit one tile short.
+        return owned - ((total % 2 == 1) & ((units - 1) % ctas == cta)).astype(jnp.int32)
+
+    return ctas, num_tiles_of
+
+
+def persistent_order(position, *, pairs: int, chunk: int, num_q_tiles: int):
+    """The (batch * heads + head, tile rank) at `position` of a persistent forward's order (a bijection of
+    0 .. pairs * num_q_tiles - 1; works on traced and on NumPy ints). The (batch, head) pairs go in chunks
+    of `chunk`, whose keys and values fit in L2 together, so the CTAs running at once share them. Within a
+    chunk, ranks go folded, 0, T-1, 1, T-2, ..., each (j, T-1-j) on two consecutive positions of one pair:
+    with a causal band (tile index = T-1-rank, `query_tile_schedule`) the two tiles visit T+1 blocks
+    together whatever j is. An odd T's middle rank comes last, one position each."""
+    position = jnp.asarray(position, jnp.int32)
+    tiles_per_chunk = chunk * num_q_tiles
+    first_pair = position // tiles_per_chunk * chunk
+    within = position % tiles_per_chunk
+    size = jnp.minimum(chunk, pairs - first_pair)  # the last chunk may be short
+    folded = size * (num_q_tiles - num_q_tiles % 2)  # positions in (j, T-1-j) units
+    unit = within // 2
+    j = unit // size
+    in_units = within < folded
+    pair = first_pair + jnp.where(in_units, unit % size, within - folded)
+    rank = jnp.where(in_units, jnp.where(within % 2 == 0, j, num_q_tiles - 1 - j), num_q_tiles // 2)
+    return pair, rank
 
 
 def query_tile_schedule(num_q_tiles: int, *, block_q: int, block_kv: int, num_kv_blocks: int, kv_len: int,
