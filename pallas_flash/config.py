@@ -60,18 +60,21 @@ class HopperConfig:
         """Per padded head_dim (a multiple of 64), from the H100 sweeps in pallas_flash/kernels/NOTES.md:
         at head_dim 64, 256-key blocks (fewer, longer wgmmas per softmax) except for short causal rows,
         where most blocks are diagonal and 128 wastes less; at 128, 128-key blocks, 2 stages (3 do not fit).
-        Persistent CTAs where tiles are short and equal (kv_len <= 1024 without a causal band) and at head
-        dim 64 causal up to 2048: there a CTA's fixed cost (launch, Q load, ring fill, epilogue) is a large
-        part of its time; on causal rows at head_dim 128 and on long causal rows the static split of unequal
-        tiles loses to the hardware's dynamic one. Head dim 256 is unmeasured: one CTA per tile (NOTES.md,
-        persistent forward)."""
-        short_and_equal = kv_len is not None and kv_len <= 1024 and not is_causal
+        Persistent CTAs where the H100 A/B runs measured them faster (NOTES.md, persistent forward): short
+        rows (kv_len <= 1024: a CTA's fixed cost of launch, first loads and epilogue is a large part of its
+        time) and causal rows up to 8k at head_dim 64, from 2k to 8k at head_dim 128 (the folded order
+        balances the unequal tiles). One CTA per tile for long non-causal rows (1-4% faster there), causal
+        rows over 8k, causal rows up to 1k at head_dim 128, and head_dim 256 (unmeasured)."""
+        known = kv_len is not None
+        short = known and kv_len <= 1024
         if head_dim <= 64:
-            if is_causal and kv_len is not None and kv_len <= 2048:
+            if is_causal and known and kv_len <= 2048:
                 return cls(block_q=64, block_kv=128, num_stages=3, persistent=True)
-            return cls(block_q=64, block_kv=256, num_stages=2, persistent=short_and_equal)
+            return cls(block_q=64, block_kv=256, num_stages=2,
+                       persistent=short or (is_causal and known and kv_len <= 8192))
         if head_dim <= 128:
-            return cls(block_q=64, block_kv=128, num_stages=2, persistent=short_and_equal)
+            causal_mid = is_causal and known and 1024 < kv_len <= 8192
+            return cls(block_q=64, block_kv=128, num_stages=2, persistent=(short and not is_causal) or causal_mid)
         return cls(block_q=64, block_kv=64, num_stages=2)
 
 
