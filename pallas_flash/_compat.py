@@ -1,6 +1,7 @@
 """The few Pallas names that moved between the JAX versions we support (0.10.2 on CPU, 0.11+ on GPU)."""
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 from jax.experimental import pallas as pl
@@ -50,3 +51,24 @@ def mosaic_gpu_races_found() -> bool:
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
 
     return interpret_pallas_call.get_races().races_found
+
+
+@contextlib.contextmanager
+def mosaic_gpu_race_states():
+    """Yields a list that collects the race-detection state of each Mosaic GPU kernel interpreted inside the
+    block (`.races_found`), in order. The interpreter starts a fresh state per kernel, so after a function
+    that runs several kernels `mosaic_gpu_races_found` speaks for the last one only."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    states = []
+    original = gpu_callbacks.RaceDetectionState
+
+    def record(*args, **kwargs):
+        states.append(original(*args, **kwargs))
+        return states[-1]
+
+    gpu_callbacks.RaceDetectionState = record
+    try:
+        yield states
+    finally:
+        gpu_callbacks.RaceDetectionState = original

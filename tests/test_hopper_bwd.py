@@ -1,14 +1,15 @@
 """The Hopper backward (`kernels/hopper_bwd.py`): gradients against the float32 reference on sm90, and on CPU
-its config validation and its lowering for the GPU (JAX's Mosaic GPU interpreter cannot run these kernels on
-CPU: it cannot read a transposed shared-memory ref; lowering runs the whole Mosaic GPU lowering without one)."""
+its config validation, its lowering for the GPU, and its two kernels in JAX's Mosaic GPU interpreter (with
+plain dots for the wgmmas, see `_dkdv_kernel`'s `interpreting`) against the reference."""
 import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from pallas_flash import reference
+from pallas_flash import _compat, masks, reference
 from pallas_flash.config import H100_SHARED_MEMORY, HopperBwdConfig, KernelConfig
 from pallas_flash.kernels import hopper_bwd, hopper_fwd
 from tests.tolerances import GRADIENT, assert_close
@@ -103,6 +104,61 @@ def test_masked_kernels_lower_for_gpu(window, segments, dq_atomic):
         assert lower(forward, q, k, k, *ids).count("stablehlo.custom_call @mosaic_gpu") == 1
         text = lower(backward, q, k, k, q, lse, q, lse, *ids)
         assert text.count("stablehlo.custom_call @mosaic_gpu") == (1 if dq_atomic else 2)
+
+
+def _segment_ids(batch: int, length: int, starts):
+    """int32 [batch, length]: example b's ids step up by one at each of starts[b] (packed sequences)."""
+    return jnp.stack([jnp.searchsorted(jnp.asarray(s, jnp.int32), jnp.arange(length), side="right")
+                      for s in starts[:batch]]).astype(jnp.int32)
+
+
+@pytest.mark.parametrize("shape, is_causal, window, segments", [
+    ((1, 200, 150, 2, 1, 64), False, None, False),  # ragged, q_len > kv_len, GQA; both rings wrap
+    ((1, 100, 150, 2, 1, 64), True, None, False),   # causal, q_len < kv_len: a dK/dV tile that no query sees
+    ((1, 200, 120, 1, 1, 64), False, (40, 10), False),  # both band edges; rows 160.. see no key (lse -inf)
+    ((2, 130, 130, 1, 1, 64), True, None, True),    # segment ids: one example packed, one single sequence
+], ids=["ragged_gqa", "causal", "window", "segments"])
+def test_backward_in_mosaic_gpu_interpreter(shape, is_causal, window, segments):
+    """The dK/dV and dQ kernels (barriers, TMA rings, band and segment block ranges, masks, padded rows and
+    keys, the GQA head loop) in JAX's Mosaic GPU CPU interpreter with race detection, from the reference's
+    residuals, against the reference's gradients. The interpreter cannot run wgmma on a transposed
+    shared-memory ref or a register operand, so there the five matmuls are plain dots on the same tiles
+    (`interpreting`); everything else is the kernels that run on the GPU. (The one-pass dq_atomic kernel
+    cannot run there: no mutable-array argument, no TMA reduce-add.)"""
+    params = _compat.mosaic_gpu_interpret_params(detect_races=True)
+    if params is None:
+        pytest.skip("this JAX has no Mosaic GPU interpreter")
+    q, k, v, d_out, d_lse = _inputs(shape, jnp.bfloat16, seed=3)
+    batch, q_len, kv_len = shape[:3]
+    ids = dict(q_segment_ids=None, kv_segment_ids=None)
+    if segments:
+        ids = dict(q_segment_ids=_segment_ids(batch, q_len, [[70], []]),
+                   kv_segment_ids=_segment_ids(batch, kv_len, [[60], []]))
+    scale = 0.125
+    (out, lse), vjp = jax.vjp(
+        lambda *x: reference.attention_reference(*x, scale=scale, band=masks.Band.of(is_causal, window), **ids),
+        *(x.astype(jnp.float32) for x in (q, k, v)))
+    want = vjp((d_out.astype(jnp.float32), d_lse))
+    with _compat.mosaic_gpu_race_states() as kernels:  # one state per kernel: dK/dV, then dQ
+        grads = jax.block_until_ready(hopper_bwd.hopper_backward(
+            q, k, v, out.astype(q.dtype), lse, d_out, d_lse, scale=scale, is_causal=is_causal,
+            local_window_size=window, config=HopperBwdConfig(), interpret=params, **ids))
+    assert [state.races_found for state in kernels] == [False, False]
+    for name, ours, ref, x in zip(("dq", "dk", "dv"), grads, want, (q, k, v)):
+        assert ours.shape == x.shape and ours.dtype == x.dtype
+        assert_close(ours, ref, jnp.bfloat16, table=GRADIENT, what=name)
+    if window is not None:
+        assert np.isneginf(lse).any(), "this case is meant to contain rows that see no key"
+
+
+def test_dq_atomic_is_refused_in_the_interpreter():
+    params = _compat.mosaic_gpu_interpret_params()
+    if params is None:
+        pytest.skip("this JAX has no Mosaic GPU interpreter")
+    x = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="dq_atomic"):
+        hopper_bwd.hopper_backward(x, x, x, x, jnp.zeros((1, 1, 64)), x, None, scale=1.0,
+                                   config=HopperBwdConfig(dq_atomic=True), interpret=params)
 
 
 @pytest.mark.gpu

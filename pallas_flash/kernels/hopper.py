@@ -44,8 +44,9 @@ def unsupported_reason(query, key, *, band: masks.Band, unserved=(), config: Ker
     """None if the Hopper kernel serves this call on this machine, else why not (for the dispatcher).
     `unserved`: names of the call's features the Hopper kernel does not have."""
     if not on_hopper_gpu():
-        return ("the Mosaic GPU kernel needs an sm90 (Hopper) GPU (JAX 0.10.2's Mosaic GPU interpreter cannot run "
-                "it on CPU: its wgmma rejects the transposed K tile)")
+        return ("the Mosaic GPU kernel needs an sm90 (Hopper) GPU (on CPU, JAX's Mosaic GPU interpreter runs its "
+                "kernels only as a test path, with plain dots for wgmma: hopper_fwd.hopper_forward and "
+                "hopper_bwd.hopper_backward take interpret=)")
     if not any(query.dtype == d for d in hopper_fwd.SUPPORTED_DTYPES):
         return f"the Mosaic GPU kernel takes bfloat16 or float16, got {query.dtype}"
     if unserved:

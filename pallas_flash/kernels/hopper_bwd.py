@@ -36,22 +36,32 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flash import masks
-from pallas_flash._compat import smem_vector_load as _load
+from pallas_flash._compat import smem_vector_load
 from pallas_flash.config import H100_SHARED_MEMORY, NUM_CONSUMERS, HopperBwdConfig
 from pallas_flash.kernels import tiles
 from pallas_flash.kernels.hopper_fwd import (CONSUMER_REGISTERS, HEAD_DIM_TILE, LOG2E, PRODUCER_REGISTERS,
-                                             _pad_axis, _round_up, fill_ring, load_own_ids, padded_head_dim,
-                                             query_tile_schedule, segment_block_ranges, stream_kv_blocks,
-                                             tile_visible, unmasked_blocks)
+                                             _pad_axis, _round_up, drain_ring, fill_ring, load_own_ids,
+                                             padded_head_dim, query_tile_schedule, segment_block_ranges,
+                                             stream_kv_blocks, tile_visible, unmasked_blocks)
 
 MAX_HEAD_DIM = 128  # at 256, K and V of a 128-key CTA alone take 128 KiB of shared memory
 
-def _iota(shape, axis):
-    return plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA)
+def _register_ops(interpreting: bool):
+    """(iota, zeros, load): int32 iota and float32 zeros in the wgmma register layout, and a shared-memory
+    vector read into a given layout; without layouts when `interpreting` (the Mosaic GPU interpreter has no
+    CPU rule for them)."""
+    if interpreting:
+        return (lambda shape, axis: lax.broadcasted_iota(jnp.int32, shape, axis),
+                lambda shape: jnp.zeros(shape, jnp.float32),
+                lambda ref, layout: ref[...])
+    return (lambda shape, axis: plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA),
+            lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA),
+            smem_vector_load)
 
 
-def _zeros(shape):
-    return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+def _dot_t(x, y):
+    """x y^T in float32 (x [m, k], y [n, k]): the interpreter's stand-in for a wgmma on a transposed ref."""
+    return lax.dot_general(x, y, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
 def _transforms():
@@ -61,8 +71,12 @@ def _transforms():
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv_ids_ref, q_ranges_ref,
                  dq_acc_ref, dk_ref, dv_ref, scoped, *, scale: float, band: masks.Band, kv_len: int, group: int,
-                 config: HopperBwdConfig):
+                 config: HopperBwdConfig, interpreting: bool):
     """Grid (batch, kv_heads, kv_tiles), 3 warpgroups ("wg"): 0 and 1 consume, 2 produces.
+
+    `interpreting`: as in the forward (`hopper_fwd._kernel`), for JAX's Mosaic GPU interpreter on CPU: the
+    wgmmas are plain dots on the same shared-memory tiles and registers (no `pl.run_state`, no transposed
+    refs), register layouts are left out, and the producer drains the ring at the end.
 
     q_ref/do_ref [batch, q_pad, heads, d], k_ref/v_ref [batch, kv_pad, kv_heads, d], lse2_ref/delta_ref
     [batch, heads, q_pad] float32, q_ids_ref/kv_ids_ref None or int32 [batch, q_pad] / [batch, kv_pad],
@@ -97,6 +111,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
     q_steps = q_hi - q_lo
     total_steps = group * q_steps
     wg = lax.axis_index("wg")
+    iota, zeros, load_vector = _register_ops(interpreting)
 
     @pl.when(wg < NUM_CONSUMERS)
     def _consumer():
@@ -111,7 +126,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
         if has_segments:
             q_ids_smem, kv_ids_smem, q_ids_ready, kv_ids_ready = segments
             kv_seg = load_own_ids(kv_ids_ref, kv_ids_smem, kv_ids_ready, wg=wg, batch=batch, start=kv_start,
-                                  size=block_kv, layout=plgpu.Layout.WGMMA.reduce(1))
+                                  size=block_kv, layout=plgpu.Layout.WGMMA.reduce(1), load=load_vector)
         plgpu.barrier_wait(k_ready.at[wg])
         plgpu.barrier_wait(v_ready.at[wg])
         c = scale * LOG2E  # exp(scale * s - lse) = exp2(c * s - lse2)
@@ -127,16 +142,19 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
                 plgpu.wgmma(acc_ref, k_smem, plgpu.transpose_ref(q_tile, (1, 0)))
                 return acc_ref[...]
 
-            s = pl.run_scoped(s_t, plgpu.ACC((block_kv, block_q), jnp.float32))
-            lse2 = _load(lse_smem.at[slot], column)
+            if interpreting:
+                s = _dot_t(k_smem[...], q_tile[...])
+            else:
+                s = pl.run_scoped(s_t, plgpu.ACC((block_kv, block_q), jnp.float32))
+            lse2 = load_vector(lse_smem.at[slot], column)
             p = jnp.exp2(s * c - lax.broadcast_in_dim(lse2, s.shape, [1]))
             q_seg = None
             if has_segments:  # every step waits (one wait per phase); masked ones read the ids
                 plgpu.barrier_wait(q_ids_ready.at[slot])
                 if masked:
-                    q_seg = _load(q_ids_smem.at[slot], column)
+                    q_seg = load_vector(q_ids_smem.at[slot], column)
             if masked:
-                visible = tile_visible(q_block * block_q + _iota(s.shape, 1), kv_start + _iota(s.shape, 0),
+                visible = tile_visible(q_block * block_q + iota(s.shape, 1), kv_start + iota(s.shape, 0),
                                        band=band, kv_len=kv_len if mask_padded_keys else None, q_seg=q_seg,
                                        kv_seg=kv_seg, shape=s.shape, q_axis=1)
                 if visible is not None:  # None: traced for a loop that runs no iterations
@@ -149,14 +167,21 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
                 plgpu.wgmma(dv_ref, p.astype(dtype), do_tile)
                 plgpu.wgmma(dp_ref, v_smem, plgpu.transpose_ref(do_tile, (1, 0)))
 
-            dv, dp = pl.run_state(dv_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(_zeros(s.shape))))
-            delta = _load(delta_smem.at[slot], column)
+            if interpreting:
+                dv = dv + jnp.dot(p.astype(dtype), do_tile[...], preferred_element_type=jnp.float32)
+                dp = _dot_t(v_smem[...], do_tile[...])
+            else:
+                dv, dp = pl.run_state(dv_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros(s.shape))))
+            delta = load_vector(delta_smem.at[slot], column)
             ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [1]))
             if dq_acc_ref is None:
                 def dk_update(dk_ref):
                     plgpu.wgmma(dk_ref, ds.astype(dtype), q_tile)
 
-                dk = pl.run_state(dk_update)(plgpu.ACC.init(dk))
+                if interpreting:
+                    dk = dk + jnp.dot(ds.astype(dtype), q_tile[...], preferred_element_type=jnp.float32)
+                else:
+                    dk = pl.run_state(dk_update)(plgpu.ACC.init(dk))
                 plgpu.barrier_arrive(free.at[slot])
                 return dk, dv
             # One pass: dQ[q block] += dS K, from dS^T staged in shared memory (the wgmma's left operand
@@ -171,7 +196,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
                 plgpu.wgmma(dk_ref, ds, q_tile)
                 plgpu.wgmma(dq_ref, plgpu.transpose_ref(ds_smem, (1, 0)), k_smem)
 
-            dk, dq = pl.run_state(dk_dq)((plgpu.ACC.init(dk), plgpu.ACC.init(_zeros(dq_smem.shape))))
+            dk, dq = pl.run_state(dk_dq)((plgpu.ACC.init(dk), plgpu.ACC.init(zeros(dq_smem.shape))))
             plgpu.barrier_arrive(free.at[slot])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous block's reduce has read dq_smem
             dq_smem[...] = dq
@@ -195,7 +220,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
             return lax.fori_loop(unmasked_hi, q_hi, functools.partial(step, g=g, masked=True), carry)
 
         shape = (block_kv, k_smem.shape[-1])
-        dk, dv = lax.fori_loop(0, group, head, (_zeros(shape), _zeros(shape)))
+        dk, dv = lax.fori_loop(0, group, head, (zeros(shape), zeros(shape)))
         # K and V of this warpgroup are read by its own wgmmas only, all waited for: reuse them for the output.
         k_smem[...] = (dk * scale).astype(dtype)
         v_smem[...] = dv.astype(dtype)
@@ -224,14 +249,16 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
                 plgpu.copy_gmem_to_smem(q_ids_ref.at[batch, queries], segments[0].at[slot], segments[2].at[slot])
 
         fill_ring(load, num_stages=num_stages, steps=total_steps)
+        if interpreting:
+            drain_ring(lambda slot: plgpu.barrier_wait(free.at[slot]), num_stages=num_stages, steps=total_steps)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, dq_ref,
                scoped, *, scale: float, band: masks.Band, kv_len: int, num_q_tiles: int, group: int,
-               config: HopperBwdConfig):
+               config: HopperBwdConfig, interpreting: bool):
     """Grid (batch, heads, q_tiles), 3 warpgroups ("wg"): 0 and 1 consume, 2 produces.
 
-    Shapes as in `_dkdv_kernel`; dq_ref like q_ref."""
+    Shapes and `interpreting` as in `_dkdv_kernel`; dq_ref like q_ref."""
     ((q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem), resident_ready, (k_ready, v_ready),
      (k_free, v_free), segments) = scoped
     has_segments = q_ids_ref is not None
@@ -243,6 +270,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv_i
                                                          num_kv_blocks=num_kv_blocks, kv_len=kv_len, band=band,
                                                          segment_ranges=kv_ranges_ref)
     wg = lax.axis_index("wg")
+    iota, zeros, load_vector = _register_ops(interpreting)
 
     @pl.when(wg < NUM_CONSUMERS)
     def _consumer():
@@ -260,11 +288,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv_i
         if has_segments:
             q_ids_smem, kv_ids_smem, q_ids_ready, kv_ids_ready = segments
             q_seg = load_own_ids(q_ids_ref, q_ids_smem, q_ids_ready, wg=wg, batch=batch, start=q_start,
-                                 size=block_q, layout=row)
+                                 size=block_q, layout=row, load=load_vector)
         for ready in resident_ready:
             plgpu.barrier_wait(ready.at[wg])
-        lse2 = _load(lse_smem2.at[wg], row)
-        delta = _load(delta_smem2.at[wg], row)
+        lse2 = load_vector(lse_smem2.at[wg], row)
+        delta = load_vector(delta_smem2.at[wg], row)
         c = scale * LOG2E
 
         def step(kv_step, dq, *, masked: bool):
@@ -277,17 +305,20 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv_i
                 plgpu.wgmma(dp_ref, do_smem, plgpu.transpose_ref(v_smem.at[slot], (1, 0)))
                 return s_ref[...], dp_ref[...]
 
-            s, dp = pl.run_scoped(s_dp, plgpu.ACC((block_q, block_kv), jnp.float32),
-                                  plgpu.ACC((block_q, block_kv), jnp.float32))
+            if interpreting:
+                s, dp = _dot_t(q_smem[...], k_smem.at[slot][...]), _dot_t(do_smem[...], v_smem.at[slot][...])
+            else:
+                s, dp = pl.run_scoped(s_dp, plgpu.ACC((block_q, block_kv), jnp.float32),
+                                      plgpu.ACC((block_q, block_kv), jnp.float32))
             plgpu.barrier_arrive(v_free.at[slot])
             p = jnp.exp2(s * c - lax.broadcast_in_dim(lse2, s.shape, [0]))
             kv_seg = None
             if has_segments:  # the block's ids ride with K (released at the end of this step); every step
                 plgpu.barrier_wait(kv_ids_ready.at[slot])  # waits (one wait per phase), masked ones read them
                 if masked:
-                    kv_seg = _load(kv_ids_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
+                    kv_seg = load_vector(kv_ids_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
             if masked:
-                visible = tile_visible(q_start + _iota(s.shape, 0), kv_step * block_kv + _iota(s.shape, 1),
+                visible = tile_visible(q_start + iota(s.shape, 0), kv_step * block_kv + iota(s.shape, 1),
                                        band=band, kv_len=kv_len if kv_len % block_kv else None, q_seg=q_seg,
                                        kv_seg=kv_seg, shape=s.shape, q_axis=0)
                 if visible is not None:  # None: traced for a loop that runs no iterations
@@ -297,7 +328,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv_i
             def dq_update(dq_ref):
                 plgpu.wgmma(dq_ref, ds.astype(dtype), k_smem.at[slot])
 
-            dq = pl.run_state(dq_update)(plgpu.ACC.init(dq))
+            if interpreting:
+                dq = dq + jnp.dot(ds.astype(dtype), k_smem.at[slot][...], preferred_element_type=jnp.float32)
+            else:
+                dq = pl.run_state(dq_update)(plgpu.ACC.init(dq))
             plgpu.barrier_arrive(k_free.at[slot])
             return dq
 
@@ -307,7 +341,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv_i
             lax.div(q_start, block_q), block_q=block_q, block_kv=block_kv, num_kv_blocks=num_kv_blocks,
             kv_len=kv_len, band=band, always_mask=False)
         unmasked_lo, unmasked_hi = unmasked_blocks(band_range, (kv_lo, kv_hi), same)
-        dq = _zeros((block_q, q_smem.shape[-1]))
+        dq = zeros((block_q, q_smem.shape[-1]))
         if band.left is not None or has_segments:  # else unmasked_lo == kv_lo: no leading edge (nor code for one)
             dq = lax.fori_loop(kv_lo, unmasked_lo, functools.partial(step, masked=True), dq)
         dq = lax.fori_loop(unmasked_lo, unmasked_hi, functools.partial(step, masked=False), dq)
@@ -325,6 +359,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv_i
         stream_kv_blocks((k_ref, v_ref), (k_smem, v_smem), (k_ready, v_ready), (k_free, v_free), batch=batch,
                          kv_head=lax.div(head, group), block_kv=block_kv, num_stages=num_stages, kv_lo=kv_lo,
                          kv_hi=kv_hi, kv_ids=ids)
+        if interpreting:
+            drain_ring(lambda slot: [plgpu.barrier_wait(free.at[slot]) for free in (k_free, v_free)],
+                       num_stages=num_stages, steps=kv_hi - kv_lo)
 
 
 def _segment_scratch(has_segments: bool, q_ids_shape, kv_ids_shape):
@@ -337,7 +374,7 @@ def _segment_scratch(has_segments: bool, q_ids_shape, kv_ids_shape):
 
 
 def _dkdv(q, k, v, d_out, lse2, delta, q_ids, kv_ids, *, scale: float, band: masks.Band, kv_len: int,
-          config: HopperBwdConfig):
+          config: HopperBwdConfig, interpret):
     """(dk, dv), and with config.dq_atomic also dq (float32, unscaled, [batch, q_pad, heads, d])."""
     batch, kv_pad, kv_heads, head_dim = k.shape
     block_q, block_kv, num_stages = config.block_q_dkv, config.block_kv_dkv, config.num_stages_dkv
@@ -356,7 +393,7 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_ids, kv_ids, *, scale: float, band: mas
                  plgpu.SMEM((NUM_CONSUMERS, block_q, head_dim), jnp.float32,
                             transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)))]
     body = functools.partial(_dkdv_kernel, scale=scale, band=band, kv_len=kv_len, group=q.shape[2] // kv_heads,
-                             config=config)
+                             config=config, interpreting=interpret is not None)
 
     def entry(*refs):
         inputs, rest = refs[:6], refs[6:]
@@ -380,18 +417,20 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_ids, kv_ids, *, scale: float, band: mas
     grid = dict(grid=(batch, kv_heads, kv_pad // (NUM_CONSUMERS * block_kv)),
                 grid_names=("batch", "kv_heads", "kv_tiles"), num_threads=NUM_CONSUMERS + 1, thread_name="wg")
     compiler_params = plgpu.CompilerParams(approx_math=True)
+    interpreter = {} if interpret is None else dict(interpret=interpret)
     if not config.dq_atomic:
-        return plgpu.kernel(entry, out_type=out_type, compiler_params=compiler_params, **grid)(*operands)
+        return plgpu.kernel(entry, out_type=out_type, compiler_params=compiler_params, **grid, **interpreter)(
+            *operands)
     # The dQ accumulator must start at zero and be written in place: a mutable array handed to the kernel
     # (plgpu.kernel's batching wrapper cannot carry one, so the mesh kernel is called directly).
     dq_acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
-    dk, dv = pl.kernel(entry, out_type=out_type, mesh=plgpu.Mesh(**grid), compiler_params=compiler_params)(
-        *operands, dq_acc)
+    dk, dv = pl.kernel(entry, out_type=out_type, mesh=plgpu.Mesh(**grid), compiler_params=compiler_params,
+                       **interpreter)(*operands, dq_acc)
     return dk, dv, dq_acc[...]
 
 
 def _dq(q, k, v, d_out, lse2, delta, q_ids, kv_ids, *, scale: float, band: masks.Band, kv_len: int,
-        config: HopperBwdConfig):
+        config: HopperBwdConfig, interpret):
     batch, q_pad, heads, head_dim = q.shape
     block_q, block_kv, num_stages = config.block_q_dq, config.block_kv_dq, config.num_stages_dq
     num_q_tiles = q_pad // (NUM_CONSUMERS * block_q)
@@ -410,7 +449,7 @@ def _dq(q, k, v, d_out, lse2, delta, q_ids, kv_ids, *, scale: float, band: masks
             plgpu.SMEM((num_stages, block_kv, head_dim), v.dtype, transforms=transforms),
         )
         body = functools.partial(_dq_kernel, scale=scale, band=band, kv_len=kv_len, num_q_tiles=num_q_tiles,
-                                 group=heads // k.shape[2], config=config)
+                                 group=heads // k.shape[2], config=config, interpreting=interpret is not None)
         pl.run_scoped(
             lambda *scoped: body(*inputs, *segment_refs, dq_ref, scoped),
             smem,
@@ -433,6 +472,7 @@ def _dq(q, k, v, d_out, lse2, delta, q_ids, kv_ids, *, scale: float, band: masks
         num_threads=NUM_CONSUMERS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
+        **({} if interpret is None else dict(interpret=interpret)),
     )(*operands)
 
 
@@ -445,16 +485,18 @@ def check_config(config: HopperBwdConfig, head_dim: int, itemsize: int = 2) -> N
                              f"{head_dim} (the limit is {H100_SHARED_MEMORY})")
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "is_causal", "local_window_size", "config"))
+@functools.partial(jax.jit, static_argnames=("scale", "is_causal", "local_window_size", "config", "interpret"))
 def hopper_backward(q, k, v, out, lse, d_out, d_lse, *, scale: float, is_causal: bool = False,
                     local_window_size=None, q_segment_ids=None, kv_segment_ids=None,
-                    config: HopperBwdConfig | None = None):
+                    config: HopperBwdConfig | None = None, interpret=None):
     """Gradients of attention on Hopper from the forward's residuals.
 
     q [batch, q_len, heads, head_dim], k/v [batch, kv_len, kv_heads, head_dim] (bf16/fp16), out like q,
     lse [batch, heads, q_len] float32 natural log; cotangents d_out like out and d_lse like lse (or None).
     The band and segment ids as in `hopper_fwd.hopper_forward` (the forward's own).
-    Returns (dq, dk, dv) shaped and typed like (q, k, v); dk/dv are summed over each kv head's group."""
+    Returns (dq, dk, dv) shaped and typed like (q, k, v); dk/dv are summed over each kv head's group.
+    `interpret`: None compiles for the GPU; an `InterpretGPUParams` runs the two-pass kernels in the Mosaic
+    GPU interpreter on CPU (as `hopper_forward`'s; not config.dq_atomic)."""
     band = masks.Band.of(is_causal, local_window_size)
     batch, q_len, heads, head_dim = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
@@ -465,6 +507,9 @@ def hopper_backward(q, k, v, out, lse, d_out, d_lse, *, scale: float, is_causal:
         raise ValueError(f"the Hopper backward takes head_dim <= {MAX_HEAD_DIM}, got {head_dim}")
     config = config or HopperBwdConfig.default(padded_dim)
     check_config(config, padded_dim, q.dtype.itemsize)
+    if config.dq_atomic and interpret is not None:
+        raise ValueError("the one-pass dq_atomic backward cannot run in the Mosaic GPU interpreter (JAX 0.10.2 "
+                         "has no mutable-array kernel argument nor TMA reduce-add there); use dq_atomic=False")
 
     # dL/dS = P * (dP - delta); a cotangent on the LSE output adds P * d_lse, i.e. delta -= d_lse.
     delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32))
@@ -485,7 +530,7 @@ def hopper_backward(q, k, v, out, lse, d_out, d_lse, *, scale: float, is_causal:
     delta = _pad_axis(delta, 2, q_pad)
     ids = masks.pad_segment_ids(q_segment_ids, kv_segment_ids, q_pad, kv_pad)
 
-    common = dict(scale=scale, band=band, kv_len=kv_len, config=config)
+    common = dict(scale=scale, band=band, kv_len=kv_len, config=config, interpret=interpret)
     if config.dq_atomic:
         dk, dv, dq = _dkdv(qp, kp, vp, dop, lse2, delta, *ids, **common)
         dq = (dq * scale).astype(q.dtype)
