@@ -38,7 +38,8 @@ def smem_vector_load(ref, layout):
 
 def mosaic_gpu_interpret_params(detect_races: bool = True):
     """Parameters that run a Mosaic GPU kernel in JAX's CPU interpreter (private in JAX 0.10-0.11), or None
-    where this JAX has no such interpreter."""
+    where this JAX has no such interpreter. On a machine with fewer than ~8 cores set the NPROC environment
+    variable to 8 or more before JAX starts, or kernels may hang at random (tests/conftest.py says why)."""
     try:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
     except ImportError:

@@ -133,6 +133,33 @@ def test_persistent_order_runs_every_tile_once_in_balanced_pairs(pairs, num_q_ti
     assert max(blocks) <= np.mean(blocks) + num_q_tiles + 1
 
 
+def run_in_mosaic_gpu_interpreter(shape, *, is_causal=False, window=None, num_stages=2, persistent=True,
+                                  q_ids=None, kv_ids=None):
+    """The Hopper forward on bf16 inputs in JAX's Mosaic GPU interpreter with race detection, checked against
+    the reference (zeros and lse = -inf where a row sees no key). Returns whether each row's lse is finite."""
+    from pallas_flash import _compat, masks
+    from pallas_flash.config import HopperConfig
+    from pallas_flash.kernels import hopper_fwd
+    params = _compat.mosaic_gpu_interpret_params(detect_races=True)
+    if params is None:
+        pytest.skip("this JAX has no Mosaic GPU interpreter")
+    q, k, v, _ = make_inputs(shape, jnp.bfloat16, seed=14)
+    ids = {} if q_ids is None else dict(q_segment_ids=jnp.asarray(q_ids, jnp.int32),
+                                       kv_segment_ids=jnp.asarray(kv_ids, jnp.int32))
+    out, lse = hopper_fwd.hopper_forward(q, k, v, scale=0.125, is_causal=is_causal, local_window_size=window,
+                                         config=HopperConfig(64, 64, num_stages, persistent), interpret=params,
+                                         **ids)
+    assert not _compat.mosaic_gpu_races_found()
+    ref_out, ref_lse = pf.attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)), scale=0.125,
+                                              band=masks.Band.of(is_causal, window), **ids)
+    assert_close(out, ref_out, jnp.bfloat16)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    finite = np.isfinite(np.asarray(ref_lse))
+    assert_close(np.where(finite, lse, 0.0), np.where(finite, ref_lse, 0.0), jnp.float32, what="lse")
+    np.testing.assert_array_equal(np.asarray(out)[~finite.transpose(0, 2, 1)], 0)
+    return finite
+
+
 @pytest.mark.parametrize("shape, is_causal, window, num_stages, persistent", [
     ((1, 200, 130, 2, 1, 64), False, None, 2, True),  # ragged keys: the masked tail block; 3 blocks a tile
     ((1, 130, 200, 2, 1, 64), True, None, 3, True),   # diagonal blocks, reversed tile order, 6 blocks a CTA
@@ -147,26 +174,51 @@ def test_hopper_forward_in_mosaic_gpu_interpreter(shape, is_causal, window, num_
     shared-memory tiles (`interpreting` in the kernel); everything else is the kernel that runs on the GPU.
     Persistent: two CTAs, each running several query tiles, whose K/V ring slots and barrier phases carry
     over from one tile to the next (block counts per tile that are not multiples of the ring depth catch a
-    ring that restarts per tile: it hangs or reads the wrong block).
-    (Calls with segment ids hang in JAX 0.10.2's interpreter, at the kernel's scalar reads of its block
-    ranges from global memory; they are tested on the GPU.)"""
-    from pallas_flash import _compat, masks
-    from pallas_flash.config import HopperConfig
-    from pallas_flash.kernels import hopper_fwd
-    params = _compat.mosaic_gpu_interpret_params(detect_races=True)
-    if params is None:
-        pytest.skip("this JAX has no Mosaic GPU interpreter")
-    q, k, v, _ = make_inputs(shape, jnp.bfloat16, seed=14)
-    out, lse = hopper_fwd.hopper_forward(q, k, v, scale=0.125, is_causal=is_causal, local_window_size=window,
-                                         config=HopperConfig(64, 64, num_stages, persistent), interpret=params)
-    assert not _compat.mosaic_gpu_races_found()
-    ref_out, ref_lse = pf.attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)), scale=0.125,
-                                              band=masks.Band.of(is_causal, window))
-    assert_close(out, ref_out, jnp.bfloat16)
-    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
-    finite = np.isfinite(np.asarray(ref_lse))
-    assert_close(np.where(finite, lse, 0.0), np.where(finite, ref_lse, 0.0), jnp.float32, what="lse")
+    ring that restarts per tile: it hangs or reads the wrong block). Segment ids: the sibling test below."""
+    finite = run_in_mosaic_gpu_interpreter(shape, is_causal=is_causal, window=window, num_stages=num_stages,
+                                           persistent=persistent)
     if window == (20, None):
+        assert (~finite).any(), "this case is meant to contain rows that see no key"
+
+
+def packed_ids(length: int, *starts: int):
+    """int32 [length] ids of documents packed back to back: id i from starts[i - 1] (sorted) on."""
+    return np.searchsorted(np.asarray(starts), np.arange(length), side="right").astype(np.int32)
+
+
+def _length_ids(lengths, length, padding_id):
+    from pallas_flash import masks
+    return masks.segments_from_lengths(None, jnp.asarray(lengths), length, padding_id)
+
+
+def _segment_case(name):
+    """(shape, is_causal, q_ids, kv_ids) of the segment-id cases; tiles are 128 query rows, key blocks 64."""
+    from pallas_flash import masks
+    if name == "packed":  # example 0: five documents, several per tile; 1: one document over tile 0's
+        ids = np.stack([packed_ids(150, 20, 37, 90, 101), packed_ids(150, 140)])  # keys 0-127 (unmasked run)
+        return (2, 150, 150, 1, 1, 64), False, ids, ids
+    if name == "lengths":  # per-example lengths as padding ids (as `api._segments` folds them); GQA
+        return ((2, 100, 150, 2, 1, 64), False, _length_ids([100, 37], 100, masks.QUERY_PADDING_ID),
+                _length_ids([60, 150], 150, masks.KEY_PADDING_ID))
+    if name == "no_key":  # document 9 has no keys: rows 80-89 of tile 0, and all of tile 1 (visits no block)
+        q_ids = packed_ids(256, 40, 100)
+        q_ids[80:90] = q_ids[128:] = 9
+        return (1, 256, 130, 1, 1, 64), False, q_ids[None], packed_ids(130, 40, 100)[None]
+    assert name == "causal"
+    ids = packed_ids(200, 20, 137)[None]
+    return (1, 200, 200, 2, 1, 64), True, ids, ids
+
+
+@pytest.mark.parametrize("name, num_stages, persistent", [
+    ("packed", 2, True), ("lengths", 2, False), ("no_key", 2, True), ("causal", 3, True)])
+def test_hopper_forward_segments_in_mosaic_gpu_interpreter(name, num_stages, persistent):
+    """Segment ids in the interpreter: the tile's block range from `segment_block_ranges` (read as scalars
+    from global memory), the key ids riding the K ring, the id mask, the unmasked same-segment run, rows
+    and whole tiles that see no key (zeros, lse = -inf), and segments under a causal band."""
+    shape, is_causal, q_ids, kv_ids = _segment_case(name)
+    finite = run_in_mosaic_gpu_interpreter(shape, is_causal=is_causal, num_stages=num_stages,
+                                           persistent=persistent, q_ids=q_ids, kv_ids=kv_ids)
+    if name in ("lengths", "no_key"):
         assert (~finite).any(), "this case is meant to contain rows that see no key"
 
 
