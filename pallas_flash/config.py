@@ -43,17 +43,23 @@ class HopperConfig:
             raise ValueError(f"HopperConfig.persistent must be a bool, got {self.persistent!r}")
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
-        q_tile = NUM_CONSUMERS * self.block_q * head_dim * itemsize
-        kv_ring = 2 * self.num_stages * self.block_kv * head_dim * itemsize
-        lse = NUM_CONSUMERS * self.block_q * 4
-        return q_tile * (2 if self.separate_out(head_dim, itemsize) else 1) + kv_ring + lse + _HOPPER_SMEM_SLACK
+        out_tile = self._q_tile_bytes(head_dim, itemsize) if self.separate_out(head_dim, itemsize) else 0
+        return self._smem_bytes_sharing_q(head_dim, itemsize) + out_tile
 
     def separate_out(self, head_dim: int, itemsize: int = 2) -> bool:
         """Whether the output tile gets its own shared memory (else it reuses Q's): a persistent CTA then
         loads the next tile's Q while it stores this one's output. Only where it fits (not at head_dim 256)."""
-        q_tile = NUM_CONSUMERS * self.block_q * head_dim * itemsize
-        shared = q_tile + 2 * self.num_stages * self.block_kv * head_dim * itemsize + NUM_CONSUMERS * self.block_q * 4
-        return self.persistent and shared + q_tile + _HOPPER_SMEM_SLACK <= H100_SHARED_MEMORY
+        with_out_tile = self._smem_bytes_sharing_q(head_dim, itemsize) + self._q_tile_bytes(head_dim, itemsize)
+        return self.persistent and with_out_tile <= H100_SHARED_MEMORY
+
+    def _q_tile_bytes(self, head_dim: int, itemsize: int) -> int:
+        return NUM_CONSUMERS * self.block_q * head_dim * itemsize
+
+    def _smem_bytes_sharing_q(self, head_dim: int, itemsize: int) -> int:
+        """Q (and the output in its place), the K/V ring, the lse staging and the barriers."""
+        kv_ring = 2 * self.num_stages * self.block_kv * head_dim * itemsize
+        lse = NUM_CONSUMERS * self.block_q * 4
+        return self._q_tile_bytes(head_dim, itemsize) + kv_ring + lse + _HOPPER_SMEM_SLACK
 
     @classmethod
     def default(cls, head_dim: int, kv_len: int | None = None, is_causal: bool = False) -> "HopperConfig":

@@ -250,7 +250,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
 
         fill_ring(load, num_stages=num_stages, steps=total_steps)
         if interpreting:
-            drain_ring(lambda slot: plgpu.barrier_wait(free.at[slot]), num_stages=num_stages, steps=total_steps)
+            drain_ring((free,), num_stages=num_stages, steps=total_steps)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, dq_ref,
@@ -360,8 +360,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv_i
                          kv_head=lax.div(head, group), block_kv=block_kv, num_stages=num_stages, kv_lo=kv_lo,
                          kv_hi=kv_hi, kv_ids=ids)
         if interpreting:
-            drain_ring(lambda slot: [plgpu.barrier_wait(free.at[slot]) for free in (k_free, v_free)],
-                       num_stages=num_stages, steps=kv_hi - kv_lo)
+            drain_ring((k_free, v_free), num_stages=num_stages, steps=kv_hi - kv_lo)
 
 
 def _segment_scratch(has_segments: bool, q_ids_shape, kv_ids_shape):

@@ -292,8 +292,7 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
 
         ring_steps = for_each_tile(num_tiles, stream_tile, 0)
         if interpreting:
-            drain_ring(lambda slot: [plgpu.barrier_wait(free.at[slot]) for free in (k_free, v_free)],
-                       num_stages=num_stages, steps=ring_steps)
+            drain_ring((k_free, v_free), num_stages=num_stages, steps=ring_steps)
 
 
 def for_each_tile(num_tiles, body, carry):
@@ -493,14 +492,15 @@ def fill_ring(load, *, num_stages: int, steps, done=0):
         load(step, lax.rem(done + step, num_stages), wait_free=True)
 
 
-def drain_ring(drain, *, num_stages: int, steps):
-    """`drain(slot)` for the slots of a ring's last `num_stages` of `steps` steps: a producer's wait for the
-    consumers to free them. The Mosaic GPU interpreter requires every thread to observe every phase of a
-    barrier it waits on; on the GPU the kernel ends without it."""
+def drain_ring(free, *, num_stages: int, steps):
+    """A producer's wait, on each of the ring's "free" barrier arrays `free`, for the consumers to free the
+    slots of the ring's last `num_stages` of `steps` steps. The Mosaic GPU interpreter requires every thread
+    to observe every phase of a barrier it waits on; on the GPU the kernel ends without it."""
 
     @pl.loop(jnp.maximum(steps - num_stages, 0), steps)
     def _drain(step):
-        drain(lax.rem(step, num_stages))
+        for barriers in free:
+            plgpu.barrier_wait(barriers.at[lax.rem(step, num_stages)])
 
 
 def _forward_padded(q, k, v, q_ids, kv_ids, *, scale: float, band: masks.Band, kv_len: int,
