@@ -4,12 +4,15 @@
 
 Times the jitted train step (forward, backward, AdamW update) of the `small` GPT at the given context with
 three attentions: "flash" (what the trainer runs), "dense" (XLA), and "none" (attention replaced by
-returning the values: the cost of everything but attention). Prints ms per step (median of 20 steps, each
-synchronised), tokens/s, and XLA's cost analysis of each compiled step (FLOPs, bytes accessed), so that
-flash/dense and the non-attention share can be read off one run.
+returning the values: the cost of everything but attention). Prints ms per step three ways: synchronised
+after each step (median and minimum of 20), queued back to back as the trainer runs them, and the host's
+dispatch time per call (if it is as long as a queued step, the step is bound by the host, not the GPU); then
+XLA's cost analysis (FLOPs, bytes accessed) and how many kernels the step launches. The summary's speed-up
+and shares are from the queued times.
 """
 import argparse
 import dataclasses
+import re
 import statistics
 import time
 
@@ -26,42 +29,71 @@ def values_only(query, key, value, **_):
     return value
 
 
-def time_step(cfg, attention, steps=20):
+def kernel_count(compiled) -> dict[str, int]:
+    """Instructions of the compiled step's entry computation that launch work: fusions, custom calls
+    (the Pallas kernels, cuBLAS, cuDNN) and the rest; a rough count of the kernels one step launches."""
+    text = compiled.as_text() or ""
+    entry = text[text.rfind("ENTRY"):]
+    counts = {"fusion": 0, "custom-call": 0, "other": 0}
+    for line in entry.splitlines()[1:]:
+        match = re.search(r"= [^ ]+ ([a-z-]+)\(", line)
+        if not match or match.group(1) in ("parameter", "get-tuple-element", "tuple", "bitcast", "constant"):
+            continue
+        counts[match.group(1) if match.group(1) in counts else "other"] += 1
+    return counts
+
+
+def time_step(cfg, attention, compiler_options, steps=20):
+    """Times the compiled step three ways: synchronised one by one, queued back to back (what the trainer
+    does between its log syncs), and the host's dispatch alone (how long a call takes to return)."""
     dataset = data_lib.make_dataset(cfg)
     graphdef, params, rest = init_model(cfg, attention)
     tx = make_optimizer(cfg)
     opt_state = tx.init(params)
     train_step, _ = make_steps(graphdef, tx)
     batch = dataset.train_batch(0)
-    compiled = train_step.lower(params, opt_state, rest, batch).compile()
+    compiled = train_step.lower(params, opt_state, rest, batch).compile(compiler_options or None)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    batches = [jax.device_put(dataset.train_batch(i)) for i in range(steps + 3)]
-    times = []
-    for i, b in enumerate(batches):
+    batches = [jax.device_put(dataset.train_batch(i)) for i in range(2 * steps + 3)]
+    synced = []
+    for i, b in enumerate(batches[:steps + 3]):
         start = time.perf_counter()
         params, opt_state, rest, metrics = compiled(params, opt_state, rest, b)
         jax.block_until_ready(metrics["loss"])
         if i >= 3:
-            times.append(time.perf_counter() - start)
-    ms = 1e3 * statistics.median(times)
+            synced.append(time.perf_counter() - start)
+    dispatch = []
+    start = time.perf_counter()
+    for b in batches[steps + 3:]:
+        call_start = time.perf_counter()
+        params, opt_state, rest, metrics = compiled(params, opt_state, rest, b)
+        dispatch.append(time.perf_counter() - call_start)
+    jax.block_until_ready((params, metrics))
+    queued_ms = 1e3 * (time.perf_counter() - start) / steps
+    ms = 1e3 * statistics.median(synced)
     tokens = cfg.batch_size * cfg.seq_len
     flops = (cost or {}).get("flops", float("nan"))
     bytes_accessed = (cost or {}).get("bytes accessed", float("nan"))
-    print(f"STEP attention={attention if isinstance(attention, str) else 'none'} seq={cfg.seq_len} "
-          f"batch={cfg.batch_size}: {ms:.2f} ms/step (min {1e3 * min(times):.2f}), {tokens / ms * 1e3:,.0f} tokens/s; "
-          f"XLA cost: {flops / 1e12:.2f} TFLOP, {bytes_accessed / 1e9:.2f} GB accessed", flush=True)
-    return ms
+    name = attention if isinstance(attention, str) else "none"
+    print(f"STEP attention={name} seq={cfg.seq_len} batch={cfg.batch_size}: synchronised {ms:.2f} ms/step "
+          f"(min {1e3 * min(synced):.2f}); queued {queued_ms:.2f} ms/step ({tokens / queued_ms * 1e3:,.0f} tokens/s); "
+          f"host dispatch {1e3 * statistics.median(dispatch):.2f} ms/call; XLA cost: {flops / 1e12:.2f} TFLOP, "
+          f"{bytes_accessed / 1e9:.2f} GB accessed; launches {kernel_count(compiled)}", flush=True)
+    return queued_ms
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--compiler-option", action="append", default=[], metavar="NAME=VALUE",
+                        help="an XLA option for the step's compilation, e.g. xla_gpu_graph_min_graph_size=1")
     args = parser.parse_args()
+    compiler_options = dict(option.split("=", 1) for option in args.compiler_option)
     cfg = dataclasses.replace(PRESETS["small"], seq_len=args.seq_len, batch_size=args.batch_size)
-    print("jax", jax.__version__, jax.devices()[0].device_kind, flush=True)
-    results = {name: time_step(cfg, attention) for name, attention in
+    print("jax", jax.__version__, jax.devices()[0].device_kind, "compiler options", compiler_options, flush=True)
+    results = {name: time_step(cfg, attention, compiler_options) for name, attention in
                (("flash", "flash"), ("dense", "dense"), ("none", values_only))}
     print(f"SUMMARY flash/dense speed-up {results['dense'] / results['flash']:.2f}x; without attention "
           f"{results['none']:.2f} ms: attention takes {results['flash'] - results['none']:.2f} ms (flash) and "
