@@ -8,10 +8,14 @@ returning the values: the cost of everything but attention). Prints ms per step 
 after each step (median and minimum of 20), queued back to back as the trainer runs them, and the host's
 dispatch time per call (if it is as long as a queued step, the step is bound by the host, not the GPU); then
 XLA's cost analysis (FLOPs, bytes accessed) and how many kernels the step launches. The summary's speed-up
-and shares are from the queued times.
+and shares are from the queued times. With --profile DIR, also the device's busy time per step and the
+kernels that take it, from a trace of 5 queued steps.
 """
 import argparse
 import dataclasses
+import gzip
+import json
+import pathlib
 import re
 import statistics
 import time
@@ -43,7 +47,34 @@ def kernel_count(compiled) -> dict[str, int]:
     return counts
 
 
-def time_step(cfg, attention, compiler_options, steps=20):
+def gpu_kernel_summary(trace_dir: str, steps: int, top: int = 12) -> str:
+    """The device's time per step from a perfetto trace: busy time, wall span, and the kernels that take
+    the most of it (name, ms per step, share of busy time)."""
+    path = sorted(pathlib.Path(trace_dir).glob("**/perfetto_trace.json.gz"))[-1]
+    events = json.load(gzip.open(path))["traceEvents"]
+    devices = {e["pid"] for e in events if e.get("name") == "process_name"
+               and e["args"]["name"].startswith("/device:GPU")}
+    kernels = [e for e in events if e.get("ph") == "X" and e["pid"] in devices]
+    if not kernels:
+        names = sorted({e["args"]["name"] for e in events if e.get("name") == "process_name"})
+        return f"no device events in the trace; its processes: {names}"
+    by_name: dict[str, float] = {}
+    for e in kernels:
+        by_name[e["name"]] = by_name.get(e["name"], 0.0) + e["dur"]
+    busy, end = 0.0, -1.0
+    for e in sorted(kernels, key=lambda e: e["ts"]):  # the union of the kernels' intervals
+        start, stop = e["ts"], e["ts"] + e["dur"]
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    span = end - min(e["ts"] for e in kernels)
+    lines = [f"device busy {busy / steps / 1e3:.2f} ms/step of a {span / steps / 1e3:.2f} ms/step span, "
+             f"{len(kernels) / steps:.0f} kernels/step"]
+    for name, total in sorted(by_name.items(), key=lambda item: -item[1])[:top]:
+        lines.append(f"  {total / steps / 1e3:7.3f} ms/step {100 * total / busy:5.1f}%  {name[:110]}")
+    return "\n".join(lines)
+
+
+def time_step(cfg, attention, compiler_options, steps=20, profile_dir=None):
     """Times the compiled step three ways: synchronised one by one, queued back to back (what the trainer
     does between its log syncs), and the host's dispatch alone (how long a call takes to return)."""
     dataset = data_lib.make_dataset(cfg)
@@ -71,6 +102,15 @@ def time_step(cfg, attention, compiler_options, steps=20):
         dispatch.append(time.perf_counter() - call_start)
     jax.block_until_ready((params, metrics))
     queued_ms = 1e3 * (time.perf_counter() - start) / steps
+    summary = ""
+    if profile_dir:
+        profiled = 5
+        trace_dir = f"{profile_dir}/{attention if isinstance(attention, str) else 'none'}"
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            for b in batches[:profiled]:
+                params, opt_state, rest, metrics = compiled(params, opt_state, rest, b)
+            jax.block_until_ready((params, metrics))
+        summary = "\n" + gpu_kernel_summary(trace_dir, profiled)
     ms = 1e3 * statistics.median(synced)
     tokens = cfg.batch_size * cfg.seq_len
     flops = (cost or {}).get("flops", float("nan"))
@@ -79,7 +119,7 @@ def time_step(cfg, attention, compiler_options, steps=20):
     print(f"STEP attention={name} seq={cfg.seq_len} batch={cfg.batch_size}: synchronised {ms:.2f} ms/step "
           f"(min {1e3 * min(synced):.2f}); queued {queued_ms:.2f} ms/step ({tokens / queued_ms * 1e3:,.0f} tokens/s); "
           f"host dispatch {1e3 * statistics.median(dispatch):.2f} ms/call; XLA cost: {flops / 1e12:.2f} TFLOP, "
-          f"{bytes_accessed / 1e9:.2f} GB accessed; launches {kernel_count(compiled)}", flush=True)
+          f"{bytes_accessed / 1e9:.2f} GB accessed; launches {kernel_count(compiled)}{summary}", flush=True)
     return queued_ms
 
 
@@ -89,11 +129,13 @@ def main():
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--compiler-option", action="append", default=[], metavar="NAME=VALUE",
                         help="an XLA option for the step's compilation, e.g. xla_gpu_graph_min_graph_size=1")
+    parser.add_argument("--profile", metavar="DIR", help="also trace 5 queued steps of each into DIR and print "
+                        "the device's busy time and top kernels")
     args = parser.parse_args()
     compiler_options = dict(option.split("=", 1) for option in args.compiler_option)
     cfg = dataclasses.replace(PRESETS["small"], seq_len=args.seq_len, batch_size=args.batch_size)
     print("jax", jax.__version__, jax.devices()[0].device_kind, "compiler options", compiler_options, flush=True)
-    results = {name: time_step(cfg, attention, compiler_options) for name, attention in
+    results = {name: time_step(cfg, attention, compiler_options, profile_dir=args.profile) for name, attention in
                (("flash", "flash"), ("dense", "dense"), ("none", values_only))}
     print(f"SUMMARY flash/dense speed-up {results['dense'] / results['flash']:.2f}x; without attention "
           f"{results['none']:.2f} ms: attention takes {results['flash'] - results['none']:.2f} ms (flash) and "
