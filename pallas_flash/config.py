@@ -101,9 +101,11 @@ class HopperBwdConfig:
       dq_atomic: one pass instead of two: the dK/dV kernel also computes each query block's dS K and adds it
         into a float32 dQ buffer with TMA reduce-adds (5 matmuls per tile instead of 7). The order of those
         float32 additions varies from run to run, so dQ is not bitwise deterministic, and the kernel cannot
-        be batched by `jax.vmap` (it writes into a mutable array). Measured slower than the two passes on
-        the H100 (pallas_flash/kernels/NOTES.md). False (the default) keeps the deterministic separate dQ
-        pass; the block_*_dq / num_stages_dq fields apply to it only.
+        be batched by `jax.vmap` (it writes into a mutable array). At head_dim 64 it needs block_q_dkv >= 128
+        (`hopper_bwd.dq_split`). Its first version measured slower than the two passes on the H100; the
+        current one (FA3's split of dQ between the consumers) is not yet measured (pallas_flash/kernels/
+        NOTES.md). False (the default) keeps the deterministic separate dQ pass; the block_*_dq /
+        num_stages_dq fields apply to it only.
     """
 
     block_q_dkv: int = 64
@@ -132,8 +134,9 @@ class HopperBwdConfig:
         k_and_v = 2 * NUM_CONSUMERS * self.block_kv_dkv * head_dim * itemsize
         ring = self.num_stages_dkv * (2 * self.block_q_dkv * head_dim * itemsize + 2 * self.block_q_dkv * 4)
         staging = 0
-        if self.dq_atomic:  # per consumer: dS^T, and dQ's float32 partial
-            staging = NUM_CONSUMERS * self.block_q_dkv * (self.block_kv_dkv * itemsize + head_dim * 4)
+        if self.dq_atomic:  # both consumers' dS^T in one tile; two slots of dQ's float32 [block_q, D] in halves
+            staging = (NUM_CONSUMERS * self.block_kv_dkv * self.block_q_dkv * itemsize
+                       + 2 * self.block_q_dkv * head_dim * 4)
         return k_and_v + ring + staging + _HOPPER_SMEM_SLACK
 
     def smem_bytes_dq(self, head_dim: int, itemsize: int = 2) -> int:

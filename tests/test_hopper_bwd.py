@@ -49,6 +49,18 @@ def test_default_tiles_fit_shared_memory(head_dim):
     hopper_bwd.check_config(config, head_dim)
     with pytest.raises(ValueError, match="shared memory"):
         hopper_bwd.check_config(dataclasses.replace(config, num_stages_dkv=8), head_dim)
+    one_pass = dataclasses.replace(config, dq_atomic=True)  # its dS^T tile and dQ staging slots fit beside
+    hopper_bwd.check_config(one_pass, head_dim)
+    with pytest.raises(ValueError, match="shared memory"):
+        hopper_bwd.check_config(dataclasses.replace(one_pass, num_stages_dkv=3), head_dim)
+
+
+def test_one_pass_needs_a_dq_split():
+    """At head_dim 64 the consumers split dQ by query rows (half a head_dim is not a whole 64-column swizzle
+    tile), which needs block_q_dkv >= 128."""
+    assert hopper_bwd.dq_split(128, 64) == "columns" and hopper_bwd.dq_split(64, 128) == "rows"
+    with pytest.raises(ValueError, match="block_q_dkv >= 128"):
+        hopper_bwd.check_config(HopperBwdConfig(block_q_dkv=64, dq_atomic=True), 64)
 
 
 def test_head_dim_256_is_refused():
@@ -76,6 +88,25 @@ def test_lowers_for_gpu(shape, dtype, is_causal, dq_atomic):
     text = jax.jit(backward).trace(q, k, v, q, lse, d_out, d_lse).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("stablehlo.custom_call @mosaic_gpu") == (1 if dq_atomic else 2)
     assert ("cp.reduce.async.bulk.tensor" in text) == dq_atomic
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_one_pass_lowers_for_gpu(head_dim, is_causal, dtype):
+    """The one-pass kernel (shared dS^T tile, each consumer's share of dQ from all keys: columns at head_dim
+    128, query rows at 64; two dQ staging slots) goes through Mosaic GPU's lowering: ragged, GQA."""
+    q = jax.ShapeDtypeStruct((1, 200, 4, head_dim), dtype)
+    k = jax.ShapeDtypeStruct((1, 333, 2, head_dim), dtype)
+    lse = jax.ShapeDtypeStruct((1, 4, 200), jnp.float32)
+    config = dataclasses.replace(HopperBwdConfig.default(head_dim), dq_atomic=True)
+
+    def backward(*args):
+        return hopper_bwd.hopper_backward(*args, scale=0.125, is_causal=is_causal, config=config)
+
+    text = jax.jit(backward).trace(q, k, k, q, lse, q, lse).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+    assert "cp.reduce.async.bulk.tensor" in text
 
 
 @pytest.mark.parametrize("dq_atomic", [False, True])

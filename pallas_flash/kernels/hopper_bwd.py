@@ -69,6 +69,29 @@ def _transforms():
     return (plgpu.TilingTransform((8, HEAD_DIM_TILE)), plgpu.SwizzleTransform(128))
 
 
+def dq_split(head_dim: int, block_q: int) -> str | None:
+    """How the one-pass kernel's two consumers share a query block's dQ = dS K (`HopperBwdConfig.dq_atomic`):
+    "columns", each half of head_dim from all 2 block_kv keys (FA3's split), where half of head_dim is whole
+    64-column tiles of the 128-byte swizzle (head_dim 128); else "rows", each half of the block's queries,
+    where that half is a whole wgmma M of 64 (block_q >= 128); else None (not supported)."""
+    if head_dim // NUM_CONSUMERS % HEAD_DIM_TILE == 0:
+        return "columns"
+    if block_q // NUM_CONSUMERS % 64 == 0:
+        return "rows"
+    return None
+
+
+def _dq_split(ds_t_smem, k_smem, wg):
+    """Warpgroup wg's share of dQ = (dS^T)^T K (`dq_split`): (its columns of the shared dS^T tile, its columns
+    of the shared K tile, its dQ rows and columns within the query block)."""
+    (_, block_q), head_dim = ds_t_smem.shape, k_smem.shape[-1]
+    if dq_split(head_dim, block_q) == "columns":
+        cols = pl.ds(wg * (head_dim // NUM_CONSUMERS), head_dim // NUM_CONSUMERS)
+        return ds_t_smem, k_smem.at[:, cols], pl.ds(0, block_q), cols
+    rows = pl.ds(wg * (block_q // NUM_CONSUMERS), block_q // NUM_CONSUMERS)
+    return ds_t_smem.at[:, rows], k_smem, rows, pl.ds(0, head_dim)
+
+
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv_ids_ref, q_ranges_ref,
                  dq_acc_ref, dk_ref, dv_ref, scoped, *, scale: float, band: masks.Band, kv_len: int, group: int,
                  config: HopperBwdConfig, interpreting: bool):
@@ -85,7 +108,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
     dq_acc_ref: None, or (config.dq_atomic) a float32 [batch, q_pad, heads, d] buffer of zeros that each
     query block's dS K is reduce-added into by TMA (unscaled)."""
     ((k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, *dq_staging), (k_ready, v_ready),
-     (q_ready, do_ready, lse_ready, delta_ready), free, segments) = scoped
+     (q_ready, do_ready, lse_ready, delta_ready), free, segments, *ds_barriers) = scoped
     has_segments = q_ids_ref is not None
     block_q, block_kv, num_stages = config.block_q_dkv, config.block_kv_dkv, config.num_stages_dkv
     num_q_blocks = q_ref.shape[1] // block_q
@@ -116,7 +139,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
     @pl.when(wg < NUM_CONSUMERS)
     def _consumer():
         plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-        k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+        v_smem = v_smem2.at[wg]
+        # One pass: K of both warpgroups is one [2 block_kv, D] tile (each dQ wgmma reads all of it).
+        k_smem = k_smem2.at[wg] if dq_acc_ref is None else k_smem2.at[pl.ds(wg * block_kv, block_kv)]
         kv_start = tile_start + wg * block_kv
         rows = (batch, pl.ds(kv_start, block_kv), kv_head)
         plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, k_ready.at[wg])
@@ -127,7 +152,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
             q_ids_smem, kv_ids_smem, q_ids_ready, kv_ids_ready = segments
             kv_seg = load_own_ids(kv_ids_ref, kv_ids_smem, kv_ids_ready, wg=wg, batch=batch, start=kv_start,
                                   size=block_kv, layout=plgpu.Layout.WGMMA.reduce(1), load=load_vector)
-        plgpu.barrier_wait(k_ready.at[wg])
+        if dq_acc_ref is None:
+            plgpu.barrier_wait(k_ready.at[wg])
+        else:  # this warpgroup's dQ wgmmas read the other's keys too
+            for i in range(NUM_CONSUMERS):
+                plgpu.barrier_wait(k_ready.at[i])
         plgpu.barrier_wait(v_ready.at[wg])
         c = scale * LOG2E  # exp(scale * s - lse) = exp2(c * s - lse2)
 
@@ -184,25 +213,47 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
                     dk = pl.run_state(dk_update)(plgpu.ACC.init(dk))
                 plgpu.barrier_arrive(free.at[slot])
                 return dk, dv
-            # One pass: dQ[q block] += dS K, from dS^T staged in shared memory (the wgmma's left operand
-            # must be [queries, keys]: the transposed view of the staged tile).
-            ds_smem, dq_smem = dq_staging[0].at[wg], dq_staging[1].at[wg]
+            # One pass, FA3's split: both warpgroups' dS^T halves go to one shared [2 block_kv, block_q] tile,
+            # and each warpgroup computes half of dQ[q block] = dS K from all 2 block_kv keys (half the
+            # columns, or at head_dim 64 half the query rows: see `_dq_split`), reduce-added by TMA (unscaled).
+            # The dS^T tile is reused every step. Before overwriting it at step t a warpgroup waits on
+            # `ds_free` for step t-1's phase, completed by both warpgroups' arrivals after their step t-1 dQ
+            # wgmma returned (pl.run_state waits for the wgmma group), i.e. after the last reads of the
+            # tile; every phase is waited once (at the next step, or after the loop for the last one).
+            # `ds_ready` (two arrivals, each after its half's store and commit_smem) orders the stores before
+            # the other warpgroup's dQ wgmma.
+            ds_ready, ds_free = ds_barriers
+            ds_t_smem, dq_staging_smem = dq_staging
+            t = g * q_steps + q_block - q_lo
             ds = ds.astype(dtype)
-            ds_smem[...] = ds
-            plgpu.commit_smem()
 
-            def dk_dq(refs):  # one wgmma group: a single wait for both
+            @pl.when(t > 0)
+            def _():
+                plgpu.barrier_wait(ds_free)
+
+            ds_t_smem.at[pl.ds(wg * block_kv, block_kv)][...] = ds
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(ds_ready)
+            ds_operand, k_operand, dq_rows, dq_cols = _dq_split(ds_t_smem, k_smem2, wg)
+
+            def dk_dq(refs):  # one wgmma group: dK's is issued before the wait for the other half of dS^T
                 dk_ref, dq_ref = refs
                 plgpu.wgmma(dk_ref, ds, q_tile)
-                plgpu.wgmma(dq_ref, plgpu.transpose_ref(ds_smem, (1, 0)), k_smem)
+                plgpu.barrier_wait(ds_ready)
+                plgpu.wgmma(dq_ref, plgpu.transpose_ref(ds_operand, (1, 0)), k_operand)
 
+            dq_smem = dq_staging_smem.at[lax.rem(t, 2), wg]
             dk, dq = pl.run_state(dk_dq)((plgpu.ACC.init(dk), plgpu.ACC.init(zeros(dq_smem.shape))))
+            plgpu.barrier_arrive(ds_free)
             plgpu.barrier_arrive(free.at[slot])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous block's reduce has read dq_smem
+            # Two staging slots per warpgroup, one store (its own bulk group) per step: once at most one is in
+            # flight (step t-1's), step t-2's has read this slot.
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
             dq_smem[...] = dq
             plgpu.commit_smem()
-            q_rows = (batch, pl.ds(q_block * block_q, block_q), kv_head * group + g)
-            plgpu.copy_smem_to_gmem(dq_smem, dq_acc_ref.at[q_rows], reduction_op="add")
+            q_rows = pl.ds(q_block * block_q + dq_rows.start, dq_rows.size)
+            plgpu.copy_smem_to_gmem(dq_smem, dq_acc_ref.at[batch, q_rows, kv_head * group + g, dq_cols],
+                                    reduction_op="add")
             return dk, dv
 
         # Query blocks that see every key of this warpgroup (in its band and, with segment ids, in the tile's
@@ -221,7 +272,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
 
         shape = (block_kv, k_smem.shape[-1])
         dk, dv = lax.fori_loop(0, group, head, (zeros(shape), zeros(shape)))
-        # K and V of this warpgroup are read by its own wgmmas only, all waited for: reuse them for the output.
+        if dq_acc_ref is not None:
+            @pl.when(total_steps > 0)
+            def _():  # the last step's phase: the other warpgroup's last dQ wgmma has read this K
+                plgpu.barrier_wait(ds_barriers[1])
+        # K and V of this warpgroup are read by wgmmas that have all returned: reuse them for the output.
         k_smem[...] = (dk * scale).astype(dtype)
         v_smem[...] = dv.astype(dtype)
         plgpu.commit_smem()
@@ -379,18 +434,26 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_ids, kv_ids, *, scale: float, band: mas
     block_q, block_kv, num_stages = config.block_q_dkv, config.block_kv_dkv, config.num_stages_dkv
     has_segments = q_ids is not None
     transforms = _transforms()
+    # One pass: K as one [2 block_kv, D] tile, since each dQ wgmma reads both warpgroups' keys.
+    k_shape = (NUM_CONSUMERS * block_kv, head_dim) if config.dq_atomic else (NUM_CONSUMERS, block_kv, head_dim)
     smem = [
-        plgpu.SMEM((NUM_CONSUMERS, block_kv, head_dim), k.dtype, transforms=transforms),
+        plgpu.SMEM(k_shape, k.dtype, transforms=transforms),
         plgpu.SMEM((NUM_CONSUMERS, block_kv, head_dim), v.dtype, transforms=transforms),
         plgpu.SMEM((num_stages, block_q, head_dim), q.dtype, transforms=transforms),
         plgpu.SMEM((num_stages, block_q, head_dim), d_out.dtype, transforms=transforms),
         plgpu.SMEM((num_stages, block_q), jnp.float32),
         plgpu.SMEM((num_stages, block_q), jnp.float32),
     ]
-    if config.dq_atomic:  # per consumer: dS^T for the dQ wgmma, and dQ's float32 partial for the TMA reduce
-        smem += [plgpu.SMEM((NUM_CONSUMERS, block_kv, block_q), q.dtype, transforms=transforms),
-                 plgpu.SMEM((NUM_CONSUMERS, block_q, head_dim), jnp.float32,
+    extra_barriers = ()
+    if config.dq_atomic:
+        # Both consumers' dS^T in one tile; per (step parity, consumer) its float32 share of dQ for the TMA
+        # reduce; two-arrival barriers: that tile written (`ds_ready`), and read by both dQ wgmmas (`ds_free`).
+        rows, cols = ((block_q, head_dim // NUM_CONSUMERS) if dq_split(head_dim, block_q) == "columns"
+                      else (block_q // NUM_CONSUMERS, head_dim))
+        smem += [plgpu.SMEM((NUM_CONSUMERS * block_kv, block_q), q.dtype, transforms=transforms),
+                 plgpu.SMEM((2, NUM_CONSUMERS, rows, cols), jnp.float32,
                             transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)))]
+        extra_barriers = (plgpu.Barrier(num_arrivals=NUM_CONSUMERS),) * 2
     body = functools.partial(_dkdv_kernel, scale=scale, band=band, kv_len=kv_len, group=q.shape[2] // kv_heads,
                              config=config, interpreting=interpret is not None)
 
@@ -405,6 +468,7 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_ids, kv_ids, *, scale: float, band: mas
             (plgpu.Barrier(num_barriers=num_stages),) * 4,
             plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=num_stages),
             _segment_scratch(has_segments, (num_stages, block_q), (NUM_CONSUMERS, block_kv)),
+            *extra_barriers,
             collective_axes="wg",
         )
 
@@ -476,7 +540,11 @@ def _dq(q, k, v, d_out, lse2, delta, q_ids, kv_ids, *, scale: float, band: masks
 
 
 def check_config(config: HopperBwdConfig, head_dim: int, itemsize: int = 2) -> None:
-    """Raises ValueError if the tiles do not fit an H100's shared memory at this (padded) head_dim."""
+    """Raises ValueError if the tiles do not fit an H100's shared memory at this (padded) head_dim, or if the
+    one-pass kernel cannot split dQ between its consumers (`dq_split`)."""
+    if config.dq_atomic and dq_split(head_dim, config.block_q_dkv) is None:
+        raise ValueError(f"{config}: the one-pass dq_atomic backward at head_dim {head_dim} needs block_q_dkv >= 128 "
+                         f"(each consumer computes dQ for half of a query block), got {config.block_q_dkv}")
     for name, needed in (("dK/dV", config.smem_bytes_dkv(head_dim, itemsize)),
                          ("dQ", config.smem_bytes_dq(head_dim, itemsize))):
         if needed > H100_SHARED_MEMORY:
