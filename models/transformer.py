@@ -23,6 +23,12 @@ MLPS = ("swiglu", "gelu")
 ATTENTIONS = ("flash", "dense")
 ROPE_BASE = 10_000.0
 INIT_STD = 0.02  # GPT-2's initialiser; residual projections are further scaled by 1/sqrt(2 * num_layers)
+# Vocabularies up to this size look tokens up by a one-hot matmul, not a gather. A gather's gradient is a
+# scatter-add, and on a GPU a scatter-add with many repeats of few tokens (bytes of text: spaces, "e") is
+# serialised by atomics on the same rows: on the H100 it took 41-76 ms of a 47-91 ms step of the trainer's
+# `small` GPT (byte vocabulary, bf16), ten times its flash attention
+# (benchmarks/results/2026-11-23-h100/train_step/). The matmul's gradient is a matmul: well under 1 ms there.
+ONE_HOT_MAX_VOCAB = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,6 +215,19 @@ def _checkpointed(block: Block, x, mask, *, deterministic: bool):
     return x
 
 
+def lookup_rows(table: jax.Array, tokens: jax.Array, dtype) -> jax.Array:
+    """table [vocab, dim], tokens int [...] -> table[tokens] in `dtype`, exactly as `nnx.Embed` gives them
+    (one term per output): by a one-hot matmul for vocabularies up to ONE_HOT_MAX_VOCAB (why: there), else
+    by a gather of the table in its own dtype, so the gradient's scatter-add is not in a 16-bit dtype."""
+    vocab = table.shape[0]
+    if vocab <= ONE_HOT_MAX_VOCAB:
+        # In the table's dtype at full precision: the rows come out exact, and the gradient (a matmul of the
+        # one-hot and the cotangents) is summed and returned in that dtype, not rounded to a 16-bit one.
+        one_hot = jax.nn.one_hot(tokens, vocab, dtype=table.dtype)
+        return jnp.einsum("...v,vd->...d", one_hot, table, precision=jax.lax.Precision.HIGHEST).astype(dtype)
+    return jnp.take(table, tokens, axis=0).astype(dtype)
+
+
 class TiedTokenModel(nnx.Module):
     """Token embedding, a stack of blocks, a final norm and the tied output embedding: the body GPT and the
     encoder share. Subclasses decide causality and the mask."""
@@ -222,13 +241,17 @@ class TiedTokenModel(nnx.Module):
         self.stack = Stack(config, is_causal=is_causal, rngs=rngs)
         self.norm = norm_layer(config, rngs=rngs)
 
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """tokens int [batch, seq] -> embeddings [batch, seq, embed_dim] in the compute dtype."""
+        return lookup_rows(self.embed.embedding[...], tokens, jnp.dtype(self.config.dtype))
+
     def logits(self, tokens: jax.Array, mask: jax.Array | None, *, deterministic: bool) -> jax.Array:
         """tokens int [batch, seq] -> logits float32 [batch, seq, vocab_size]."""
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
         if tokens.shape[1] > self.config.max_seq_len:
             raise ValueError(f"tokens have seq {tokens.shape[1]} > max_seq_len {self.config.max_seq_len}")
-        x = self.dropout(self.embed(tokens), deterministic=deterministic)
+        x = self.dropout(self.embed_tokens(tokens), deterministic=deterministic)
         x = self.norm(self.stack(x, mask, deterministic=deterministic))
         # Tied output embedding, in float32: logits feed a softmax over the whole vocabulary.
         table = self.embed.embedding[...].astype(jnp.float32)

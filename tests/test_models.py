@@ -82,6 +82,28 @@ def test_flash_matches_dense(case, dtype):
     assert _relative(grads_f, grads_d) <= GRADIENT[key] * 2, "parameter gradients"
 
 
+@pytest.mark.parametrize("lookup", ["one_hot", "gather"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_token_lookup_is_the_tables_rows(lookup, dtype, monkeypatch):
+    """Both lookups give exactly nnx.Embed's rows, and the table's gradient sums each token's cotangents."""
+    from models import transformer
+    if lookup == "gather":
+        monkeypatch.setattr(transformer, "ONE_HOT_MAX_VOCAB", 0)
+    model = _build(gpt.GPT, gpt.PRESETS["tiny"], "flash", dtype)
+    tokens = _tokens(7)  # 48 tokens over 7 ids: every row repeats
+    ours = model.embed_tokens(tokens)
+    assert ours.dtype == jnp.dtype(dtype)
+    np.testing.assert_array_equal(np.asarray(ours, np.float32), np.asarray(model.embed(tokens), np.float32))
+    table = model.embed.embedding[...]
+    cotangent = jax.random.normal(jax.random.key(2), ours.shape)
+    got = jax.grad(lambda t: jnp.sum(transformer.lookup_rows(t, tokens, jnp.dtype(dtype)) * cotangent))(table)
+    expected = np.zeros(table.shape)
+    np.add.at(expected, np.asarray(tokens).ravel(),
+              np.asarray(cotangent.astype(dtype), np.float64).reshape(-1, table.shape[1]))
+    assert np.abs(np.asarray(got, np.float64)[7:]).max() == 0.0, "rows of unused tokens got a gradient"
+    np.testing.assert_allclose(np.asarray(got, np.float64), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_padding_is_hidden():
     """Changing padded tokens changes nothing at real positions (so the mask reaches the attention)."""
     _, cfg, _ = CASES["encoder_padded"]
