@@ -2,18 +2,19 @@
 # Issue 4's results on one GPU (H100), in three parts that each fit a 10-minute call:
 #   speed:  flash vs dense on the stdlib corpus at 4k context, same seed and data order: loss curves,
 #           tokens/s, memory, and the longest context each trains at (doubling until out of memory, flash
-#           up to 262,144); about 5 minutes;
+#           up to 262,144); 5-7 minutes (run 8, train/results/2026-11-23-h100-run8-speed, passed 300 s in
+#           dense's search);
 #   agree:  the same flash vs dense run with seeds 1 and 2, no context search: GPU training is not bitwise
 #           reproducible (one attention's final val loss, same code and seed, varied by 0.07-0.09 nats over
-#           runs 1-4), so "the curves agree" is judged per seed against the spread between seeds
-#           (train/report.py, seed_paired_verdict); about 2 x 1 minute;
+#           runs 1-4, and by 0.022 between two flash runs of run 7 without the embedding's scatter-add), so "the
+#           curves agree" is judged per seed against the spread between seeds (train/report.py,
+#           seed_paired_verdict); about 2 x 1 minute;
 #   recall: the associative-recall task (the `long` preset: 4,096-token documents of sparse key-value facts,
 #           a key's showings ~512 tokens apart; train/data.py) trained at 1k and at 4k context on the same
 #           tokens: validation loss, and accuracy on values whose key was last shown more than 1k tokens back
-#           (a 1-in-16 guess without it); about 2 x 3 minutes: 1,000 steps at the ~230-240k tokens/s measured
-#           on the H100 are ~145 s, plus ~30 s of start-up, compilation and evaluation, under a 240 s limit each
-#           (run 5, train/results/2026-11-23-h100-run5-recall, hit 180 s limits at step ~1,030-1,100 of the
-#           3,500 steps the preset had then). The same comparison 8x smaller learned on CPU
+#           (a 1-in-16 guess without it); about 2 x 40 s on the H100 since the one-hot token lookup (run 7,
+#           train/results/2026-11-23-h100-run7-onehot: 8.4-9.5M tokens/s; it was ~240k with the gather's
+#           scatter-add gradient), under a 240 s limit each. The same comparison 8x smaller learned on CPU
 #           (train/results/2026-11-23-cpu-recall).
 # Usage: bash train/gpu_experiments.sh [OUT_DIR] [speed|agree|recall|all]   (default: $OUT, else
 #        train/results/<date>; all = speed, agree, recall in that order). The summary is rebuilt from
@@ -42,10 +43,10 @@ run() {  # run NAME TIME_LIMIT_S ARGS...: one training run, logged; a failure do
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT_DIR/logs/gpu.csv" 2>&1
 if [[ $PART == speed || $PART == all ]]; then
-  run small_both 300 --preset small --attention both
+  run small_both 420 --preset small --attention both
 fi
 if [[ $PART == agree || $PART == all ]]; then
-  # ~25 s compile + flash, ~40 s dense on the H100; speed's small_both is seed 0.
+  # ~30 s compile + flash, ~25 s dense on the H100; speed's small_both is seed 0.
   for seed in 1 2; do
     run "small_both_seed$seed" 200 --preset small --attention both --max_context 0 --seed "$seed"
   done
