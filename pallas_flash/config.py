@@ -145,13 +145,16 @@ class HopperBwdConfig:
         return q_and_do + ring + _HOPPER_SMEM_SLACK
 
     @classmethod
-    def default(cls, head_dim: int) -> "HopperBwdConfig":
+    def default(cls, head_dim: int, deterministic: bool = True) -> "HopperBwdConfig":
         """Per padded head_dim (a multiple of 64), from the H100 tile sweep of 2026-11-23 (pallas_flash/kernels/
         NOTES.md, "Hopper backward"): 2-stage rings beat 3 (3-5% at head_dim 128, 1-2% at 64); 128-query
-        Q/dO blocks in the dK/dV kernel only where head_dim 64 leaves the registers for them."""
+        Q/dO blocks in the dK/dV kernel only where head_dim 64 leaves the registers for them.
+        deterministic=False: the one-pass backward (dq_atomic) where it measured faster than the two passes
+        on the H100: head_dim 64 (fwd+bwd 1.04-1.11x the two-pass at N = 8k and 16k); at head_dim 128 it
+        is slower (0.78-0.90x), so the two passes stay."""
         if head_dim <= 64:
             return cls(block_q_dkv=128, block_kv_dkv=64, num_stages_dkv=2, block_q_dq=64, block_kv_dq=128,
-                       num_stages_dq=2)
+                       num_stages_dq=2, dq_atomic=not deterministic)
         if head_dim <= 128:
             return cls(block_q_dkv=64, block_kv_dkv=64, num_stages_dkv=2, block_q_dq=64, block_kv_dq=64,
                        num_stages_dq=2)
@@ -172,7 +175,8 @@ class KernelConfig:
         and loops over key blocks of block_kv_dq).
       xla_block_kv: key chunk of the XLA chunked path (its memory is O(q_len * xla_block_kv)).
       hopper: tiles of the Hopper (Mosaic GPU) forward kernel; None: `HopperConfig.default(head_dim)`.
-      hopper_bwd: tiles of the Hopper backward kernels; None: `HopperBwdConfig.default(head_dim)`.
+      hopper_bwd: tiles of the Hopper backward kernels; None: `HopperBwdConfig.default(head_dim,
+        deterministic)` with `flash_attention`'s `deterministic`.
     num_warps and num_stages are Triton launch parameters; num_stages is the software-pipelining depth of
     the key (or query) loop.
     """

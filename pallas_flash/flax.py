@@ -35,7 +35,8 @@ def _log_once(argument: str, message: str, level: int = logging.WARNING) -> None
         logger.log(level, "pallas_flash.flax: %s", message)
 
 
-def make_attention_fn(*, is_causal: bool = False, implementation: str | None = None, config=None):
+def make_attention_fn(*, is_causal: bool = False, implementation: str | None = None, config=None,
+                      deterministic_gradients: bool = True):
     """An `attention_fn` for Flax's attention modules, with structure the caller knows up front.
 
     Args:
@@ -44,12 +45,17 @@ def make_attention_fn(*, is_causal: bool = False, implementation: str | None = N
         `flax.linen.make_causal_mask`) and is not read, so under `jit` it is never built. Combine causality
         with other masking (padding) by leaving this False and passing the combined mask.
       implementation, config: passed to `flash_attention`.
+      deterministic_gradients: passed to `flash_attention` as `deterministic` (bitwise reproducible
+        gradients; False allows the faster one-pass Hopper backward where there is one). Named apart from
+        Flax's own `deterministic`, the dropout switch.
     Returns:
       `attention_fn(query, key, value, bias=None, mask=None, ...)` with the signature of Flax's
       `dot_product_attention`; see `attention_fn`.
     """
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
+    if not isinstance(deterministic_gradients, bool):
+        raise TypeError(f"deterministic_gradients must be a bool, got {deterministic_gradients!r}")
     mask_is_causal = is_causal
 
     def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True, dropout_rng=None,
@@ -98,7 +104,7 @@ def make_attention_fn(*, is_causal: bool = False, implementation: str | None = N
             dropout_args = dict(dropout_rate=float(dropout_rate), dropout_rng=dropout_rng,
                                 broadcast_dropout=bool(broadcast_dropout)) if dropout else {}
             return _flash(query, key, value, mask=mask, bias=bias, is_causal=causal, implementation=implementation,
-                          config=config, **dropout_args)
+                          config=config, deterministic=deterministic_gradients, **dropout_args)
         for argument, why in reasons:
             _log_once(argument, f"{why}; computing this attention densely (memory grows as q_len * kv_len)")
         if causal:
@@ -160,7 +166,7 @@ def _fold(x, batch_dims):
     return x.reshape((math.prod(x.shape[:len(batch_dims)]),) + x.shape[len(batch_dims):])
 
 
-def _flash(query, key, value, *, mask, bias, is_causal, implementation, config, **dropout):
+def _flash(query, key, value, *, mask, bias, is_causal, implementation, config, deterministic=True, **dropout):
     """`flash_attention` over any number of leading batch dims, folded into one. A key-padding mask becomes
     kv segment ids (query id 0; hidden keys 1); any other mask and the bias are passed as they are."""
     batch_dims = query.shape[:-3]
@@ -178,7 +184,7 @@ def _flash(query, key, value, *, mask, bias, is_causal, implementation, config, 
     elif mask is not None:
         visible = kwargs["mask"] = _fold(jnp.asarray(mask).astype(bool), batch_dims)
     out = flash_attention(fold(query), fold(key), fold(value), is_causal=is_causal,
-                          implementation=implementation, config=config, **kwargs)
+                          implementation=implementation, config=config, deterministic=deterministic, **kwargs)
     if mask is not None:
         # Flax replaces hidden logits by the lowest float, so a query that sees no key attends uniformly to
         # all keys; the kernels give such a row zeros. Restore Flax's value for those rows, from the mask

@@ -77,6 +77,7 @@ def _bad(shape_q=(1, 8, 4, 16), shape_kv=(1, 8, 2, 16), dtype=jnp.float32, kv_dt
     (_bad(), {"implementation": "cuda"}, ValueError, "implementation must be"),
     (_bad(), {"scale": "big"}, TypeError, "scale must be"),
     (_bad(), {"is_causal": 1}, TypeError, "is_causal must be a bool"),
+    (_bad(), {"deterministic": None}, TypeError, "deterministic must be a bool"),
     (_bad(), {"config": {"block_q": 64}}, TypeError, "config must be"),
 ])
 def test_bad_input_is_named(args, kwargs, error, words):

@@ -225,9 +225,24 @@ def test_factory_causal_mask_costs_no_quadratic_memory():
     assert pattern.search(_compiled_hlo(pf.make_attention_fn(implementation="xla_chunked", config=chunked), seq))
 
 
-def test_factory_rejects_non_bool_is_causal():
-    with pytest.raises(TypeError, match="is_causal"):
-        pf.make_attention_fn(is_causal="yes")
+@pytest.mark.parametrize("argument", ["is_causal", "deterministic_gradients"])
+def test_factory_rejects_non_bools(argument):
+    with pytest.raises(TypeError, match=f"{argument} must be a bool"):
+        pf.make_attention_fn(**{argument: "yes"})
+
+
+@pytest.mark.parametrize("deterministic_gradients", [True, False])
+def test_factory_passes_deterministic_gradients(deterministic_gradients, monkeypatch):
+    """Flax's own `deterministic` (dropout off) is not ours: `deterministic_gradients` is what reaches
+    flash_attention's `deterministic`."""
+    import pallas_flash.flax as adapter
+    seen = []
+    real = adapter.flash_attention
+    monkeypatch.setattr(adapter, "flash_attention", lambda *a, **kw: seen.append(kw["deterministic"]) or real(*a, **kw))
+    q = jax.random.normal(jax.random.key(0), (1, 8, 2, 16))
+    fn = pf.make_attention_fn(implementation="xla_chunked", deterministic_gradients=deterministic_gradients)
+    fn(q, q, q, deterministic=True)
+    assert seen == [deterministic_gradients]
 
 
 @pytest.mark.parametrize("impl", ["pallas", "xla_chunked"])

@@ -109,6 +109,55 @@ def test_one_pass_lowers_for_gpu(head_dim, is_causal, dtype):
     assert "cp.reduce.async.bulk.tensor" in text
 
 
+@pytest.mark.parametrize("head_dim, deterministic, kernels", [(64, True, 3), (64, False, 2), (128, True, 3),
+                                                               (128, False, 3)])
+def test_deterministic_picks_the_backward(head_dim, deterministic, kernels):
+    """jax.grad of the Hopper attention lowers to forward + dK/dV + dQ kernels (3), except with
+    deterministic=False at head_dim 64, where the one-pass backward (2: its dK/dV kernel sums dQ) measured
+    faster; also under jax.vmap, which the one-pass kernel only takes through `_fold_vmap`."""
+    from pallas_flash.kernels import hopper
+    q = jax.ShapeDtypeStruct((3, 1, 200, 4, head_dim), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((3, 1, 333, 2, head_dim), jnp.bfloat16)
+
+    def loss(q, k, v):
+        out, _ = hopper.flash_attention_hopper(q, k, v, scale=0.125, band=masks.Band.of(True, None),
+                                               config=KernelConfig(), deterministic=deterministic)
+        return out.astype(jnp.float32).sum()
+
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    for fn, args in ((grad, (q.update(shape=q.shape[1:]), k.update(shape=k.shape[1:]))), (jax.vmap(grad), (q, k))):
+        text = jax.jit(fn).trace(args[0], args[1], args[1]).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("stablehlo.custom_call @mosaic_gpu") == kernels
+        assert ("cp.reduce.async.bulk.tensor" in text) == (kernels == 2)
+
+
+@pytest.mark.parametrize("in_axes", [0, (0, None, 0), (None, 1, 0)])
+def test_fold_vmap_matches_per_example_calls(in_axes):
+    """`_fold_vmap` runs a vmapped call as one call on the batch axis folded with the vmapped one
+    (unbatched arguments broadcast, None arguments kept), nested vmaps included."""
+    calls = []
+
+    def per_example(a, none, b, c):  # examples along axis 0 are independent; b is [batch, 3]
+        assert none is None
+        calls.append(a.shape)
+        return a * b.sum(axis=-1, keepdims=True) + c, jnp.cumsum(a, axis=1)
+
+    fn = hopper_bwd._fold_vmap(per_example)
+    a, b, c = (jax.random.normal(jax.random.key(i), shape) for i, shape in
+               enumerate([(4, 2, 5), (4, 2, 3), (4, 2, 5)]))
+    shared_a, shared_b = in_axes == (None, 1, 0), in_axes == (0, None, 0)
+    a_in = a[0] if shared_a else a
+    b_in = b[0] if shared_b else (jnp.swapaxes(b, 0, 1) if shared_a else b)
+    got = jax.vmap(lambda a, b, c: fn(a, None, b, c), in_axes=in_axes)(a_in, b_in, c)
+    for i in range(4):
+        expected = per_example(a[0] if shared_a else a[i], None, b[0] if shared_b else b[i], c[i])
+        for g, e in zip(got, expected):
+            np.testing.assert_allclose(g[i], e, rtol=1e-5, atol=1e-6)
+    assert (8, 5) in calls, f"the vmapped call was not folded into one: {calls}"
+    nested = jax.vmap(jax.vmap(lambda a: fn(a, None, a[..., :3], a)))(a.reshape(2, 2, 2, 5))
+    np.testing.assert_allclose(nested[1].reshape(4, 2, 5), jnp.cumsum(a, axis=2), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("dq_atomic", [False, True])
 @pytest.mark.parametrize("window, segments", [((30, 5), False), ((40, None), True), (None, True)])
 def test_masked_kernels_lower_for_gpu(window, segments, dq_atomic):
@@ -233,5 +282,27 @@ def test_grad_of_mosaic_attention_uses_it(monkeypatch, is_causal):
     ref = jax.grad(functools.partial(loss, lambda *x: reference.attention_reference(
         *x, scale=128 ** -0.5, is_causal=is_causal)[0]), argnums=(0, 1, 2))(
         *(x.astype(jnp.float32) for x in (q, k, v)))
+    for name, a, b in zip(("dq", "dk", "dv"), ours, ref):
+        assert_close(a, b, jnp.bfloat16, table=GRADIENT, what=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_nondeterministic_grad_under_vmap(is_causal):
+    """deterministic=False at head_dim 64 (the one-pass backward) under jax.vmap (folded into the batch
+    by `_fold_vmap`), against the reference per example."""
+    if not hopper_fwd.on_hopper():
+        pytest.skip("needs an sm90 GPU")
+    import pallas_flash as pf
+    q, k, v, d_out, _ = _inputs((3, 777, 1000, 4, 2, 64), jnp.bfloat16, seed=3)
+
+    def loss(attend, q, k, v, d_out):
+        return jnp.vdot(attend(q[None], k[None], v[None])[0].astype(jnp.float32), d_out.astype(jnp.float32))
+
+    ours = jax.vmap(jax.grad(functools.partial(loss, lambda *x: pf.flash_attention(
+        *x, is_causal=is_causal, implementation="mosaic", deterministic=False)), argnums=(0, 1, 2)))(q, k, v, d_out)
+    ref = jax.vmap(jax.grad(functools.partial(loss, lambda *x: reference.attention_reference(
+        *x, scale=64 ** -0.5, is_causal=is_causal)[0]), argnums=(0, 1, 2)))(
+        *(x.astype(jnp.float32) for x in (q, k, v)), d_out)
     for name, a, b in zip(("dq", "dk", "dv"), ours, ref):
         assert_close(a, b, jnp.bfloat16, table=GRADIENT, what=name)

@@ -61,12 +61,13 @@ def unsupported_reason(query, key, *, band: masks.Band, unserved=(), config: Ker
     return None
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _attention(q, k, v, q_ids, kv_ids, scale, band, config):
-    return _attention_fwd(q, k, v, q_ids, kv_ids, scale, band, config)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _attention(q, k, v, q_ids, kv_ids, scale, band, config, deterministic):
+    return _attention_fwd(q, k, v, q_ids, kv_ids, scale, band, config, deterministic)[0]
 
 
-def _attention_fwd(q, k, v, q_ids, kv_ids, scale, band, config):
+def _attention_fwd(q, k, v, q_ids, kv_ids, scale, band, config, deterministic):
+    del deterministic  # the forward is deterministic either way
     is_causal, window = _window(band)
     out, lse = hopper_fwd.hopper_forward(q, k, v, scale=scale, is_causal=is_causal, local_window_size=window,
                                          q_segment_ids=q_ids, kv_segment_ids=kv_ids,
@@ -74,10 +75,11 @@ def _attention_fwd(q, k, v, q_ids, kv_ids, scale, band, config):
     return (out, lse), (q, k, v, q_ids, kv_ids, out, lse)
 
 
-def _attention_bwd(scale, band, config, residuals, cotangents):
+def _attention_bwd(scale, band, config, deterministic, residuals, cotangents):
     q, k, v, q_ids, kv_ids, out, lse = residuals
     if use_hopper_backward() and hopper_fwd.padded_head_dim(q.shape[-1]) <= hopper_bwd.MAX_HEAD_DIM:
-        bwd_config = config.hopper_bwd or HopperBwdConfig.default(hopper_fwd.padded_head_dim(q.shape[-1]))
+        bwd_config = config.hopper_bwd or HopperBwdConfig.default(hopper_fwd.padded_head_dim(q.shape[-1]),
+                                                                  deterministic)
         d_out, d_lse = cotangents
         is_causal, window = _window(band)
         dq, dk, dv = hopper_bwd.hopper_backward(q, k, v, out, lse, d_out, d_lse, scale=scale, is_causal=is_causal,
@@ -97,8 +99,9 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def flash_attention_hopper(query, key, value, *, scale: float, band: masks.Band, config: KernelConfig,
-                           q_segment_ids=None, kv_segment_ids=None):
+                           q_segment_ids=None, kv_segment_ids=None, deterministic: bool = True):
     """Shapes and results as `reference.attention_reference` (bf16/fp16 on sm90; a band (causal, local
     window) and segment ids (which carry per-example lengths too, see `api._segments`)); differentiable in
-    query, key and value (and through the returned LSE)."""
-    return _attention(query, key, value, q_segment_ids, kv_segment_ids, scale, band, config)
+    query, key and value (and through the returned LSE). deterministic=False lets the backward use the
+    one-pass kernel where it is faster (`HopperBwdConfig.default`), unless config.hopper_bwd is set."""
+    return _attention(query, key, value, q_segment_ids, kv_segment_ids, scale, band, config, deterministic)

@@ -485,11 +485,17 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_ids, kv_ids, *, scale: float, band: mas
         return plgpu.kernel(entry, out_type=out_type, compiler_params=compiler_params, **grid, **interpreter)(
             *operands)
     # The dQ accumulator must start at zero and be written in place: a mutable array handed to the kernel
-    # (plgpu.kernel's batching wrapper cannot carry one, so the mesh kernel is called directly).
-    dq_acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
-    dk, dv = pl.kernel(entry, out_type=out_type, mesh=plgpu.Mesh(**grid), compiler_params=compiler_params,
-                       **interpreter)(*operands, dq_acc)
-    return dk, dv, dq_acc[...]
+    # (plgpu.kernel's batching wrapper cannot carry one, so the mesh kernel is called directly). It lives in a
+    # run_state, whose outside is pure: `_fold_vmap`'s custom_vmap cannot hold a bare `jax.new_ref` (state
+    # discharge has no rule for custom_vmap_call).
+    def accumulate(refs):
+        dq_acc, dk_ref, dv_ref = refs
+        dk_ref[...], dv_ref[...] = pl.kernel(entry, out_type=out_type, mesh=plgpu.Mesh(**grid),
+                                             compiler_params=compiler_params, **interpreter)(*operands, dq_acc)
+
+    dq, dk, dv = pl.run_state(accumulate)((jnp.zeros(q.shape, jnp.float32), jnp.empty(k.shape, k.dtype),
+                                           jnp.empty(v.shape, v.dtype)))
+    return dk, dv, dq
 
 
 def _dq(q, k, v, d_out, lse2, delta, q_ids, kv_ids, *, scale: float, band: masks.Band, kv_len: int,
@@ -537,6 +543,34 @@ def _dq(q, k, v, d_out, lse2, delta, q_ids, kv_ids, *, scale: float, band: masks
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **({} if interpret is None else dict(interpret=interpret)),
     )(*operands)
+
+
+def _fold_vmap(fn):
+    """fn(*args), args arrays or None, with `jax.vmap` folded into the leading (batch) axis of every array
+    argument and result: for a kernel whose examples along axis 0 are independent but which cannot be
+    batched itself (the one-pass dK/dV kernel writes into a mutable dQ buffer, and Mosaic GPU's kernel
+    batching only takes a vmapped axis of size 1). Unbatched arguments are broadcast."""
+    def call(*args):
+        present = [i for i, x in enumerate(args) if x is not None]
+
+        @jax.custom_batching.custom_vmap
+        def folded(*arrays):
+            full = list(args)
+            for i, x in zip(present, arrays):
+                full[i] = x
+            return fn(*full)
+
+        @folded.def_vmap
+        def _(axis_size, in_batched, *arrays):
+            arrays = [x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+                      for x, batched in zip(arrays, in_batched)]
+            outs = folded(*(x.reshape(axis_size * x.shape[1], *x.shape[2:]) for x in arrays))
+            outs = jax.tree.map(lambda y: y.reshape(axis_size, y.shape[0] // axis_size, *y.shape[1:]), outs)
+            return outs, jax.tree.map(lambda _: True, outs)
+
+        return folded(*(args[i] for i in present))
+
+    return call
 
 
 def check_config(config: HopperBwdConfig, head_dim: int, itemsize: int = 2) -> None:
@@ -599,7 +633,7 @@ def hopper_backward(q, k, v, out, lse, d_out, d_lse, *, scale: float, is_causal:
 
     common = dict(scale=scale, band=band, kv_len=kv_len, config=config, interpret=interpret)
     if config.dq_atomic:
-        dk, dv, dq = _dkdv(qp, kp, vp, dop, lse2, delta, *ids, **common)
+        dk, dv, dq = _fold_vmap(functools.partial(_dkdv, **common))(qp, kp, vp, dop, lse2, delta, *ids)
         dq = (dq * scale).astype(q.dtype)
     else:
         dk, dv = _dkdv(qp, kp, vp, dop, lse2, delta, *ids, **common)
