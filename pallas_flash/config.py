@@ -100,11 +100,12 @@ class HopperBwdConfig:
       num_stages_dq: depth of the K/V shared-memory ring (>= 2).
       dq_atomic: one pass instead of two: the dK/dV kernel also computes each query block's dS K and adds it
         into a float32 dQ buffer with TMA reduce-adds (5 matmuls per tile instead of 7). The order of those
-        float32 additions varies from run to run, so dQ is not bitwise deterministic, and the kernel cannot
-        be batched by `jax.vmap` (it writes into a mutable array). At head_dim 64 it needs block_q_dkv >= 128
-        (`hopper_bwd.dq_split`). Its first version measured slower than the two passes on the H100; the
-        current one (FA3's split of dQ between the consumers) is not yet measured (pallas_flash/kernels/
-        NOTES.md). False (the default) keeps the deterministic separate dQ pass; the block_*_dq /
+        float32 additions varies from run to run, so dQ is not bitwise deterministic. Under `jax.vmap` the
+        vmapped axis is folded into the batch (the kernel writes into a mutable array, which Mosaic GPU's
+        batching cannot carry). At head_dim 64 it needs block_q_dkv >= 128 (`hopper_bwd.dq_split`). On the
+        H100 (FA3's split of dQ between the consumers) fwd+bwd 1.04-1.11x the two passes at head_dim 64,
+        0.78-0.90x at 128 (pallas_flash/kernels/NOTES.md); `flash_attention(deterministic=False)` uses it
+        where faster. False (the default) keeps the deterministic separate dQ pass; the block_*_dq /
         num_stages_dq fields apply to it only.
     """
 
