@@ -9,11 +9,14 @@ after each step (median and minimum of 20), queued back to back as the trainer r
 dispatch time per call (if it is as long as a queued step, the step is bound by the host, not the GPU); then
 XLA's cost analysis (FLOPs, bytes accessed) and how many kernels the step launches. The summary's speed-up
 and shares are from the queued times. With --profile DIR, also the device's busy time per step and the
-kernels that take it, from a trace of 5 queued steps.
+kernels that take it, from a trace of 5 queued steps. Each line ends with a hash of the parameters after 5 steps
+from the seed's initialisation, taken twice: compare them within the process, and across two runs of the
+script, to see whether training there is bitwise reproducible (and with which --compiler-option).
 """
 import argparse
 import dataclasses
 import gzip
+import hashlib
 import json
 import pathlib
 import re
@@ -21,6 +24,7 @@ import statistics
 import time
 
 import jax
+import numpy as np
 
 from train import data as data_lib
 from train.config import PRESETS
@@ -74,6 +78,19 @@ def gpu_kernel_summary(trace_dir: str, steps: int, top: int = 12) -> str:
     return "\n".join(lines)
 
 
+def fingerprint(compiled, cfg, attention, batches, steps=5) -> str:
+    """A hash of the parameters after `steps` steps from the seed's initialisation: equal hashes from two
+    calls (or two processes) mean the step is bitwise reproducible there."""
+    _, params, rest = init_model(cfg, attention)
+    opt_state = make_optimizer(cfg).init(params)
+    for batch in batches[:steps]:
+        params, opt_state, rest, _ = compiled(params, opt_state, rest, batch)
+    digest = hashlib.sha1()
+    for leaf in jax.tree.leaves(params):
+        digest.update(np.asarray(leaf).tobytes())
+    return digest.hexdigest()[:16]
+
+
 def time_step(cfg, attention, compiler_options, steps=20, profile_dir=None):
     """Times the compiled step three ways: synchronised one by one, queued back to back (what the trainer
     does between its log syncs), and the host's dispatch alone (how long a call takes to return)."""
@@ -87,6 +104,7 @@ def time_step(cfg, attention, compiler_options, steps=20, profile_dir=None):
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     batches = [jax.device_put(dataset.train_batch(i)) for i in range(2 * steps + 3)]
+    prints = [fingerprint(compiled, cfg, attention, batches) for _ in range(2)]
     synced = []
     for i, b in enumerate(batches[:steps + 3]):
         start = time.perf_counter()
@@ -119,7 +137,9 @@ def time_step(cfg, attention, compiler_options, steps=20, profile_dir=None):
     print(f"STEP attention={name} seq={cfg.seq_len} batch={cfg.batch_size}: synchronised {ms:.2f} ms/step "
           f"(min {1e3 * min(synced):.2f}); queued {queued_ms:.2f} ms/step ({tokens / queued_ms * 1e3:,.0f} tokens/s); "
           f"host dispatch {1e3 * statistics.median(dispatch):.2f} ms/call; XLA cost: {flops / 1e12:.2f} TFLOP, "
-          f"{bytes_accessed / 1e9:.2f} GB accessed; launches {kernel_count(compiled)}{summary}", flush=True)
+          f"{bytes_accessed / 1e9:.2f} GB accessed; launches {kernel_count(compiled)}; parameters after 5 steps "
+          f"{' / '.join(prints)} ({'the same' if prints[0] == prints[1] else 'DIFFERENT'} in this process)"
+          f"{summary}", flush=True)
     return queued_ms
 
 
