@@ -292,14 +292,39 @@ def median_ms(compiled, arg_sets, *, reps, min_sample_s):
         jax.block_until_ready(compiled(*arg_sets[0]))
         probes.append(time.perf_counter() - start)
     calls = max(1, math.ceil(min_sample_s / max(min(probes), 1e-7)))
-    samples = []
-    for r in range(reps):
-        start = time.perf_counter()
-        for i in range(calls):
-            out = compiled(*arg_sets[(r * calls + i) % len(arg_sets)])
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - start) / calls * 1e3)
+    samples = [_sample_ms(compiled, arg_sets, calls, r) for r in range(reps)]
     return statistics.median(samples), min(samples), max(samples), calls
+
+
+def _sample_ms(compiled, arg_sets, calls, r):
+    """Sample r: ms per call of `calls` back-to-back calls rotating over `arg_sets`."""
+    start = time.perf_counter()
+    for i in range(calls):
+        out = compiled(*arg_sets[(r * calls + i) % len(arg_sets)])
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) / calls * 1e3
+
+
+def paired_ratio(ours, theirs, arg_sets, *, reps, min_sample_s):
+    """Per-pair time ratios theirs / ours from interleaved samples (ours, theirs, theirs, ours, ...), each
+    sample back-to-back calls rotating over `arg_sets` as in `median_ms`: adjacent samples see the same
+    clocks and temperature, so slow drift cancels in each ratio. Returns (median ratio, (low, high): a
+    distribution-free ~95% interval for the median, ours' median ms, theirs' median ms, calls per sample)."""
+    calls = max(median_ms(fn, arg_sets, reps=1, min_sample_s=min_sample_s)[3] for fn in (ours, theirs))
+    ratios, ours_ms, theirs_ms = [], [], []
+    for r in range(reps):
+        if r % 2 == 0:
+            ours_ms.append(_sample_ms(ours, arg_sets, calls, r))
+            theirs_ms.append(_sample_ms(theirs, arg_sets, calls, r))
+        else:
+            theirs_ms.append(_sample_ms(theirs, arg_sets, calls, r))
+            ours_ms.append(_sample_ms(ours, arg_sets, calls, r))
+        ratios.append(theirs_ms[-1] / ours_ms[-1])
+    ratios.sort()
+    # Order statistics k and n-1-k bound the median with >= ~95% confidence (binomial, normal approximation).
+    k = max(0, math.floor((reps - 1.96 * math.sqrt(reps)) / 2))
+    return (statistics.median(ratios), (ratios[k], ratios[reps - 1 - k]), statistics.median(ours_ms),
+            statistics.median(theirs_ms), calls)
 
 
 def _memory_stats():

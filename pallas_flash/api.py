@@ -73,6 +73,8 @@ def _check_inputs(query, key, value):
         raise ValueError(f"key has head_dim {key.shape[3]}; query has head_dim {head_dim}")
     if q_len < 1 or key.shape[1] < 1:
         raise ValueError(f"sequence lengths must be >= 1, got q_len={q_len}, kv_len={key.shape[1]}")
+    if heads < 1 or key.shape[2] < 1:
+        raise ValueError(f"head counts must be >= 1, got query heads={heads}, key heads={key.shape[2]}")
     if heads % key.shape[2] != 0:
         raise ValueError(f"key has {key.shape[2]} heads; query's {heads} heads must be a multiple of it")
     if not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:

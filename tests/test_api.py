@@ -69,6 +69,7 @@ def _bad(shape_q=(1, 8, 4, 16), shape_kv=(1, 8, 2, 16), dtype=jnp.float32, kv_dt
     (_bad(shape_q=(8, 4, 16)), {}, ValueError, "query must have rank 4"),
     (_bad(shape_kv=(2, 8, 2, 16)), {}, ValueError, "key has batch 2"),
     (_bad(shape_kv=(1, 8, 3, 16)), {}, ValueError, "must be a multiple of it"),
+    (_bad(shape_kv=(1, 8, 0, 16)), {}, ValueError, "head counts must be >= 1"),
     (_bad(shape_kv=(1, 8, 2, 32)), {}, ValueError, "head_dim 32"),
     (_bad(shape_q=(1, 8, 4, 8), shape_kv=(1, 8, 2, 8)), {}, ValueError, "head_dim is 8"),
     (_bad(shape_q=(1, 8, 4, 512), shape_kv=(1, 8, 2, 512)), {}, ValueError, "head_dim is 512"),

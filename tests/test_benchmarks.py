@@ -43,3 +43,17 @@ def test_bad_arguments_are_named():
             assert word in str(e)
         else:
             raise AssertionError(f"{argv} was accepted")
+
+
+def test_bar_smoke_pairs_every_point(tmp_path):
+    """benchmarks/bar.py on CPU: every (pass, head_dim, causal) point compiled, compared and timed in pairs."""
+    from benchmarks import bar
+    out = tmp_path / "bar.jsonl"
+    bar.main(["--smoke", "--out", str(out)])
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {(r["pass"], r["head_dim"], r["causal"]) for r in records} == {
+        (p, d, c) for p in ("fwd", "fwdbwd") for d in (16, 32) for c in (False, True)}
+    for r in records:
+        assert r["max_abs_difference"] < 1e-4, r  # xla_chunked against the dense reference, float32
+        low, high = r["interval"]
+        assert low <= r["ratio"] <= high and r["verdict"] in ("ahead", "behind", "parity")
