@@ -24,12 +24,17 @@ class HopperConfig:
       persistent: one CTA per SM loops over the query tiles (the K/V ring and the ping-pong run on across
         tiles, and the next tile's Q loads during this one's epilogue), instead of one CTA per tile
         (`default` picks it for short rows).
+      overlap: FlashAttention-3's intra-warpgroup pipelining instead of the ping-pong between the two consumers:
+        each step issues Q K_j^T, then P_{j-1} V_{j-1}, and computes block j's softmax while that P V runs
+        (`hopper_fwd.overlapped_blocks`). Holds O, S_j and P_{j-1} in registers at once. Not yet measured on
+        the GPU: off by default.
     """
 
     block_q: int = 64
     block_kv: int = 128
     num_stages: int = 2
     persistent: bool = False
+    overlap: bool = False
 
     def __post_init__(self):
         if not isinstance(self.block_q, int) or self.block_q < 64 or self.block_q % 64:
@@ -39,8 +44,9 @@ class HopperConfig:
             raise ValueError(f"HopperConfig.block_kv must be 64, 128, 192 or 256, got {self.block_kv!r}")
         if not isinstance(self.num_stages, int) or self.num_stages < 2:
             raise ValueError(f"HopperConfig.num_stages must be an int >= 2, got {self.num_stages!r}")
-        if not isinstance(self.persistent, bool):
-            raise ValueError(f"HopperConfig.persistent must be a bool, got {self.persistent!r}")
+        for name in ("persistent", "overlap"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"HopperConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
         out_tile = self._q_tile_bytes(head_dim, itemsize) if self.separate_out(head_dim, itemsize) else 0

@@ -134,7 +134,7 @@ def test_persistent_order_runs_every_tile_once_in_balanced_pairs(pairs, num_q_ti
 
 
 def run_in_mosaic_gpu_interpreter(shape, *, is_causal=False, window=None, num_stages=2, persistent=True,
-                                  q_ids=None, kv_ids=None):
+                                  q_ids=None, kv_ids=None, overlap=False):
     """The Hopper forward on bf16 inputs in JAX's Mosaic GPU interpreter with race detection, checked against
     the reference (zeros and lse = -inf where a row sees no key). Returns whether each row's lse is finite."""
     from pallas_flash import _compat, masks
@@ -147,7 +147,8 @@ def run_in_mosaic_gpu_interpreter(shape, *, is_causal=False, window=None, num_st
     ids = {} if q_ids is None else dict(q_segment_ids=jnp.asarray(q_ids, jnp.int32),
                                        kv_segment_ids=jnp.asarray(kv_ids, jnp.int32))
     out, lse = hopper_fwd.hopper_forward(q, k, v, scale=0.125, is_causal=is_causal, local_window_size=window,
-                                         config=HopperConfig(64, 64, num_stages, persistent), interpret=params,
+                                         config=HopperConfig(64, 64, num_stages, persistent, overlap),
+                                         interpret=params,
                                          **ids)
     assert not _compat.mosaic_gpu_races_found()
     ref_out, ref_lse = pf.attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)), scale=0.125,
@@ -179,6 +180,25 @@ def test_hopper_forward_in_mosaic_gpu_interpreter(shape, is_causal, window, num_
                                            persistent=persistent)
     if window == (20, None):
         assert (~finite).any(), "this case is meant to contain rows that see no key"
+
+
+@pytest.mark.parametrize("case", ["ragged", "causal", "causal_per_tile_ctas", "window", "empty_tiles", "packed",
+                                  "no_key"])
+def test_overlapped_hopper_forward_in_mosaic_gpu_interpreter(case):
+    """`HopperConfig.overlap` (S_j issued before P_{j-1} V_{j-1}, block j's softmax under that P V; the first
+    block peeled off and masked; V slots released a step later) on the cases above, in the interpreter."""
+    band_cases = {"ragged": ((1, 200, 130, 2, 1, 64), False, None, 2, True),
+                  "causal": ((1, 130, 200, 2, 1, 64), True, None, 3, True),
+                  "causal_per_tile_ctas": ((1, 130, 200, 2, 1, 64), True, None, 2, False),
+                  "window": ((1, 150, 150, 1, 1, 64), False, (40, 10), 2, True),
+                  "empty_tiles": ((1, 256, 64, 1, 1, 64), False, (20, None), 2, True)}
+    if case in band_cases:
+        shape, is_causal, window, num_stages, persistent = band_cases[case]
+        run_in_mosaic_gpu_interpreter(shape, is_causal=is_causal, window=window, num_stages=num_stages,
+                                      persistent=persistent, overlap=True)
+    else:
+        shape, is_causal, q_ids, kv_ids = _segment_case(case)
+        run_in_mosaic_gpu_interpreter(shape, is_causal=is_causal, q_ids=q_ids, kv_ids=kv_ids, overlap=True)
 
 
 def packed_ids(length: int, *starts: int):

@@ -157,6 +157,100 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
         column = plgpu.Layout.WGMMA.reduce(0)
         c = scale * LOG2E  # logits in base-2 units: exp(scale * s) = exp2(c * s)
 
+        def block_ids(slot, *, masked):
+            """With segment ids: wait for block `slot`'s key ids (every step, one wait per phase) and, in a
+            masked step, read them (before K's slot is released)."""
+            if not has_segments:
+                return None
+            plgpu.barrier_wait(segments[3].at[slot])
+            return load(segments[1].at[slot], column) if masked else None
+
+        def probabilities(s, m, l, *, masked, q_seg, kv_seg, q_start, kv_step):
+            """Block kv_step's masked logits -> (p, alpha, m_new, l_new) of the online softmax."""
+            if masked:
+                visible = tile_visible(q_start + iota(s.shape, 0), kv_step * block_kv + iota(s.shape, 1),
+                                       band=band, kv_len=kv_len if kv_len % block_kv else None, q_seg=q_seg,
+                                       kv_seg=kv_seg, shape=s.shape, q_axis=0)
+                if visible is not None:
+                    s = jnp.where(visible, s, -jnp.inf)
+            m_new = jnp.maximum(m, s.max(axis=1) * c)
+            shift = tiles.safe_exp_shift(m_new) if masked and rows_may_be_empty else m_new
+            alpha = jnp.exp2(m - shift)
+            p = jnp.exp2(s * c - lax.broadcast_in_dim(shift, s.shape, [0]))
+            return p, alpha, m_new, l * alpha + p.sum(axis=1)
+
+        def overlapped_blocks(acc, m, l, *, q_seg, q_start, kv_lo, kv_hi, unmasked, slot_of):
+            """`config.overlap`, FlashAttention-3's intra-warpgroup pipelining, no ping-pong: step j issues
+            S_j = Q K_j^T and then O += P_{j-1} V_{j-1}, waits for S_j alone (wgmma groups complete in
+            order: at most one, the P V, left in flight) and computes P_j's softmax while that P V runs.
+            Registers: O, S_j and P_{j-1} live at once. Block kv_lo (no P V before it) is peeled off and
+            always masked; the steps after it keep the masked / unmasked split."""
+            def qk(slot):
+                def scores(s_ref):
+                    plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                    return s_ref[...]
+
+                if interpreting:
+                    return lax.dot_general(q_smem[...], k_smem.at[slot][...], (((1,), (1,)), ((), ())),
+                                           preferred_element_type=jnp.float32)
+                return pl.run_scoped(scores, plgpu.ACC((block_q, block_kv), jnp.float32))
+
+            slot = slot_of(kv_lo)
+            kv_seg = block_ids(slot, masked=True)
+            s = qk(slot)  # K_{kv_lo} was waited for at the tile's start
+            plgpu.barrier_arrive(k_free.at[slot])
+            p, _, m, l = probabilities(s, m, l, masked=True, q_seg=q_seg, kv_seg=kv_seg, q_start=q_start,
+                                       kv_step=kv_lo)
+
+            def step(kv_step, carry, *, masked: bool):
+                acc, m, l, p_prev = carry
+                slot, prev = slot_of(kv_step), slot_of(kv_step - 1)
+                kv_seg = block_ids(slot, masked=masked)
+                plgpu.barrier_wait(k_ready.at[slot])
+                plgpu.barrier_wait(v_ready.at[prev])
+                if interpreting:
+                    s = lax.dot_general(q_smem[...], k_smem.at[slot][...], (((1,), (1,)), ((), ())),
+                                        preferred_element_type=jnp.float32)
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    p, alpha, m, l = probabilities(s, m, l, masked=masked, q_seg=q_seg, kv_seg=kv_seg,
+                                                   q_start=q_start, kv_step=kv_step)
+                    acc = acc + jnp.dot(p_prev, v_smem.at[prev][...], preferred_element_type=jnp.float32)
+                else:
+                    def both(s_ref, o_ref):
+                        o_ref[...] = acc
+                        plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                        plgpu.wgmma(o_ref, p_prev, v_smem.at[prev])
+                        s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S_j done, P V may run on
+                        plgpu.barrier_arrive(k_free.at[slot])
+                        softmax = probabilities(s, m, l, masked=masked, q_seg=q_seg, kv_seg=kv_seg,
+                                                q_start=q_start, kv_step=kv_step)
+                        return (o_ref[...], *softmax)
+
+                    acc, p, alpha, m, l = pl.run_scoped(both, plgpu.ACC((block_q, block_kv), jnp.float32),
+                                                        plgpu.ACC(acc.shape, jnp.float32))
+                plgpu.barrier_arrive(v_free.at[prev])
+                # O holds blocks < kv_step in the old scale: rescale it to the new maximum.
+                return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), m, l, p.astype(dtype)
+
+            carry = (acc, m, l, p.astype(dtype))
+            unmasked_lo, unmasked_hi = (jnp.maximum(edge, kv_lo + 1) for edge in unmasked)
+            if band.left is not None or has_segments:
+                carry = lax.fori_loop(kv_lo + 1, unmasked_lo, functools.partial(step, masked=True), carry)
+            carry = lax.fori_loop(unmasked_lo, unmasked_hi, functools.partial(step, masked=False), carry)
+            acc, m, l, p_last = lax.fori_loop(unmasked_hi, kv_hi, functools.partial(step, masked=True), carry)
+            last = slot_of(kv_hi - 1)
+            plgpu.barrier_wait(v_ready.at[last])
+
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p_last, v_smem.at[last])
+
+            if interpreting:
+                acc = acc + jnp.dot(p_last, v_smem.at[last][...], preferred_element_type=jnp.float32)
+            else:
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(v_free.at[last])
+            return acc, m, l
+
         def run_tile(i, ring_steps):
             """Tile i; `ring_steps`: K/V blocks this consumer took from the ring before it (slot = count %
             num_stages). Returns the count after it."""
@@ -247,12 +341,16 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
                 lax.div(q_start, block_q), block_q=block_q, block_kv=block_kv, num_kv_blocks=num_kv_blocks,
                 kv_len=kv_len, band=band, always_mask=False)
             unmasked_lo, unmasked_hi = unmasked_blocks(band_range, (kv_lo, kv_hi), same)
-            carry = (acc, m, l)
-            if band.left is not None or has_segments:  # else unmasked_lo == kv_lo: no leading edge (nor its code)
-                carry = lax.fori_loop(kv_lo, unmasked_lo, functools.partial(step, masked=True), carry)
-            carry = lax.fori_loop(unmasked_lo, unmasked_hi, functools.partial(step, masked=False), carry)
-            # The trailing edge (a loop even for one block: the step index must be a traced value).
-            acc, m, l = lax.fori_loop(unmasked_hi, kv_hi, functools.partial(step, masked=True), carry)
+            if config.overlap:
+                acc, m, l = overlapped_blocks(acc, m, l, q_seg=q_seg, q_start=q_start, kv_lo=kv_lo, kv_hi=kv_hi,
+                                              unmasked=(unmasked_lo, unmasked_hi), slot_of=slot_of)
+            else:
+                carry = (acc, m, l)
+                if band.left is not None or has_segments:  # else unmasked_lo == kv_lo: no leading edge
+                    carry = lax.fori_loop(kv_lo, unmasked_lo, functools.partial(step, masked=True), carry)
+                carry = lax.fori_loop(unmasked_lo, unmasked_hi, functools.partial(step, masked=False), carry)
+                # The trailing edge (a loop even for one block: the step index must be a traced value).
+                acc, m, l = lax.fori_loop(unmasked_hi, kv_hi, functools.partial(step, masked=True), carry)
 
             if separate_out:  # Q is spent: the next tile's loads while this one's output is stored
                 pl.when(i + 1 < num_tiles)(lambda: load_q(i + 1))
@@ -273,9 +371,11 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
             load_q(0)
         # Consumer 1 parks at the schedule barrier until consumer 0 has issued its first QK^T; from then on
         # the two alternate, across tiles too.
-        pl.when(wg == 1)(take_turn)
+        if not config.overlap:
+            pl.when(wg == 1)(take_turn)
         for_each_tile(num_tiles, run_tile, 0)
-        pl.when(wg == 0)(take_turn)  # balance consumer 1's opening turn
+        if not config.overlap:
+            pl.when(wg == 0)(take_turn)  # balance consumer 1's opening turn
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == NUM_CONSUMERS)
