@@ -201,6 +201,28 @@ def test_overlapped_hopper_forward_in_mosaic_gpu_interpreter(case):
         run_in_mosaic_gpu_interpreter(shape, is_causal=is_causal, q_ids=q_ids, kv_ids=kv_ids, overlap=True)
 
 
+@pytest.mark.parametrize("head_dim, block_kv", [(64, 128), (128, 128), (256, 64)])
+@pytest.mark.parametrize("is_causal, segments, persistent", [(False, False, False), (True, False, True),
+                                                             (False, True, False)])
+def test_overlapped_hopper_forward_lowers_for_gpu(head_dim, block_kv, is_causal, segments, persistent):
+    """`HopperConfig.overlap` goes through Mosaic GPU's lowering (wgmma on a register operand while another
+    group is in flight, the partial wait), ragged and GQA, with the masked/unmasked loop split."""
+    from pallas_flash.config import HopperConfig
+    from pallas_flash.kernels import hopper_fwd
+    q = jax.ShapeDtypeStruct((2, 300, 4, head_dim), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 333, 2, head_dim), jnp.bfloat16)
+    ids = ((jax.ShapeDtypeStruct((2, 300), jnp.int32), jax.ShapeDtypeStruct((2, 333), jnp.int32)) if segments
+           else (None, None))
+    config = HopperConfig(64, block_kv, 2, persistent, overlap=True)
+
+    def forward(q, k, v, q_ids, kv_ids):
+        return hopper_fwd.hopper_forward(q, k, v, scale=0.1, is_causal=is_causal, q_segment_ids=q_ids,
+                                         kv_segment_ids=kv_ids, config=config)
+
+    text = jax.jit(forward).trace(q, k, k, *ids).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+
+
 def packed_ids(length: int, *starts: int):
     """int32 [length] ids of documents packed back to back: id i from starts[i - 1] (sorted) on."""
     return np.searchsorted(np.asarray(starts), np.arange(length), side="right").astype(np.int32)
