@@ -114,6 +114,22 @@ def test_gpu_mosaic(shape, dtype, is_causal):
     check_against_reference("mosaic", shape, dtype, is_causal, None, seed=2)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("shape,dtype", _gpu_grid([(jnp.bfloat16, "bf16")]))
+def test_gpu_mosaic_overlap(shape, dtype, is_causal, persistent):
+    """`HopperConfig.overlap` (FA3's intra-warpgroup pipelining) on the GPU grid; skipped off sm90."""
+    from pallas_flash.config import HopperConfig, KernelConfig
+    from pallas_flash.kernels import hopper, hopper_fwd
+    if not hopper.on_hopper_gpu():
+        pytest.skip("needs an sm90 GPU")
+    head_dim = hopper_fwd.padded_head_dim(shape[-1])
+    block_kv = 64 if head_dim > 128 else 128
+    config = KernelConfig(hopper=HopperConfig(64, block_kv, 2, persistent, overlap=True))
+    check_against_reference("mosaic", shape, dtype, is_causal, config, seed=2)
+
+
 @pytest.mark.parametrize("pairs, num_q_tiles, chunk, max_ctas", [
     (1, 1, 1, 132), (3, 7, 2, 2), (17, 3, 5, 7), (16, 16, 16, 132), (5, 16, 2, 3), (32, 128, 2, 132)])
 def test_persistent_order_runs_every_tile_once_in_balanced_pairs(pairs, num_q_tiles, chunk, max_ctas):
