@@ -24,7 +24,7 @@ class HopperConfig:
       persistent: one CTA per SM loops over the query tiles (the K/V ring and the ping-pong run on across
         tiles, and the next tile's Q loads during this one's epilogue), instead of one CTA per tile
         (`default` picks it for short rows).
-      overlap: FlashAttention-3's intra-warpgroup pipelining instead of the ping-pong between the two consumers:
+      overlap: FlashAttention-3's intra-warpgroup pipelining on top of the ping-pong between the consumers:
         each step issues Q K_j^T, then P_{j-1} V_{j-1}, and computes block j's softmax while that P V runs
         (`hopper_fwd.overlapped_blocks`). Holds O, S_j and P_{j-1} in registers at once. Not yet measured on
         the GPU: off by default.

@@ -180,24 +180,36 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
             return p, alpha, m_new, l * alpha + p.sum(axis=1)
 
         def overlapped_blocks(acc, m, l, *, q_seg, q_start, kv_lo, kv_hi, unmasked, slot_of):
-            """`config.overlap`, FlashAttention-3's intra-warpgroup pipelining, no ping-pong: step j issues
-            S_j = Q K_j^T and then O += P_{j-1} V_{j-1}, waits for S_j alone (wgmma groups complete in
+            """`config.overlap`, FlashAttention-3's intra-warpgroup pipelining on top of the ping-pong: step j
+            issues S_j = Q K_j^T and then O += P_{j-1} V_{j-1}, waits for S_j alone (wgmma groups complete in
             order: at most one, the P V, left in flight) and computes P_j's softmax while that P V runs.
-            Registers: O, S_j and P_{j-1} live at once. Block kv_lo (no P V before it) is peeled off and
-            always masked; the steps after it keep the masked / unmasked split."""
-            def qk(slot):
+            The consumers take turns issuing their wgmmas (a "your turn" barrier each: wait for ours, issue,
+            arrive on the other's), so one's softmax also runs under the other's wgmmas. Registers: O, S_j
+            and P_{j-1} live at once. Block kv_lo (no P V before it) is peeled off and always masked; the
+            steps after it keep the masked / unmasked split; every step, the peeled one and the last P V
+            each take one turn, the same count for both consumers."""
+            def qk(slot, after_issue):
                 def scores(s_ref):
                     plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                    after_issue()
                     return s_ref[...]
 
                 if interpreting:
+                    after_issue()
                     return lax.dot_general(q_smem[...], k_smem.at[slot][...], (((1,), (1,)), ((), ())),
                                            preferred_element_type=jnp.float32)
                 return pl.run_scoped(scores, plgpu.ACC((block_q, block_kv), jnp.float32))
 
+            def my_turn():  # the tensor cores are ours: issue this step's wgmmas
+                plgpu.barrier_wait(turn.at[wg])
+
+            def pass_turn():  # issued: the other consumer may issue its own
+                plgpu.barrier_arrive(turn.at[1 - wg])
+
             slot = slot_of(kv_lo)
             kv_seg = block_ids(slot, masked=True)
-            s = qk(slot)  # K_{kv_lo} was waited for at the tile's start
+            my_turn()
+            s = qk(slot, after_issue=pass_turn)  # K_{kv_lo} was waited for at the tile's start
             plgpu.barrier_arrive(k_free.at[slot])
             p, _, m, l = probabilities(s, m, l, masked=True, q_seg=q_seg, kv_seg=kv_seg, q_start=q_start,
                                        kv_step=kv_lo)
@@ -208,7 +220,9 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
                 kv_seg = block_ids(slot, masked=masked)
                 plgpu.barrier_wait(k_ready.at[slot])
                 plgpu.barrier_wait(v_ready.at[prev])
+                my_turn()
                 if interpreting:
+                    pass_turn()
                     s = lax.dot_general(q_smem[...], k_smem.at[slot][...], (((1,), (1,)), ((), ())),
                                         preferred_element_type=jnp.float32)
                     plgpu.barrier_arrive(k_free.at[slot])
@@ -220,6 +234,7 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
                         o_ref[...] = acc
                         plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
                         plgpu.wgmma(o_ref, p_prev, v_smem.at[prev])
+                        pass_turn()
                         s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S_j done, P V may run on
                         plgpu.barrier_arrive(k_free.at[slot])
                         softmax = probabilities(s, m, l, masked=masked, q_seg=q_seg, kv_seg=kv_seg,
@@ -240,11 +255,14 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
             acc, m, l, p_last = lax.fori_loop(unmasked_hi, kv_hi, functools.partial(step, masked=True), carry)
             last = slot_of(kv_hi - 1)
             plgpu.barrier_wait(v_ready.at[last])
+            my_turn()
 
             def pv(acc_ref):
                 plgpu.wgmma(acc_ref, p_last, v_smem.at[last])
+                pass_turn()
 
             if interpreting:
+                pass_turn()
                 acc = acc + jnp.dot(p_last, v_smem.at[last][...], preferred_element_type=jnp.float32)
             else:
                 acc = pl.run_state(pv)(plgpu.ACC.init(acc))
@@ -371,10 +389,14 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
             load_q(0)
         # Consumer 1 parks at the schedule barrier until consumer 0 has issued its first QK^T; from then on
         # the two alternate, across tiles too.
-        if not config.overlap:
+        if config.overlap:  # consumer 0 goes first; its last "your turn" is waited for at the end
+            pl.when(wg == 1)(lambda: plgpu.barrier_arrive(turn.at[0]))
+        else:
             pl.when(wg == 1)(take_turn)
         for_each_tile(num_tiles, run_tile, 0)
-        if not config.overlap:
+        if config.overlap:
+            pl.when(wg == 0)(lambda: plgpu.barrier_wait(turn.at[0]))
+        else:
             pl.when(wg == 0)(take_turn)  # balance consumer 1's opening turn
         plgpu.wait_smem_to_gmem(0)
 
@@ -644,7 +666,9 @@ def _forward_padded(q, k, v, q_ids, kv_ids, *, scale: float, band: masks.Band, k
             plgpu.Barrier(num_barriers=NUM_CONSUMERS),
             (plgpu.Barrier(num_barriers=config.num_stages),) * 2,
             (plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=config.num_stages),) * 2,
-            plgpu.Barrier(num_arrivals=NUM_CONSUMERS),
+            # The ping-pong: one two-arrival rendezvous, or (overlap) a "your turn" barrier per consumer.
+            (plgpu.Barrier(num_arrivals=1, num_barriers=NUM_CONSUMERS) if config.overlap
+             else plgpu.Barrier(num_arrivals=NUM_CONSUMERS)),
             segments,
             collective_axes="wg",
         )
