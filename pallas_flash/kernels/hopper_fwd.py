@@ -158,26 +158,31 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
         c = scale * LOG2E  # logits in base-2 units: exp(scale * s) = exp2(c * s)
 
         def block_ids(slot, *, masked):
-            """With segment ids: wait for block `slot`'s key ids (every step, one wait per phase) and, in a
-            masked step, read them (before K's slot is released)."""
+            """With segment ids: wait for the key ids in ring slot `slot` (every step waits: one wait per phase)
+            and, in a masked step, read them (before K's slot is released)."""
             if not has_segments:
                 return None
-            plgpu.barrier_wait(segments[3].at[slot])
-            return load(segments[1].at[slot], column) if masked else None
+            _, kv_ids_smem, _, kv_ids_ready = segments
+            plgpu.barrier_wait(kv_ids_ready.at[slot])
+            return load(kv_ids_smem.at[slot], column) if masked else None
 
-        def probabilities(s, m, l, *, masked, q_seg, kv_seg, q_start, kv_step):
-            """Block kv_step's masked logits -> (p, alpha, m_new, l_new) of the online softmax."""
+        def probabilities(s, m, *, masked, q_seg, kv_seg, q_start, kv_step):
+            """Block kv_step's logits s [block_q, block_kv] (masked where `masked`) and the running row maximum
+            m (base-2 units) -> (p, alpha, m_new): the block's unnormalised probabilities, the factor that
+            rescales what was accumulated before, and the new maximum."""
             if masked:
                 visible = tile_visible(q_start + iota(s.shape, 0), kv_step * block_kv + iota(s.shape, 1),
                                        band=band, kv_len=kv_len if kv_len % block_kv else None, q_seg=q_seg,
                                        kv_seg=kv_seg, shape=s.shape, q_axis=0)
-                if visible is not None:
+                if visible is not None:  # None: traced for a loop that runs no iterations
                     s = jnp.where(visible, s, -jnp.inf)
+            # c > 0, so max(c * s) = c * max(s).
             m_new = jnp.maximum(m, s.max(axis=1) * c)
+            # A row that has seen no key yet has m_new = -inf: shift by 0 so exp2 gives 0, not NaN. (An
+            # unmasked block always has a visible key, so only masked steps need this.)
             shift = tiles.safe_exp_shift(m_new) if masked and rows_may_be_empty else m_new
             alpha = jnp.exp2(m - shift)
-            p = jnp.exp2(s * c - lax.broadcast_in_dim(shift, s.shape, [0]))
-            return p, alpha, m_new, l * alpha + p.sum(axis=1)
+            return jnp.exp2(s * c - lax.broadcast_in_dim(shift, s.shape, [0])), alpha, m_new
 
         def overlapped_blocks(acc, m, l, *, q_seg, q_start, kv_lo, kv_hi, unmasked, slot_of):
             """`config.overlap`, FlashAttention-3's intra-warpgroup pipelining on top of the ping-pong: step j
@@ -211,8 +216,9 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
             my_turn()
             s = qk(slot, after_issue=pass_turn)  # K_{kv_lo} was waited for at the tile's start
             plgpu.barrier_arrive(k_free.at[slot])
-            p, _, m, l = probabilities(s, m, l, masked=True, q_seg=q_seg, kv_seg=kv_seg, q_start=q_start,
-                                       kv_step=kv_lo)
+            p, alpha, m = probabilities(s, m, masked=True, q_seg=q_seg, kv_seg=kv_seg, q_start=q_start,
+                                        kv_step=kv_lo)
+            l = l * alpha + p.sum(axis=1)  # O is still zero: nothing to rescale
 
             def step(kv_step, carry, *, masked: bool):
                 acc, m, l, p_prev = carry
@@ -226,8 +232,8 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
                     s = lax.dot_general(q_smem[...], k_smem.at[slot][...], (((1,), (1,)), ((), ())),
                                         preferred_element_type=jnp.float32)
                     plgpu.barrier_arrive(k_free.at[slot])
-                    p, alpha, m, l = probabilities(s, m, l, masked=masked, q_seg=q_seg, kv_seg=kv_seg,
-                                                   q_start=q_start, kv_step=kv_step)
+                    p, alpha, m = probabilities(s, m, masked=masked, q_seg=q_seg, kv_seg=kv_seg, q_start=q_start,
+                                                kv_step=kv_step)
                     acc = acc + jnp.dot(p_prev, v_smem.at[prev][...], preferred_element_type=jnp.float32)
                 else:
                     def both(s_ref, o_ref):
@@ -237,12 +243,13 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
                         pass_turn()
                         s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S_j done, P V may run on
                         plgpu.barrier_arrive(k_free.at[slot])
-                        softmax = probabilities(s, m, l, masked=masked, q_seg=q_seg, kv_seg=kv_seg,
+                        softmax = probabilities(s, m, masked=masked, q_seg=q_seg, kv_seg=kv_seg,
                                                 q_start=q_start, kv_step=kv_step)
                         return (o_ref[...], *softmax)
 
-                    acc, p, alpha, m, l = pl.run_scoped(both, plgpu.ACC((block_q, block_kv), jnp.float32),
-                                                        plgpu.ACC(acc.shape, jnp.float32))
+                    acc, p, alpha, m = pl.run_scoped(both, plgpu.ACC((block_q, block_kv), jnp.float32),
+                                                     plgpu.ACC(acc.shape, jnp.float32))
+                l = l * alpha + p.sum(axis=1)
                 plgpu.barrier_arrive(v_free.at[prev])
                 # O holds blocks < kv_step in the old scale: rescale it to the new maximum.
                 return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), m, l, p.astype(dtype)
@@ -282,7 +289,7 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
             acc = layout(jnp.zeros((block_q, q_smem.shape[-1]), jnp.float32), plgpu.Layout.WGMMA)
             q_seg = None
             if has_segments:
-                q_ids_smem, kv_ids_smem, q_ids_ready, kv_ids_ready = segments
+                q_ids_smem, _, q_ids_ready, _ = segments
                 q_seg = load_own_ids(q_ids_ref, q_ids_smem, q_ids_ready, wg=wg, batch=batch, start=q_start,
                                      size=block_q, layout=row, load=load)
 
@@ -295,11 +302,7 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
             def step(kv_step, carry, *, masked: bool):
                 acc, m, l = carry
                 slot = slot_of(kv_step)
-                kv_seg = None
-                if has_segments:  # every step waits (one wait per phase); masked ones read the ids before
-                    plgpu.barrier_wait(kv_ids_ready.at[slot])  # K's slot is released
-                    if masked:
-                        kv_seg = load(kv_ids_smem.at[slot], column)
+                kv_seg = block_ids(slot, masked=masked)
 
                 def qk(s_ref):
                     plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
@@ -314,19 +317,8 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
                     s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
                 plgpu.barrier_wait(turn)
-                if masked:
-                    visible = tile_visible(q_start + iota(s.shape, 0), kv_step * block_kv + iota(s.shape, 1),
-                                           band=band, kv_len=kv_len if kv_len % block_kv else None, q_seg=q_seg,
-                                           kv_seg=kv_seg, shape=s.shape, q_axis=0)
-                    if visible is not None:  # None: traced for a loop that runs no iterations
-                        s = jnp.where(visible, s, -jnp.inf)
-                # c > 0, so max(c * s) = c * max(s).
-                m_new = jnp.maximum(m, s.max(axis=1) * c)
-                # A row that has seen no key yet has m_new = -inf: shift by 0 so exp2 gives 0, not NaN. (An
-                # unmasked block always has a visible key, so only masked steps need this.)
-                shift = tiles.safe_exp_shift(m_new) if masked and rows_may_be_empty else m_new
-                alpha = jnp.exp2(m - shift)
-                p = jnp.exp2(s * c - lax.broadcast_in_dim(shift, s.shape, [0]))
+                p, alpha, m_new = probabilities(s, m, masked=masked, q_seg=q_seg, kv_seg=kv_seg, q_start=q_start,
+                                                kv_step=kv_step)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 l = l * alpha + p.sum(axis=1)
                 p16 = p.astype(dtype)
