@@ -11,7 +11,9 @@ the size of the margins in question. So each point here: both functions compiled
 difference, printed), then `benchmarks.attention.paired_ratio`: samples alternate ours / cuDNN and each adjacent
 pair gives one ratio, cancelling drift. Printed: the median ratio cuDNN time / ours (> 1: we are faster), its
 ~95% interval, and the verdict: "ahead" (interval above 1), "behind" (below 1) or "parity" (it spans 1).
-TFLOP/s count 4*B*H*N^2*D per forward (halved when causal), x3.5 for forward+backward.
+TFLOP/s count 4*B*H*N^2*D per forward (halved when causal), x3.5 for forward+backward; inputs, the
+forward+backward function (the gradient of sum(out * cotangent)) and FLOP counts are the harness's
+(`benchmarks.attention`).
 `--nondeterministic` passes `deterministic=False` (the one-pass Hopper backward where it is faster).
 Stops starting points after `--budget` seconds.
 """
@@ -25,23 +27,16 @@ import jax
 import jax.numpy as jnp
 
 import pallas_flash as pf
-from benchmarks.attention import FLOP_FACTOR, paired_ratio
+from benchmarks.attention import (DTYPES, FLOP_FACTOR, SWEEP_TOKENS, SWEEP_WIDTH, Point, _pass_function,
+                                  _random_inputs, _unpack, fwd_flops, paired_ratio)
 
 
-def functions(pass_: str, causal: bool, ours_impl, theirs_impl, deterministic: bool):
-    """(ours, theirs): forward -> output, or forward+backward -> the three input gradients."""
-    def attend(impl):
-        if impl == "cudnn":
-            return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
-        return lambda q, k, v: pf.flash_attention(q, k, v, is_causal=causal, implementation=impl,
-                                                  deterministic=deterministic)
-
-    def fwdbwd(fn):
-        return jax.grad(lambda q, k, v: jnp.vdot(fn(q, k, v).astype(jnp.float32), jnp.ones(q.shape, jnp.float32)),
-                        argnums=(0, 1, 2))
-
-    ours, theirs = attend(ours_impl), attend(theirs_impl)
-    return (ours, theirs) if pass_ == "fwd" else (fwdbwd(ours), fwdbwd(theirs))
+def attend(impl, causal: bool, deterministic: bool):
+    """(q, k, v) -> out: cuDNN, or `flash_attention` with this implementation (None: the dispatcher's)."""
+    if impl == "cudnn":
+        return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+    return lambda q, k, v: pf.flash_attention(q, k, v, is_causal=causal, implementation=impl,
+                                              deterministic=deterministic)
 
 
 def max_abs_difference(a, b) -> float:
@@ -60,35 +55,39 @@ def main(argv=None) -> None:
     parser.add_argument("--out", help="append one JSON record per point to this file")
     parser.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, xla_chunked against xla")
     args = parser.parse_args(argv)
-    tokens, width, dtype = (256, 64, jnp.float32) if args.smoke else (16384, 2048, jnp.bfloat16)
+    tokens, width, dtype = (256, 64, "float32") if args.smoke else (SWEEP_TOKENS, SWEEP_WIDTH, "bfloat16")
     seqs = [128] if args.smoke else [int(n) for n in args.seqs.split(",")]
     head_dims = [16, 32] if args.smoke else [int(d) for d in args.head_dims.split(",")]
     ours_impl, theirs_impl = ("xla_chunked", "xla") if args.smoke else (None, "cudnn")
     reps, min_sample_s = (5, 0.0) if args.smoke else (args.reps, 0.02)
-    print("jax", jax.__version__, jax.devices()[0].device_kind, flush=True)
     ours_name, theirs_name = ours_impl or "ours", theirs_impl
+    print("jax", jax.__version__, jax.devices()[0].device_kind, flush=True)
     print(f"| pass | D | N | causal | {ours_name} ms (TF/s) | {theirs_name} ms | {theirs_name} / {ours_name} "
           "(95% interval) | verdict | max abs diff |\n|---|---|---|---|---|---|---|---|---|", flush=True)
     start = time.perf_counter()
     for pass_ in args.passes.split(","):
         for head_dim in head_dims:
             for seq in seqs:
-                batch, heads = max(1, tokens // seq), width // head_dim
-                keys = jax.random.split(jax.random.key(seq * head_dim), 9)
-                arg_sets = [[jax.random.normal(keys[3 * s + i], (batch, seq, heads, head_dim), dtype)
-                             for i in range(3)] for s in range(3)]
                 for causal in (False, True):
                     if time.perf_counter() - start > args.budget:
                         print(f"budget of {args.budget:.0f} s spent: stopped before {pass_} D={head_dim} "
                               f"N={seq} causal={causal}", flush=True)
                         return
-                    ours, theirs = (jax.jit(fn).lower(*arg_sets[0]).compile() for fn in functions(
-                        pass_, causal, ours_impl, theirs_impl, not args.nondeterministic))
-                    difference = max_abs_difference(ours(*arg_sets[0]), theirs(*arg_sets[0]))
+                    heads = width // head_dim
+                    point = Point("bar", max(1, tokens // seq), seq, seq, heads, heads, head_dim, causal, dtype)
+                    inputs = [_random_inputs(point, DTYPES[dtype], seed) for seed in range(3)]  # q, k, v, ct
+                    compiled = []
+                    for impl in (ours_impl, theirs_impl):
+                        jitted, make_args = _pass_function(attend(impl, causal, not args.nondeterministic), pass_)
+                        arg_sets = [make_args(*x) for x in inputs]  # the same for both sides
+                        compiled.append(jitted.lower(*arg_sets[0]).compile())
+                    ours, theirs = compiled
+                    difference = max_abs_difference(_unpack(pass_, ours(*arg_sets[0])),
+                                                    _unpack(pass_, theirs(*arg_sets[0])))
                     ratio, (low, high), ours_ms, theirs_ms, calls = paired_ratio(
                         ours, theirs, arg_sets, reps=reps, min_sample_s=min_sample_s)
                     verdict = "ahead" if low > 1.0 else "behind" if high < 1.0 else "parity"
-                    flops = FLOP_FACTOR[pass_] * 4 * batch * heads * seq * seq * head_dim / (2 if causal else 1)
+                    flops = FLOP_FACTOR[pass_] * fwd_flops(point)
                     print(f"| {pass_} | {head_dim} | {seq} | {causal} | {ours_ms:.3f} "
                           f"({flops / ours_ms / 1e9:.0f}) | {theirs_ms:.3f} | {ratio:.3f} ({low:.3f}-{high:.3f}) "
                           f"| {verdict} | {difference:.2e} |", flush=True)
@@ -96,9 +95,9 @@ def main(argv=None) -> None:
                         with open(args.out, "a") as f:
                             f.write(json.dumps({
                                 "pass": pass_, "ours": ours_name, "theirs": theirs_name, "head_dim": head_dim,
-                                "seq": seq, "batch": batch, "heads": heads, "causal": causal, "ours_ms": ours_ms,
-                                "theirs_ms": theirs_ms, "ratio": ratio, "interval": [low, high], "verdict": verdict,
-                                "calls": calls, "reps": reps, "max_abs_difference": difference,
+                                "seq": seq, "batch": point.batch, "heads": heads, "causal": causal,
+                                "ours_ms": ours_ms, "theirs_ms": theirs_ms, "ratio": ratio, "interval": [low, high],
+                                "verdict": verdict, "calls": calls, "reps": reps, "max_abs_difference": difference,
                                 "nondeterministic": args.nondeterministic, "jax": jax.__version__,
                                 "device": jax.devices()[0].device_kind}) + "\n")
 
