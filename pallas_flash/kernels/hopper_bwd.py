@@ -36,33 +36,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flash import masks
-from pallas_flash._compat import smem_vector_load
 from pallas_flash.config import H100_SHARED_MEMORY, NUM_CONSUMERS, HopperBwdConfig
 from pallas_flash.kernels import tiles
 from pallas_flash.kernels.hopper_fwd import (CONSUMER_REGISTERS, HEAD_DIM_TILE, LOG2E, PRODUCER_REGISTERS,
-                                             _pad_axis, _round_up, drain_ring, fill_ring, load_own_ids,
-                                             padded_head_dim, query_tile_schedule, segment_block_ranges,
-                                             stream_kv_blocks, tile_visible, unmasked_blocks)
+                                             _pad_axis, _round_up, dot_t, drain_ring, fill_ring, load_own_ids,
+                                             padded_head_dim, query_tile_schedule, register_ops,
+                                             segment_block_ranges, stream_kv_blocks, tile_visible,
+                                             unmasked_blocks)
 
 MAX_HEAD_DIM = 128  # at 256, K and V of a 128-key CTA alone take 128 KiB of shared memory
-
-def _register_ops(interpreting: bool):
-    """(iota, zeros, load): int32 iota and float32 zeros in the wgmma register layout, and a shared-memory
-    vector read into a given layout; without layouts when `interpreting` (the Mosaic GPU interpreter has no
-    CPU rule for them)."""
-    if interpreting:
-        return (lambda shape, axis: lax.broadcasted_iota(jnp.int32, shape, axis),
-                lambda shape: jnp.zeros(shape, jnp.float32),
-                lambda ref, layout: ref[...])
-    return (lambda shape, axis: plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA),
-            lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA),
-            smem_vector_load)
-
-
-def _dot_t(x, y):
-    """x y^T in float32 (x [m, k], y [n, k]): the interpreter's stand-in for a wgmma on a transposed ref."""
-    return lax.dot_general(x, y, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-
 
 def _transforms():
     # 128-byte swizzle over (8, 64)-element tiles: the layout wgmma reads without bank conflicts.
@@ -134,7 +116,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
     q_steps = q_hi - q_lo
     total_steps = group * q_steps
     wg = lax.axis_index("wg")
-    iota, zeros, load_vector = _register_ops(interpreting)
+    iota, zeros, load_vector = register_ops(interpreting)
 
     @pl.when(wg < NUM_CONSUMERS)
     def _consumer():
@@ -172,7 +154,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
                 return acc_ref[...]
 
             if interpreting:
-                s = _dot_t(k_smem[...], q_tile[...])
+                s = dot_t(k_smem[...], q_tile[...])
             else:
                 s = pl.run_scoped(s_t, plgpu.ACC((block_kv, block_q), jnp.float32))
             lse2 = load_vector(lse_smem.at[slot], column)
@@ -198,7 +180,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
 
             if interpreting:
                 dv = dv + jnp.dot(p.astype(dtype), do_tile[...], preferred_element_type=jnp.float32)
-                dp = _dot_t(v_smem[...], do_tile[...])
+                dp = dot_t(v_smem[...], do_tile[...])
             else:
                 dv, dp = pl.run_state(dv_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros(s.shape))))
             delta = load_vector(delta_smem.at[slot], column)
@@ -325,7 +307,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv_i
                                                          num_kv_blocks=num_kv_blocks, kv_len=kv_len, band=band,
                                                          segment_ranges=kv_ranges_ref)
     wg = lax.axis_index("wg")
-    iota, zeros, load_vector = _register_ops(interpreting)
+    iota, zeros, load_vector = register_ops(interpreting)
 
     @pl.when(wg < NUM_CONSUMERS)
     def _consumer():
@@ -361,7 +343,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv_i
                 return s_ref[...], dp_ref[...]
 
             if interpreting:
-                s, dp = _dot_t(q_smem[...], k_smem.at[slot][...]), _dot_t(do_smem[...], v_smem.at[slot][...])
+                s, dp = dot_t(q_smem[...], k_smem.at[slot][...]), dot_t(do_smem[...], v_smem.at[slot][...])
             else:
                 s, dp = pl.run_scoped(s_dp, plgpu.ACC((block_q, block_kv), jnp.float32),
                                       plgpu.ACC((block_q, block_kv), jnp.float32))

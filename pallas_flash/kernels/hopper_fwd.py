@@ -88,6 +88,24 @@ def padded_head_dim(head_dim: int) -> int:
     return _round_up(head_dim, HEAD_DIM_TILE)
 
 
+def register_ops(interpreting: bool):
+    """(iota, zeros, load): int32 iota and float32 zeros in the wgmma register layout, and a shared-memory
+    vector read into a given layout; without layouts when `interpreting` (the Mosaic GPU interpreter has no
+    CPU rule for them). Shared by the forward and the backward kernels."""
+    if interpreting:
+        return (lambda shape, axis: lax.broadcasted_iota(jnp.int32, shape, axis),
+                lambda shape: jnp.zeros(shape, jnp.float32),
+                lambda ref, layout: ref[...])
+    return (lambda shape, axis: plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA),
+            lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA),
+            smem_vector_load)
+
+
+def dot_t(x, y):
+    """x y^T in float32 (x [m, k], y [n, k]): the interpreter's stand-in for a wgmma on a transposed ref."""
+    return lax.dot_general(x, y, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
 def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, lse_ref, scoped, *, scale: float,
             band: masks.Band, kv_len: int, tiles_of_cta, config: HopperConfig, group: int, interpreting: bool):
     """3 warpgroups ("wg"): 0 and 1 consume, 2 produces. Each CTA runs the query tiles `tiles_of_cta` gives it
@@ -145,13 +163,7 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
         def layout(x, layout):
             return x if interpreting else plgpu.layout_cast(x, layout)
 
-        def iota(shape, axis):
-            if interpreting:
-                return lax.broadcasted_iota(jnp.int32, shape, axis)
-            return plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA)
-
-        def load(ref, vector_layout):
-            return ref[...] if interpreting else smem_vector_load(ref, vector_layout)
+        iota, _, load = register_ops(interpreting)
 
         row = plgpu.Layout.WGMMA.reduce(1)
         column = plgpu.Layout.WGMMA.reduce(0)
@@ -184,6 +196,31 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
             alpha = jnp.exp2(m - shift)
             return jnp.exp2(s * c - lax.broadcast_in_dim(shift, s.shape, [0])), alpha, m_new
 
+        def qk(slot, after_issue):
+            """S = Q K[slot]^T in float32; `after_issue()` runs once its wgmma is issued (before the wait)."""
+            def scores(s_ref):
+                plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                after_issue()
+                return s_ref[...]
+
+            if interpreting:
+                s = dot_t(q_smem[...], k_smem.at[slot][...])
+                after_issue()
+                return s
+            return pl.run_scoped(scores, plgpu.ACC((block_q, block_kv), jnp.float32))
+
+        def pv(acc, p16, slot, after_issue):
+            """acc + P V[slot]; `after_issue()` runs once its wgmma is issued (before the wait)."""
+            def update(acc_ref):
+                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                after_issue()
+
+            if interpreting:
+                acc = acc + jnp.dot(p16, v_smem.at[slot][...], preferred_element_type=jnp.float32)
+                after_issue()
+                return acc
+            return pl.run_state(update)(plgpu.ACC.init(acc))
+
         def overlapped_blocks(acc, m, l, *, q_seg, q_start, kv_lo, kv_hi, unmasked, slot_of):
             """`config.overlap`, FlashAttention-3's intra-warpgroup pipelining on top of the ping-pong: step j
             issues S_j = Q K_j^T and then O += P_{j-1} V_{j-1}, waits for S_j alone (wgmma groups complete in
@@ -193,18 +230,6 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
             and P_{j-1} live at once. Block kv_lo (no P V before it) is peeled off and always masked; the
             steps after it keep the masked / unmasked split; every step, the peeled one and the last P V
             each take one turn, the same count for both consumers."""
-            def qk(slot, after_issue):
-                def scores(s_ref):
-                    plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-                    after_issue()
-                    return s_ref[...]
-
-                if interpreting:
-                    after_issue()
-                    return lax.dot_general(q_smem[...], k_smem.at[slot][...], (((1,), (1,)), ((), ())),
-                                           preferred_element_type=jnp.float32)
-                return pl.run_scoped(scores, plgpu.ACC((block_q, block_kv), jnp.float32))
-
             def my_turn():  # the tensor cores are ours: issue this step's wgmmas
                 plgpu.barrier_wait(turn.at[wg])
 
@@ -227,14 +252,12 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
                 plgpu.barrier_wait(k_ready.at[slot])
                 plgpu.barrier_wait(v_ready.at[prev])
                 my_turn()
-                if interpreting:
-                    pass_turn()
-                    s = lax.dot_general(q_smem[...], k_smem.at[slot][...], (((1,), (1,)), ((), ())),
-                                        preferred_element_type=jnp.float32)
+                if interpreting:  # the same steps, one product at a time
+                    s = qk(slot, after_issue=pass_turn)
                     plgpu.barrier_arrive(k_free.at[slot])
                     p, alpha, m = probabilities(s, m, masked=masked, q_seg=q_seg, kv_seg=kv_seg, q_start=q_start,
                                                 kv_step=kv_step)
-                    acc = acc + jnp.dot(p_prev, v_smem.at[prev][...], preferred_element_type=jnp.float32)
+                    acc = pv(acc, p_prev, prev, after_issue=lambda: None)
                 else:
                     def both(s_ref, o_ref):
                         o_ref[...] = acc
@@ -263,16 +286,7 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
             last = slot_of(kv_hi - 1)
             plgpu.barrier_wait(v_ready.at[last])
             my_turn()
-
-            def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p_last, v_smem.at[last])
-                pass_turn()
-
-            if interpreting:
-                pass_turn()
-                acc = acc + jnp.dot(p_last, v_smem.at[last][...], preferred_element_type=jnp.float32)
-            else:
-                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            acc = pv(acc, p_last, last, after_issue=pass_turn)
             plgpu.barrier_arrive(v_free.at[last])
             return acc, m, l
 
@@ -303,18 +317,8 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
                 acc, m, l = carry
                 slot = slot_of(kv_step)
                 kv_seg = block_ids(slot, masked=masked)
-
-                def qk(s_ref):
-                    plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-                    plgpu.barrier_arrive(turn)  # our QK^T is queued: the other consumer may issue its PV
-                    return s_ref[...]
-
-                if interpreting:
-                    s = lax.dot_general(q_smem[...], k_smem.at[slot][...], (((1,), (1,)), ((), ())),
-                                        preferred_element_type=jnp.float32)
-                    plgpu.barrier_arrive(turn)
-                else:
-                    s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
+                # Our QK^T is queued: the other consumer may issue its PV.
+                s = qk(slot, after_issue=lambda: plgpu.barrier_arrive(turn))
                 plgpu.barrier_arrive(k_free.at[slot])
                 plgpu.barrier_wait(turn)
                 p, alpha, m_new = probabilities(s, m, masked=masked, q_seg=q_seg, kv_seg=kv_seg, q_start=q_start,
@@ -327,21 +331,10 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
                 plgpu.barrier_wait(v_ready.at[slot])
                 plgpu.barrier_wait(turn)  # the tensor cores are ours
 
-                def pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                def wait_next_k():  # overlap the next K block's wait with this PV
+                    pl.when(kv_step + 1 < kv_hi)(lambda: plgpu.barrier_wait(k_ready.at[slot_of(kv_step + 1)]))
 
-                    @pl.when(kv_step + 1 < kv_hi)
-                    def _():  # overlap the next K block's wait with this PV
-                        plgpu.barrier_wait(k_ready.at[slot_of(kv_step + 1)])
-
-                if interpreting:
-                    acc = acc + jnp.dot(p16, v_smem.at[slot][...], preferred_element_type=jnp.float32)
-
-                    @pl.when(kv_step + 1 < kv_hi)
-                    def _():
-                        plgpu.barrier_wait(k_ready.at[slot_of(kv_step + 1)])
-                else:
-                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                acc = pv(acc, p16, slot, after_issue=wait_next_k)
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l
 
