@@ -1,7 +1,10 @@
 """Issues 6 and 7's bar as paired ratios: ours against cuDNN, timed interleaved, with a confidence interval.
 
   PYTHONPATH=. python benchmarks/bar.py [--passes fwd,fwdbwd] [--head-dims 64,128] [--seqs 2048,8192,16384]
-      [--reps 21] [--budget 540] [--nondeterministic] [--out FILE.jsonl]
+      [--reps 21] [--budget 540] [--causal false,true] [--nondeterministic] [--out FILE.jsonl]
+      [--hopper "64,128,3,persistent;128,128,2"]   # forward tiles to try instead of the default
+      [--one-pass] [--bwd-registers 240,24]        # backward experiments: dq_atomic at every head_dim;
+                                                   # setmaxnreg budgets of the backward kernels
   python benchmarks/bar.py --smoke        # CPU: tiny shapes, "xla_chunked" against "xla", no timing claims
 
 The bar (issue 6 forward, issue 7 forward+backward): at least 1.0x cuDNN at head_dim 64 and 128, N = 2k, 8k and
@@ -20,6 +23,7 @@ Stops starting points after `--budget` seconds.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
@@ -27,16 +31,42 @@ import jax
 import jax.numpy as jnp
 
 import pallas_flash as pf
+from pallas_flash.config import HopperBwdConfig, HopperConfig
+from pallas_flash.kernels import hopper_bwd
 from benchmarks.attention import (DTYPES, FLOP_FACTOR, SWEEP_TOKENS, SWEEP_WIDTH, Point, _pass_function,
                                   _random_inputs, _unpack, fwd_flops, paired_ratio)
 
 
-def attend(impl, causal: bool, deterministic: bool):
-    """(q, k, v) -> out: cuDNN, or `flash_attention` with this implementation (None: the dispatcher's)."""
+def attend(impl, causal: bool, deterministic: bool, config: pf.KernelConfig | None = None):
+    """(q, k, v) -> out: cuDNN, or `flash_attention` with this implementation (None: the dispatcher's) and
+    config (None: its default)."""
     if impl == "cudnn":
         return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
     return lambda q, k, v: pf.flash_attention(q, k, v, is_causal=causal, implementation=impl,
-                                              deterministic=deterministic)
+                                              deterministic=deterministic, config=config)
+
+
+def parse_hopper_configs(text: str | None) -> list[HopperConfig | None]:
+    """`--hopper` as HopperConfigs: ";"-separated "block_q,block_kv,num_stages[,persistent][,overlap]"
+    (e.g. "64,128,3,persistent;128,128,2"); None (no flag): the default tiles only."""
+    if not text:
+        return [None]
+    configs = []
+    for item in text.split(";"):
+        fields = item.split(",")
+        sizes, flags = fields[:3], set(fields[3:])
+        if len(sizes) < 3 or not all(x.isdigit() for x in sizes) or not flags <= {"persistent", "overlap"}:
+            raise ValueError(f"--hopper: want block_q,block_kv,num_stages[,persistent][,overlap], got {item!r}")
+        block_q, block_kv, num_stages = (int(x) for x in sizes)
+        configs.append(HopperConfig(block_q, block_kv, num_stages, "persistent" in flags, "overlap" in flags))
+    return configs
+
+
+def describe(config: HopperConfig | None) -> str:
+    if config is None:
+        return "default"
+    flags = "".join(f",{name}" for name in ("persistent", "overlap") if getattr(config, name))
+    return f"{config.block_q},{config.block_kv},{config.num_stages}{flags}"
 
 
 def max_abs_difference(a, b) -> float:
@@ -51,10 +81,22 @@ def main(argv=None) -> None:
     parser.add_argument("--seqs", default="2048,8192,16384")
     parser.add_argument("--reps", type=int, default=21)
     parser.add_argument("--budget", type=float, default=540.0)
+    parser.add_argument("--causal", default="false,true")
     parser.add_argument("--nondeterministic", action="store_true")
     parser.add_argument("--out", help="append one JSON record per point to this file")
+    parser.add_argument("--hopper", help="Hopper forward tiles to try instead of the default, each its own row: "
+                        "';'-separated block_q,block_kv,num_stages[,persistent][,overlap]")
+    parser.add_argument("--one-pass", action="store_true",
+                        help="force the one-pass Hopper backward (dq_atomic) at every head_dim")
+    parser.add_argument("--bwd-registers", help="experiment: CONSUMER,PRODUCER setmaxnreg budgets of the Hopper "
+                        "backward kernels (multiples of 8; 2 * CONSUMER + PRODUCER <= 512)")
     parser.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, xla_chunked against xla")
     args = parser.parse_args(argv)
+    if args.bwd_registers:
+        consumer, producer = (int(x) for x in args.bwd_registers.split(","))
+        hopper_bwd.CONSUMER_REGISTERS, hopper_bwd.PRODUCER_REGISTERS = consumer, producer  # read at trace time
+    hopper_configs = parse_hopper_configs(args.hopper)
+    causals = [{"false": False, "true": True}[c] for c in args.causal.lower().split(",")]
     tokens, width, dtype = (256, 64, "float32") if args.smoke else (SWEEP_TOKENS, SWEEP_WIDTH, "bfloat16")
     seqs = [128] if args.smoke else [int(n) for n in args.seqs.split(",")]
     head_dims = [16, 32] if args.smoke else [int(d) for d in args.head_dims.split(",")]
@@ -62,13 +104,15 @@ def main(argv=None) -> None:
     reps, min_sample_s = (5, 0.0) if args.smoke else (args.reps, 0.02)
     ours_name, theirs_name = ours_impl or "ours", theirs_impl
     print("jax", jax.__version__, jax.devices()[0].device_kind, flush=True)
-    print(f"| pass | D | N | causal | {ours_name} ms (TF/s) | {theirs_name} ms | {theirs_name} / {ours_name} "
-          "(95% interval) | verdict | max abs diff |\n|---|---|---|---|---|---|---|---|---|", flush=True)
+    print("options:", " ".join(f"{k}={v}" for k, v in vars(args).items() if v not in (None, False)), flush=True)
+    print(f"| pass | D | N | causal | forward tiles | {ours_name} ms (TF/s) | {theirs_name} ms | {theirs_name} / "
+          f"{ours_name} (95% interval) | verdict | max abs diff |\n|---|---|---|---|---|---|---|---|---|---|",
+          flush=True)
     start = time.perf_counter()
     for pass_ in args.passes.split(","):
         for head_dim in head_dims:
             for seq in seqs:
-                for causal in (False, True):
+                for causal in causals:
                     if time.perf_counter() - start > args.budget:
                         print(f"budget of {args.budget:.0f} s spent: stopped before {pass_} D={head_dim} "
                               f"N={seq} causal={causal}", flush=True)
@@ -76,31 +120,51 @@ def main(argv=None) -> None:
                     heads = width // head_dim
                     point = Point("bar", max(1, tokens // seq), seq, seq, heads, heads, head_dim, causal, dtype)
                     inputs = [_random_inputs(point, DTYPES[dtype], seed) for seed in range(3)]  # q, k, v, ct
-                    compiled = []
-                    for impl in (ours_impl, theirs_impl):
-                        jitted, make_args = _pass_function(attend(impl, causal, not args.nondeterministic), pass_)
-                        arg_sets = [make_args(*x) for x in inputs]  # the same for both sides
-                        compiled.append(jitted.lower(*arg_sets[0]).compile())
-                    ours, theirs = compiled
-                    difference = max_abs_difference(_unpack(pass_, ours(*arg_sets[0])),
-                                                    _unpack(pass_, theirs(*arg_sets[0])))
-                    ratio, (low, high), ours_ms, theirs_ms, calls = paired_ratio(
-                        ours, theirs, arg_sets, reps=reps, min_sample_s=min_sample_s)
-                    verdict = "ahead" if low > 1.0 else "behind" if high < 1.0 else "parity"
-                    flops = FLOP_FACTOR[pass_] * fwd_flops(point)
-                    print(f"| {pass_} | {head_dim} | {seq} | {causal} | {ours_ms:.3f} "
-                          f"({flops / ours_ms / 1e9:.0f}) | {theirs_ms:.3f} | {ratio:.3f} ({low:.3f}-{high:.3f}) "
-                          f"| {verdict} | {difference:.2e} |", flush=True)
-                    if args.out:
-                        with open(args.out, "a") as f:
-                            f.write(json.dumps({
-                                "pass": pass_, "ours": ours_name, "theirs": theirs_name, "head_dim": head_dim,
-                                "seq": seq, "batch": point.batch, "heads": heads, "causal": causal,
-                                "ours_ms": ours_ms, "theirs_ms": theirs_ms, "ratio": ratio, "interval": [low, high],
-                                "verdict": verdict, "calls": calls, "reps": reps, "max_abs_difference": difference,
-                                "nondeterministic": args.nondeterministic, "jax": jax.__version__,
-                                "device": jax.devices()[0].device_kind}) + "\n")
+                    theirs, arg_sets = compile_pass(attend(theirs_impl, causal, True), pass_, inputs)
+                    for hopper in hopper_configs:
+                        config = None
+                        if hopper is not None or args.one_pass:
+                            config = dataclasses.replace(
+                                pf.KernelConfig.default(head_dim), hopper=hopper,
+                                hopper_bwd=dataclasses.replace(HopperBwdConfig.default(head_dim), dq_atomic=True)
+                                if args.one_pass else None)
+                        try:
+                            ours, _ = compile_pass(attend(ours_impl, causal, not args.nondeterministic, config),
+                                                   pass_, inputs)
+                        except Exception as error:  # a swept tile that does not compile (registers, memory)
+                            if hopper is None:
+                                raise
+                            print(f"| {pass_} | {head_dim} | {seq} | {causal} | {describe(hopper)} | failed: "
+                                  f"{type(error).__name__}: {str(error).splitlines()[0][:160]} |", flush=True)
+                            continue
+                        difference = max_abs_difference(_unpack(pass_, ours(*arg_sets[0])),
+                                                        _unpack(pass_, theirs(*arg_sets[0])))
+                        ratio, (low, high), ours_ms, theirs_ms, calls = paired_ratio(
+                            ours, theirs, arg_sets, reps=reps, min_sample_s=min_sample_s)
+                        verdict = "ahead" if low > 1.0 else "behind" if high < 1.0 else "parity"
+                        flops = FLOP_FACTOR[pass_] * fwd_flops(point)
+                        print(f"| {pass_} | {head_dim} | {seq} | {causal} | {describe(hopper)} | {ours_ms:.3f} "
+                              f"({flops / ours_ms / 1e9:.0f}) | {theirs_ms:.3f} | {ratio:.3f} ({low:.3f}-{high:.3f})"
+                              f" | {verdict} | {difference:.2e} |", flush=True)
+                        if args.out:
+                            with open(args.out, "a") as f:
+                                f.write(json.dumps({
+                                    "pass": pass_, "ours": ours_name, "theirs": theirs_name, "head_dim": head_dim,
+                                    "seq": seq, "batch": point.batch, "heads": heads, "causal": causal,
+                                    "forward_tiles": describe(hopper), "ours_ms": ours_ms, "theirs_ms": theirs_ms,
+                                    "ratio": ratio, "interval": [low, high], "verdict": verdict, "calls": calls,
+                                    "reps": reps, "max_abs_difference": difference,
+                                    "nondeterministic": args.nondeterministic, "one_pass": args.one_pass,
+                                    "bwd_registers": args.bwd_registers, "jax": jax.__version__,
+                                    "device": jax.devices()[0].device_kind}) + "\n")
 
+
+def compile_pass(fn, pass_: str, inputs):
+    """`fn`'s pass (the harness's `_pass_function`) compiled for these (q, k, v, cotangent) input sets;
+    returns (compiled, the argument sets)."""
+    jitted, make_args = _pass_function(fn, pass_)
+    arg_sets = [make_args(*x) for x in inputs]
+    return jitted.lower(*arg_sets[0]).compile(), arg_sets
 
 if __name__ == "__main__":
     main()

@@ -23,7 +23,8 @@ from benchmarks.attention import median_ms
 from pallas_flash.config import HopperConfig
 from pallas_flash.kernels import hopper_fwd
 
-VARIANTS = {"persistent": dict(persistent=True), "per-tile": dict(persistent=False),
+VARIANTS = {"persistent": dict(persistent=True, overlap=False),
+            "per-tile": dict(persistent=False, overlap=False),
             "overlap": dict(persistent=False, overlap=True, block_kv=128),
             "overlap-persistent": dict(persistent=True, overlap=True, block_kv=128)}
 

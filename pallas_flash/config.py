@@ -26,8 +26,8 @@ class HopperConfig:
         (`default` picks it for short rows).
       overlap: FlashAttention-3's intra-warpgroup pipelining on top of the ping-pong between the consumers:
         each step issues Q K_j^T, then P_{j-1} V_{j-1}, and computes block j's softmax while that P V runs
-        (`hopper_fwd.overlapped_blocks`). Holds O, S_j and P_{j-1} in registers at once. Not yet measured on
-        the GPU: off by default.
+        (`hopper_fwd.overlapped_blocks`). Holds O, S_j and P_{j-1} in registers at once. `default` turns it
+        on at head_dim 128 for rows over 1k without masks, where the H100 measured it faster.
     """
 
     block_q: int = 64
@@ -68,25 +68,38 @@ class HopperConfig:
         return self._q_tile_bytes(head_dim, itemsize) + kv_ring + lse + _HOPPER_SMEM_SLACK
 
     @classmethod
-    def default(cls, head_dim: int, kv_len: int | None = None, is_causal: bool = False) -> "HopperConfig":
-        """Per padded head_dim (a multiple of 64), from the H100 sweeps in pallas_flash/kernels/NOTES.md:
-        at head_dim 64, 256-key blocks (fewer, longer wgmmas per softmax) except for short causal rows,
-        where most blocks are diagonal and 128 wastes less; at 128, 128-key blocks, 2 stages (3 do not fit).
-        Persistent CTAs where the H100 A/B runs measured them faster (NOTES.md, persistent forward): short
-        rows (kv_len <= 1024: a CTA's fixed cost of launch, first loads and epilogue is a large part of its
-        time) and causal rows up to 8k at head_dim 64, from 2k to 8k at head_dim 128 (the folded order
-        balances the unequal tiles). One CTA per tile for long non-causal rows (1-4% faster there), causal
-        rows over 8k, causal rows up to 1k at head_dim 128, and head_dim 256 (unmeasured)."""
+    def default(cls, head_dim: int, kv_len: int | None = None, is_causal: bool = False,
+                masked: bool = False) -> "HopperConfig":
+        """Per padded head_dim (a multiple of 64), from the H100 sweeps in pallas_flash/kernels/NOTES.md.
+
+        head_dim 64: 256-key blocks (fewer, longer wgmmas per softmax), except for causal rows up to 1k, where
+        most blocks are diagonal and 128 wastes less. At 2k causal, 256 measured 1.040x cuDNN against 128's
+        0.989x (paired sweep, sixth session). Persistent CTAs for short rows (kv_len <= 1024: a CTA's fixed
+        cost of launch, first loads and epilogue is a large part of its time) and causal rows up to 8k (the
+        folded order balances the unequal tiles); one CTA per tile for long non-causal rows (1-4% faster)
+        and causal rows over 8k. FA3's intra-warpgroup overlap measured 4-12% slower here (its S and P need
+        128-key blocks).
+        head_dim 128: 128-key blocks, 2 stages (3 do not fit). Rows up to 1k: persistent CTAs unless causal,
+        no overlap (unmeasured with it). Longer (or unknown) rows: the overlap, one CTA per tile, 3-6% faster
+        than the previous defaults at five of the six anchor points and 1% slower at 2k causal.
+        head_dim 256: 64-key blocks, one CTA per tile (unmeasured).
+        `masked`: the call has a window or segment ids (or lengths). Those keep the tiles chosen before the
+        sixth session (head_dim 64: causal rows up to 2k on 128-key blocks, 3 stages; head_dim 128: no
+        overlap, persistent CTAs for causal rows up to 8k): the new choices ran on the GPU without masks
+        only (the overlap has run window and segment ids in the CPU interpreter)."""
         known = kv_len is not None
         short = known and kv_len <= 1024
         if head_dim <= 64:
-            if is_causal and known and kv_len <= 2048:
+            if is_causal and (short or (masked and known and kv_len <= 2048)):
                 return cls(block_q=64, block_kv=128, num_stages=3, persistent=True)
             return cls(block_q=64, block_kv=256, num_stages=2,
                        persistent=short or (is_causal and known and kv_len <= 8192))
         if head_dim <= 128:
-            causal_mid = is_causal and known and 1024 < kv_len <= 8192
-            return cls(block_q=64, block_kv=128, num_stages=2, persistent=(short and not is_causal) or causal_mid)
+            if short:
+                return cls(block_q=64, block_kv=128, num_stages=2, persistent=not is_causal)
+            if masked:
+                return cls(block_q=64, block_kv=128, num_stages=2, persistent=is_causal and known and kv_len <= 8192)
+            return cls(block_q=64, block_kv=128, num_stages=2, persistent=False, overlap=True)
         return cls(block_q=64, block_kv=64, num_stages=2)
 
 
@@ -109,9 +122,9 @@ class HopperBwdConfig:
         float32 additions varies from run to run, so dQ is not bitwise deterministic. Under `jax.vmap` the
         vmapped axis is folded into the batch (the kernel writes into a mutable array, which Mosaic GPU's
         batching cannot carry). At head_dim 64 it needs block_q_dkv >= 128 (`hopper_bwd.dq_split`). On the
-        H100 (FA3's split of dQ between the consumers) fwd+bwd 1.04-1.11x the two passes at head_dim 64,
-        0.78-0.90x at 128 (pallas_flash/kernels/NOTES.md); `flash_attention(deterministic=False)` uses it
-        where faster. False (the default) keeps the deterministic separate dQ pass; the block_*_dq /
+        H100 fwd+bwd 1.06-1.09x cuDNN at head_dim 64 (the two passes: 0.93-1.03x), 0.82-0.91x at 128 (the
+        two passes: 0.92-1.10x) (pallas_flash/kernels/NOTES.md); `flash_attention(deterministic=False)` uses
+        it where faster. False (the default) keeps the deterministic separate dQ pass; the block_*_dq /
         num_stages_dq fields apply to it only.
     """
 
@@ -157,8 +170,9 @@ class HopperBwdConfig:
         NOTES.md, "Hopper backward"): 2-stage rings beat 3 (3-5% at head_dim 128, 1-2% at 64); 128-query
         Q/dO blocks in the dK/dV kernel only where head_dim 64 leaves the registers for them.
         deterministic=False: the one-pass backward (dq_atomic) where it measured faster than the two passes
-        on the H100: head_dim 64 (fwd+bwd 1.04-1.11x the two-pass at N = 8k and 16k); at head_dim 128 it
-        is slower (0.78-0.90x), so the two passes stay."""
+        on the H100: head_dim 64 (fwd+bwd 1.06-1.09x cuDNN at the six anchor points, the two passes
+        0.93-1.03x); at head_dim 128 it is slower (0.82-0.91x cuDNN, the two passes 0.92-1.10x), so the two
+        passes stay."""
         if head_dim <= 64:
             return cls(block_q_dkv=128, block_kv_dkv=64, num_stages_dkv=2, block_q_dq=64, block_kv_dq=128,
                        num_stages_dq=2, dq_atomic=not deterministic)

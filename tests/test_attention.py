@@ -4,6 +4,7 @@ On CPU "pallas" runs the kernels in Pallas interpret mode (small shapes, small b
 diagonal tile and ragged tail is exercised); on an NVIDIA GPU the same grid runs the compiled kernels, and
 the tests marked `gpu` add realistic shapes and the default block sizes.
 """
+import dataclasses
 import functools
 
 import jax
@@ -126,8 +127,36 @@ def test_gpu_mosaic_overlap(shape, dtype, is_causal, persistent):
         pytest.skip("needs an sm90 GPU")
     head_dim = hopper_fwd.padded_head_dim(shape[-1])
     block_kv = 64 if head_dim > 128 else 128
-    config = KernelConfig(hopper=HopperConfig(64, block_kv, 2, persistent, overlap=True))
+    # The portable backward keeps its tuned tiles (KernelConfig()'s do not fit shared memory at head_dim 256).
+    config = dataclasses.replace(KernelConfig.default(shape[-1]),
+                                 hopper=HopperConfig(64, block_kv, 2, persistent, overlap=True))
     check_against_reference("mosaic", shape, dtype, is_causal, config, seed=2)
+
+
+@pytest.mark.parametrize("head_dim, kv_len, is_causal, window, segments, overlap", [
+    (128, 2048, False, None, False, True), (128, 16384, True, None, False, True), (128, None, False, None, False, True),
+    (128, 1024, False, None, False, False),  # short rows: no overlap (unmeasured with it)
+    (128, 2048, False, (300, 77), False, False), (128, 2048, True, None, True, False),
+    (128, 4096, False, (None, 0), True, False), (64, 8192, False, None, False, False)])
+def test_hopper_default_overlaps_only_where_measured(head_dim, kv_len, is_causal, window, segments, overlap):
+    """The forward default turns FA3's overlap on at head_dim 128 past 1k keys, and keeps masked calls (a window
+    or segment ids: not yet run with the overlap on the GPU) and head_dim 64 (slower with it) on the ping-pong."""
+    from pallas_flash import masks
+    from pallas_flash.kernels import hopper_fwd
+    config = hopper_fwd.default_config(head_dim, kv_len, masks.Band.of(is_causal, window), has_segments=segments)
+    assert config.overlap == overlap
+    if overlap:
+        assert (config.block_kv, config.persistent) == (128, False)
+
+
+def test_hopper_default_masked_calls_keep_their_tiles():
+    """Masked calls keep the tiles their GPU tests ran with: head_dim 64 causal rows up to 2k on 128-key blocks,
+    head_dim 128 persistent causal rows up to 8k; unmasked 2k causal rows at head_dim 64 take 256-key blocks."""
+    from pallas_flash.config import HopperConfig
+    assert HopperConfig.default(64, 2048, True, masked=True) == HopperConfig(64, 128, 3, True)
+    assert HopperConfig.default(64, 2048, True) == HopperConfig(64, 256, 2, True)
+    assert HopperConfig.default(128, 8192, True, masked=True) == HopperConfig(64, 128, 2, True)
+    assert HopperConfig.default(128, 8193, True, masked=True) == HopperConfig(64, 128, 2, False)
 
 
 @pytest.mark.parametrize("pairs, num_q_tiles, chunk, max_ctas", [

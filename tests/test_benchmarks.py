@@ -2,6 +2,8 @@
 import json
 import os
 
+import pytest
+
 from benchmarks import attention
 
 REQUIRED = {"suite", "impl", "pass", "batch", "seq_q", "seq_k", "heads", "kv_heads", "head_dim", "causal", "dtype",
@@ -57,3 +59,17 @@ def test_bar_smoke_pairs_every_point(tmp_path):
         assert r["max_abs_difference"] < 1e-4, r  # xla_chunked against the dense reference, float32
         low, high = r["interval"]
         assert low <= r["ratio"] <= high and r["verdict"] in ("ahead", "behind", "parity")
+
+
+def test_bar_hopper_tiles_parse_and_bad_ones_are_named():
+    """`--hopper`: ";"-separated forward tiles, printed back as given; a malformed item is a named ValueError."""
+    from benchmarks import bar
+    from pallas_flash.config import HopperConfig
+    configs = bar.parse_hopper_configs("64,128,3,persistent;128,64,2;64,128,2,persistent,overlap")
+    assert configs == [HopperConfig(64, 128, 3, True), HopperConfig(128, 64, 2),
+                       HopperConfig(64, 128, 2, True, True)]
+    assert [bar.describe(c) for c in configs] == ["64,128,3,persistent", "128,64,2", "64,128,2,persistent,overlap"]
+    assert bar.parse_hopper_configs(None) == [None] and bar.describe(None) == "default"
+    for bad in ("64,128", "64,128,2,fast", "64,x,2"):
+        with pytest.raises(ValueError, match="--hopper: want"):
+            bar.parse_hopper_configs(bad)

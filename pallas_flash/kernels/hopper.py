@@ -35,9 +35,10 @@ def _window(band: masks.Band):
     return False, None if band.is_full else (band.left, band.right)
 
 
-def _hopper_config(config: KernelConfig, head_dim: int, kv_len: int, band: masks.Band) -> HopperConfig:
-    is_causal = band.right == 0 and band.left is None
-    return config.hopper or HopperConfig.default(hopper_fwd.padded_head_dim(head_dim), kv_len, is_causal)
+def _hopper_config(config: KernelConfig, head_dim: int, kv_len: int, band: masks.Band,
+                   has_segments: bool = False) -> HopperConfig:
+    return config.hopper or hopper_fwd.default_config(hopper_fwd.padded_head_dim(head_dim), kv_len, band,
+                                                      has_segments)
 
 
 def unsupported_reason(query, key, *, band: masks.Band, unserved=(), config: KernelConfig) -> str | None:
@@ -71,7 +72,8 @@ def _attention_fwd(q, k, v, q_ids, kv_ids, scale, band, config, deterministic):
     is_causal, window = _window(band)
     out, lse = hopper_fwd.hopper_forward(q, k, v, scale=scale, is_causal=is_causal, local_window_size=window,
                                          q_segment_ids=q_ids, kv_segment_ids=kv_ids,
-                                         config=_hopper_config(config, q.shape[-1], k.shape[1], band))
+                                         config=_hopper_config(config, q.shape[-1], k.shape[1], band,
+                                                               has_segments=q_ids is not None))
     return (out, lse), (q, k, v, q_ids, kv_ids, out, lse)
 
 

@@ -45,6 +45,11 @@ from pallas_flash.kernels.hopper_fwd import (CONSUMER_REGISTERS, HEAD_DIM_TILE, 
                                              unmasked_blocks)
 
 MAX_HEAD_DIM = 128  # at 256, K and V of a 128-key CTA alone take 128 KiB of shared memory
+# setmaxnreg budgets (consumer, producer) of the one-pass (dq_atomic) dK/dV kernel: its consumers hold dK and dV
+# and the dQ slice's operands at once. With FA3's 240/24, fwd+bwd measured 3-9% nearer cuDNN than with the
+# forward's 232/40 at head_dim 64 and 128 (H100); the two-pass kernels keep 232/40 (240/24 put them 0-3% further
+# from cuDNN at head_dim 128). benchmarks/results/2026-11-23-h100/README.md, sixth session.
+ONE_PASS_REGISTERS = (240, 24)
 
 def _transforms():
     # 128-byte swizzle over (8, 64)-element tiles: the layout wgmma reads without bank conflicts.
@@ -117,10 +122,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
     total_steps = group * q_steps
     wg = lax.axis_index("wg")
     iota, zeros, load_vector = register_ops(interpreting)
+    consumer_registers, producer_registers = (
+        ONE_PASS_REGISTERS if config.dq_atomic else (CONSUMER_REGISTERS, PRODUCER_REGISTERS))
 
     @pl.when(wg < NUM_CONSUMERS)
     def _consumer():
-        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+        plgpu.set_max_registers(consumer_registers, action="increase")
         v_smem = v_smem2.at[wg]
         # One pass: K of both warpgroups is one [2 block_kv, D] tile (each dQ wgmma reads all of it).
         k_smem = k_smem2.at[wg] if dq_acc_ref is None else k_smem2.at[pl.ds(wg * block_kv, block_kv)]
@@ -269,7 +276,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
 
     @pl.when(wg == NUM_CONSUMERS)
     def _producer():
-        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+        plgpu.set_max_registers(producer_registers, action="decrease")
 
         def load(step, slot, wait_free: bool):
             per_head = jnp.maximum(q_steps, 1)
