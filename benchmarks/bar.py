@@ -14,6 +14,9 @@ the size of the margins in question. So each point here: both functions compiled
 difference, printed), then `benchmarks.attention.paired_ratio`: samples alternate ours / cuDNN and each adjacent
 pair gives one ratio, cancelling drift. Printed: the median ratio cuDNN time / ours (> 1: we are faster), its
 ~95% interval, and the verdict: "ahead" (interval above 1), "behind" (below 1) or "parity" (it spans 1).
+Also whether each side's outputs (gradients included) are bitwise the same over 5 calls on one input set:
+cuDNN's backward may sum with atomics unless XLA_FLAGS has --xla_gpu_deterministic_ops=true (recorded in
+the JSON), which decides whether our deterministic default or `--nondeterministic` is the like-for-like run.
 TFLOP/s count 4*B*H*N^2*D per forward (halved when causal), x3.5 for forward+backward; inputs, the
 forward+backward function (the gradient of sum(out * cotangent)) and FLOP counts are the harness's
 (`benchmarks.attention`).
@@ -25,16 +28,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import pallas_flash as pf
 from pallas_flash.config import HopperBwdConfig, HopperConfig
 from pallas_flash.kernels import hopper_bwd
 from benchmarks.attention import (DTYPES, FLOP_FACTOR, SWEEP_TOKENS, SWEEP_WIDTH, Point, _pass_function,
                                   _random_inputs, _unpack, fwd_flops, paired_ratio)
+
+REPEAT_CALLS = 5  # calls per side on one input set for the bitwise-repeatability column
 
 
 def attend(impl, causal: bool, deterministic: bool, config: pf.KernelConfig | None = None):
@@ -106,7 +113,8 @@ def main(argv=None) -> None:
     print("jax", jax.__version__, jax.devices()[0].device_kind, flush=True)
     print("options:", " ".join(f"{k}={v}" for k, v in vars(args).items() if v not in (None, False)), flush=True)
     print(f"| pass | D | N | causal | forward tiles | {ours_name} ms (TF/s) | {theirs_name} ms | {theirs_name} / "
-          f"{ours_name} (95% interval) | verdict | max abs diff |\n|---|---|---|---|---|---|---|---|---|---|",
+          f"{ours_name} (95% interval) | verdict | max abs diff | bitwise repeatable ({ours_name}/{theirs_name}) |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|",
           flush=True)
     start = time.perf_counter()
     for pass_ in args.passes.split(","):
@@ -139,13 +147,14 @@ def main(argv=None) -> None:
                             continue
                         difference = max_abs_difference(_unpack(pass_, ours(*arg_sets[0])),
                                                         _unpack(pass_, theirs(*arg_sets[0])))
+                        repeats = [repeatable(fn, arg_sets[0]) for fn in (ours, theirs)]
                         ratio, (low, high), ours_ms, theirs_ms, calls = paired_ratio(
                             ours, theirs, arg_sets, reps=reps, min_sample_s=min_sample_s)
                         verdict = "ahead" if low > 1.0 else "behind" if high < 1.0 else "parity"
                         flops = FLOP_FACTOR[pass_] * fwd_flops(point)
                         print(f"| {pass_} | {head_dim} | {seq} | {causal} | {describe(hopper)} | {ours_ms:.3f} "
                               f"({flops / ours_ms / 1e9:.0f}) | {theirs_ms:.3f} | {ratio:.3f} ({low:.3f}-{high:.3f})"
-                              f" | {verdict} | {difference:.2e} |", flush=True)
+                              f" | {verdict} | {difference:.2e} | {'/'.join(map(_yes_no, repeats))} |", flush=True)
                         if args.out:
                             with open(args.out, "a") as f:
                                 f.write(json.dumps({
@@ -154,9 +163,26 @@ def main(argv=None) -> None:
                                     "forward_tiles": describe(hopper), "ours_ms": ours_ms, "theirs_ms": theirs_ms,
                                     "ratio": ratio, "interval": [low, high], "verdict": verdict, "calls": calls,
                                     "reps": reps, "max_abs_difference": difference,
+                                    "bitwise_repeatable": dict(zip(("ours", "theirs"), repeats)),
+                                    "xla_flags": os.environ.get("XLA_FLAGS", ""),
                                     "nondeterministic": args.nondeterministic, "one_pass": args.one_pass,
                                     "bwd_registers": args.bwd_registers, "jax": jax.__version__,
                                     "device": jax.devices()[0].device_kind}) + "\n")
+
+
+def repeatable(compiled, args, calls: int = REPEAT_CALLS) -> bool:
+    """Whether `calls` calls on the same inputs give bitwise the same outputs (a backward that sums with
+    atomics usually does not)."""
+    first = [np.asarray(x) for x in jax.tree.leaves(compiled(*args))]
+    for _ in range(calls - 1):
+        again = [np.asarray(x) for x in jax.tree.leaves(compiled(*args))]
+        if not all(np.array_equal(a, b) for a, b in zip(first, again)):
+            return False
+    return True
+
+
+def _yes_no(flag: bool) -> str:
+    return "yes" if flag else "no"
 
 
 def compile_pass(fn, pass_: str, inputs):

@@ -59,6 +59,7 @@ def test_bar_smoke_pairs_every_point(tmp_path):
         assert r["max_abs_difference"] < 1e-4, r  # xla_chunked against the dense reference, float32
         low, high = r["interval"]
         assert low <= r["ratio"] <= high and r["verdict"] in ("ahead", "behind", "parity")
+        assert r["bitwise_repeatable"] == {"ours": True, "theirs": True}  # XLA on CPU: no atomics
 
 
 def test_bar_hopper_tiles_parse_and_bad_ones_are_named():
