@@ -202,6 +202,7 @@ def test_per_example_gradients_under_vmap():
     ("attention_implementation", "cuda", "attention_implementation"),
     ("dtype", "float64", "dtype must be"),
     ("dropout_rate", 1.0, "dropout_rate"),
+    ("deterministic_gradients", "no", "deterministic_gradients must be a bool"),
 ])
 @pytest.mark.parametrize("config_cls", [TransformerConfig, gpt.GPTConfig, encoder.EncoderConfig, vit.ViTConfig])
 def test_config_errors(config_cls, field, value, match):
@@ -225,3 +226,22 @@ def test_presets(presets, base):
     assert {"tiny", "small", base} <= set(presets)
     assert (presets[base].num_layers, presets[base].embed_dim, presets[base].num_heads) == (12, 768, 12)
     assert presets["tiny"].embed_dim <= 64
+
+
+@pytest.mark.parametrize("deterministic_gradients", [True, False])
+def test_flash_attention_fn_passes_deterministic_gradients(monkeypatch, deterministic_gradients):
+    """`deterministic_gradients` reaches `flash_attention` as `deterministic`, with the implementation."""
+    from pallas_flash import flax as pf_flax
+    seen = {}
+    original = pf_flax.flash_attention
+
+    def recording(*args, **kwargs):
+        seen.update(kwargs)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(pf_flax, "flash_attention", recording)
+    cfg = dataclasses.replace(gpt.PRESETS["tiny"], deterministic_gradients=deterministic_gradients,
+                              attention_implementation="xla_chunked")
+    x = jnp.ones((1, 8, 2, cfg.head_dim), jnp.float32)
+    cfg.attention_fn()(x, x, x)
+    assert seen["deterministic"] is deterministic_gradients and seen["implementation"] == "xla_chunked"
