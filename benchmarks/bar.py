@@ -95,15 +95,19 @@ def main(argv=None) -> None:
                         "';'-separated block_q,block_kv,num_stages[,persistent][,overlap]")
     parser.add_argument("--one-pass", action="store_true",
                         help="force the one-pass Hopper backward (dq_atomic) at every head_dim")
-    parser.add_argument("--bwd-registers", help="experiment: CONSUMER,PRODUCER setmaxnreg budgets of the Hopper "
-                        "backward kernels (multiples of 8; 2 * CONSUMER + PRODUCER <= 512)")
+    parser.add_argument("--bwd-registers", help="experiment: CONSUMER,PRODUCER setmaxnreg budgets of every Hopper "
+                        "backward kernel (multiples of 8; 2 * CONSUMER + PRODUCER <= 512; defaults: two-pass "
+                        "232,40, one-pass 240,24)")
     parser.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, xla_chunked against xla")
     args = parser.parse_args(argv)
-    if args.bwd_registers:
+    if args.bwd_registers:  # every backward kernel's split (read at trace time)
         consumer, producer = (int(x) for x in args.bwd_registers.split(","))
-        hopper_bwd.CONSUMER_REGISTERS, hopper_bwd.PRODUCER_REGISTERS = consumer, producer  # read at trace time
+        hopper_bwd.CONSUMER_REGISTERS, hopper_bwd.PRODUCER_REGISTERS = consumer, producer
+        hopper_bwd.ONE_PASS_REGISTERS = (consumer, producer)
     hopper_configs = parse_hopper_configs(args.hopper)
-    causals = [{"false": False, "true": True}[c] for c in args.causal.lower().split(",")]
+    causals = [c == "true" for c in args.causal.lower().split(",")]
+    if not set(args.causal.lower().split(",")) <= {"false", "true"}:
+        parser.error(f"--causal takes false, true or false,true; got {args.causal!r}")
     tokens, width, dtype = (256, 64, "float32") if args.smoke else (SWEEP_TOKENS, SWEEP_WIDTH, "bfloat16")
     seqs = [128] if args.smoke else [int(n) for n in args.seqs.split(",")]
     head_dims = [16, 32] if args.smoke else [int(d) for d in args.head_dims.split(",")]
