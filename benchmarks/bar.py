@@ -5,6 +5,8 @@
       [--hopper "64,128,3,persistent;128,128,2"]   # forward tiles to try instead of the default
       [--one-pass] [--bwd-registers 240,24]        # backward experiments: dq_atomic at every head_dim;
                                                    # setmaxnreg budgets of the backward kernels
+      [--dq-ordered]                               # the one-pass backward with its dQ adds in a fixed
+                                                   # order (dq_atomic + dq_ordered: bitwise deterministic)
   python benchmarks/bar.py --smoke        # CPU: tiny shapes, "xla_chunked" against "xla", no timing claims
 
 The bar (issue 6 forward, issue 7 forward+backward): at least 1.0x cuDNN at head_dim 64 and 128, N = 2k, 8k and
@@ -95,6 +97,9 @@ def main(argv=None) -> None:
                         "';'-separated block_q,block_kv,num_stages[,persistent][,overlap]")
     parser.add_argument("--one-pass", action="store_true",
                         help="force the one-pass Hopper backward (dq_atomic) at every head_dim")
+    parser.add_argument("--dq-ordered", action="store_true",
+                        help="force the deterministic one-pass Hopper backward (dq_atomic and dq_ordered: "
+                        "semaphore-ordered dQ reduce-adds) at every head_dim")
     parser.add_argument("--bwd-registers", help="experiment: CONSUMER,PRODUCER setmaxnreg budgets of every Hopper "
                         "backward kernel (multiples of 8; 2 * CONSUMER + PRODUCER <= 512; defaults: two-pass "
                         "232,40, one-pass 240,24)")
@@ -135,11 +140,12 @@ def main(argv=None) -> None:
                     theirs, arg_sets = compile_pass(attend(theirs_impl, causal, True), pass_, inputs)
                     for hopper in hopper_configs:
                         config = None
-                        if hopper is not None or args.one_pass:
+                        if hopper is not None or args.one_pass or args.dq_ordered:
                             config = dataclasses.replace(
                                 pf.KernelConfig.default(head_dim), hopper=hopper,
-                                hopper_bwd=dataclasses.replace(HopperBwdConfig.default(head_dim), dq_atomic=True)
-                                if args.one_pass else None)
+                                hopper_bwd=dataclasses.replace(HopperBwdConfig.default(head_dim), dq_atomic=True,
+                                                               dq_ordered=args.dq_ordered)
+                                if args.one_pass or args.dq_ordered else None)
                         try:
                             ours, _ = compile_pass(attend(ours_impl, causal, not args.nondeterministic, config),
                                                    pass_, inputs)
@@ -170,6 +176,7 @@ def main(argv=None) -> None:
                                     "bitwise_repeatable": dict(zip(("ours", "theirs"), repeats)),
                                     "xla_flags": os.environ.get("XLA_FLAGS", ""),
                                     "nondeterministic": args.nondeterministic, "one_pass": args.one_pass,
+                                    "dq_ordered": args.dq_ordered,
                                     "bwd_registers": args.bwd_registers, "jax": jax.__version__,
                                     "device": jax.devices()[0].device_kind}) + "\n")
 

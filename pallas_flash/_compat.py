@@ -73,3 +73,31 @@ def mosaic_gpu_race_states():
         yield states
     finally:
         gpu_callbacks.RaceDetectionState = original
+
+
+def semaphore_wait_at_least(semaphore, value):
+    """Blocks the calling Mosaic GPU warpgroup until the global semaphore `semaphore` (a scalar ref of
+    `pl.get_global(plgpu.SemaphoreType.REGULAR(...))`) holds at least `value`, without decrementing it, with
+    GPU-scope acquire ordering (one thread polls, then a warpgroup barrier). JAX 0.10.2's
+    `plgpu.semaphore_wait(sem, value, decrement=False, memory_scope="gpu")`; `pl.semaphore_wait` (no
+    memory_scope, system scope) where this JAX's Mosaic GPU API lacks those keywords."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    wait = getattr(plgpu, "semaphore_wait", None)
+    if wait is not None:
+        params = inspect.signature(wait).parameters
+        if "decrement" in params and "memory_scope" in params:
+            return wait(semaphore, value, decrement=False, memory_scope="gpu")
+    return pl.semaphore_wait(semaphore, value, decrement=False)
+
+
+def semaphore_signal_gpu(semaphore, inc: int = 1):
+    """Adds `inc` to a global semaphore from one thread of the calling warpgroup, with GPU-scope release
+    ordering (`red.release.gpu.global.add`) after a warpgroup barrier: JAX 0.10.2's
+    `plgpu.semaphore_signal(sem, inc, memory_scope="gpu")`; `pl.semaphore_signal` (system scope) otherwise."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    signal = getattr(plgpu, "semaphore_signal", None)
+    if signal is not None and "memory_scope" in inspect.signature(signal).parameters:
+        return signal(semaphore, inc, memory_scope="gpu")
+    return pl.semaphore_signal(semaphore, inc)

@@ -3,6 +3,7 @@ its config validation, its lowering for the GPU, and its two kernels in JAX's Mo
 plain dots for the wgmmas, see `_dkdv_kernel`'s `interpreting`) against the reference."""
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -107,6 +108,177 @@ def test_one_pass_lowers_for_gpu(head_dim, is_causal, dtype):
     text = jax.jit(backward).trace(q, k, k, q, lse, q, lse).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
     assert "cp.reduce.async.bulk.tensor" in text
+
+
+def test_dq_ordered_config():
+    """dq_ordered is a bool, only with dq_atomic (the two-pass backward is deterministic already), off in every
+    default."""
+    assert HopperBwdConfig(dq_atomic=True, dq_ordered=True).dq_ordered
+    for bad in (dict(dq_ordered=True), dict(dq_ordered=1, dq_atomic=True), dict(dq_ordered=None)):
+        with pytest.raises(ValueError, match="dq_ordered"):
+            HopperBwdConfig(**bad)
+    for head_dim in (64, 128):
+        for deterministic in (True, False):
+            assert not HopperBwdConfig.default(head_dim, deterministic).dq_ordered
+    config = HopperBwdConfig(block_q_dkv=128, dq_atomic=True)  # same shared memory: the counters are global
+    assert dataclasses.replace(config, dq_ordered=True).smem_bytes_dkv(64) == config.smem_bytes_dkv(64)
+
+
+def _brute_force_ranks(batch, num_tiles, tile_keys, num_q_blocks, block_q, band, q_ids=None, kv_ids=None):
+    """`hopper_bwd.dq_order_ranks` from first principles: key tile t visits query block j if some (query, key)
+    pair of theirs is in the band and (with ids, sorted here) their valid id intervals overlap; entry (b, t, j)
+    counts the tiles before t that visit j."""
+    q_pos = np.arange(num_q_blocks * block_q)[:, None]
+    k_pos = np.arange(num_tiles * tile_keys)[None, :]
+    seen = np.ones((q_pos.size, k_pos.size), bool)
+    if band.right is not None:
+        seen &= k_pos <= q_pos + band.right
+    if band.left is not None:
+        seen &= k_pos >= q_pos - band.left
+    visits = seen.reshape(num_q_blocks, block_q, num_tiles, tile_keys).any(axis=(1, 3)).T  # [tile, block]
+    visits = np.broadcast_to(visits, (batch, num_tiles, num_q_blocks)).copy()
+    if q_ids is not None:
+        def interval(ids, size):
+            ids = np.asarray(ids).reshape(batch, -1, size)
+            valid = ids > masks.KEY_PADDING_ID
+            return (np.where(valid, ids, np.iinfo(np.int32).max).min(2),
+                    np.where(valid, ids, np.iinfo(np.int32).min).max(2))
+        (t_lo, t_hi), (b_lo, b_hi) = interval(kv_ids, tile_keys), interval(q_ids, block_q)
+        visits &= (t_lo[:, :, None] <= b_hi[:, None, :]) & (b_lo[:, None, :] <= t_hi[:, :, None])
+    visits = visits.astype(np.int32)
+    return np.cumsum(visits, axis=1) - visits, visits
+
+
+@pytest.mark.parametrize("is_causal, window, segments", [
+    (False, None, False), (True, None, False), (False, (300, 100), False), (True, (200, None), False),
+    (False, None, True), (True, (300, None), True)])
+def test_dq_order_ranks(is_causal, window, segments):
+    """The rank table the dq_ordered kernel waits on: per (example, key tile, query block), how many lower key
+    tiles visit that block, against a brute-force count (queries and keys of unequal lengths, padding)."""
+    batch, block_q, tile_keys, num_q_blocks, num_tiles = 2, 64, 128, 9, 7
+    band = masks.Band.of(is_causal, window)
+    q_ids = kv_ids = q_ranges = None
+    if segments:  # packed sequences, the last rows / keys padding (as `pad_segment_ids` leaves them)
+        q_ids, kv_ids = masks.pad_segment_ids(_segment_ids(batch, 520, [[100, 300], [250]]),
+                                              _segment_ids(batch, 800, [[150, 500], [40]]),
+                                              num_q_blocks * block_q, num_tiles * tile_keys)
+        q_ranges = hopper_fwd.segment_block_ranges(kv_ids, q_ids, rows_per_tile=tile_keys, cols_per_block=block_q)
+    ranks = hopper_bwd.dq_order_ranks(q_ranges, batch=batch, num_tiles=num_tiles, block_q=block_q,
+                                      tile_keys=tile_keys, num_q_blocks=num_q_blocks,
+                                      kv_pad=num_tiles * tile_keys, band=band)
+    want, visits = _brute_force_ranks(batch, num_tiles, tile_keys, num_q_blocks, block_q, band, q_ids, kv_ids)
+    assert ranks.dtype == jnp.int32 and ranks.shape == want.shape
+    np.testing.assert_array_equal(ranks, want)
+    assert 0 < visits.sum() and (visits.sum() < visits.size) == (not band.is_full or segments)  # masks skip some
+
+
+def _simulate_dq_order(ranks, visited, *, heads_per_kv: int, kv_heads: int, resident: int, seed: int):
+    """The dq_ordered protocol on the CPU: CTAs (tile, batch, kv head) launched key-tile-major, in order, at
+    most `resident` at once; each move is one random resident CTA's next action. A CTA's steps are (g, block)
+    for each head of its group and each block it visits; at step i its consumers first signal step i-1's
+    semaphore (its reduce-add has landed; this needs nothing from other CTAs), then wait until step i's
+    semaphore reaches NUM_CONSUMERS * rank, then add; after its last step it signals that one and exits.
+    Returns the tiles in the order they added into each (batch, head, block) and the semaphores' final
+    values; raises on a deadlock."""
+    from pallas_flash.config import NUM_CONSUMERS
+    rng = np.random.default_rng(seed)
+    batch, num_tiles, _ = ranks.shape
+    pending = [(t, b, h) for t in range(num_tiles) for b in range(batch) for h in range(kv_heads)]
+    steps = {cta: [(g, j) for g in range(heads_per_kv) for j in range(*visited[cta[1]][cta[0]])] for cta in pending}
+    semaphores, order, running = {}, {}, {}  # running: cta -> [next step, whether step - 1 is signalled]
+
+    def counter(cta, step):
+        (t, b, h), (g, j) = cta, steps[cta][step]
+        return b, h * heads_per_kv + g, j
+
+    def ready(cta):
+        i, signalled = running[cta]
+        if i > 0 and not signalled or i == len(steps[cta]):
+            return True  # to signal, or to exit
+        t, b, _ = cta
+        return semaphores.get(counter(cta, i), 0) >= NUM_CONSUMERS * ranks[b, t, steps[cta][i][1]]
+
+    while pending or running:
+        while pending and len(running) < resident:
+            running[pending.pop(0)] = [0, True]
+        movable = [cta for cta in running if ready(cta)]
+        if not movable:
+            raise AssertionError(f"deadlock with {resident} resident CTAs: {running}")
+        cta = movable[rng.integers(len(movable))]
+        i, signalled = running[cta]
+        if i > 0 and not signalled:
+            semaphores[counter(cta, i - 1)] = semaphores.get(counter(cta, i - 1), 0) + NUM_CONSUMERS
+            running[cta][1] = True
+        elif i == len(steps[cta]):
+            del running[cta]
+        else:
+            order.setdefault(counter(cta, i), []).append(cta[0])
+            running[cta] = [i + 1, False]
+    return order, semaphores
+
+
+@pytest.mark.parametrize("is_causal, window", [(False, None), (True, None), (True, (200, None)),
+                                               (False, (300, 100))])
+def test_dq_order_protocol_is_deadlock_free_and_fixed(is_causal, window):
+    """Simulated on the CPU with the kernel's rank table and visited blocks: under key-tile-major in-order
+    dispatch (1 to 5 CTAs resident, random interleaving) no CTA waits forever, every (batch, head, block)
+    receives its tiles' adds in ascending tile order whatever the interleaving, and each semaphore ends at
+    NUM_CONSUMERS times the number of tiles that visit its block."""
+    from pallas_flash.config import NUM_CONSUMERS
+    batch, kv_heads, group, block_q, tile_keys, num_q_blocks, num_tiles = 2, 2, 2, 64, 128, 9, 7
+    band = masks.Band.of(is_causal, window)
+    common = dict(block_q=block_q, tile_keys=tile_keys, num_q_blocks=num_q_blocks, kv_pad=num_tiles * tile_keys,
+                  band=band)
+    ranks = np.asarray(hopper_bwd.dq_order_ranks(None, batch=batch, num_tiles=num_tiles, **common))
+    visited = [[tuple(int(x) for x in hopper_bwd.visited_q_blocks(t, None, **common)[:2]) for t in range(num_tiles)]
+               for _ in range(batch)]
+    orders = []
+    for resident, seed in ((1, 0), (2, 1), (3, 2), (5, 3), (5, 4)):
+        order, semaphores = _simulate_dq_order(ranks, visited, heads_per_kv=group, kv_heads=kv_heads,
+                                               resident=resident, seed=seed)
+        for (b, head, j), tiles_in_order in order.items():
+            assert tiles_in_order == sorted(tiles_in_order)
+            assert semaphores[(b, head, j)] == NUM_CONSUMERS * len(tiles_in_order)
+            assert len(tiles_in_order) == sum(lo <= j < hi for lo, hi in visited[b])
+        orders.append(order)
+    assert all(order == orders[0] for order in orders)
+    assert len(orders[0]) == batch * kv_heads * group * len({j for lo, hi in visited[0] for j in range(lo, hi)})
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("is_causal, window, segments", [(False, None, False), (True, None, False),
+                                                         ((False), (40, 10), True), (True, None, True)])
+def test_dq_ordered_lowers_for_gpu(head_dim, is_causal, window, segments):
+    """The deterministic one-pass kernel (dq_ordered) goes through Mosaic GPU's lowering: one kernel, its TMA
+    reduce-adds into the dQ buffer, a GPU-scope acquire wait and release signal on global semaphores, which
+    XLA passes in as a zeroed int32 buffer of one counter per (batch, query head, query block), aliased to an
+    output; ragged lengths, GQA, bands and segment ids. The one-pass kernel without dq_ordered has none."""
+    batch, q_len, kv_len, heads = 2, 300, 333, 4
+    q = jax.ShapeDtypeStruct((batch, q_len, heads, head_dim), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((batch, kv_len, 2, head_dim), jnp.bfloat16)
+    lse = jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)
+    ids = ((jax.ShapeDtypeStruct((batch, q_len), jnp.int32), jax.ShapeDtypeStruct((batch, kv_len), jnp.int32))
+           if segments else (None, None))
+    one_pass = dataclasses.replace(HopperBwdConfig.default(head_dim), dq_atomic=True)
+    texts = {}
+    for ordered in (False, True):
+        config = dataclasses.replace(one_pass, dq_ordered=ordered)
+
+        def backward(q, k, v, out, lse, d_out, d_lse, q_ids, kv_ids):
+            return hopper_bwd.hopper_backward(q, k, v, out, lse, d_out, d_lse, q_segment_ids=q_ids,
+                                              kv_segment_ids=kv_ids, scale=0.125, is_causal=is_causal,
+                                              local_window_size=window, config=config)
+
+        texts[ordered] = jax.jit(backward).trace(q, k, k, q, lse, q, lse, *ids).lower(
+            lowering_platforms=("cuda",)).as_text()
+    granule = math.lcm(one_pass.block_q_dkv, 2 * one_pass.block_q_dq)  # of the padded query length
+    counters = f"tensor<{batch * heads * (-(-q_len // granule) * granule // one_pass.block_q_dkv)}xi32>"
+    for ordered, text in texts.items():
+        assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+        assert "cp.reduce.async.bulk.tensor" in text
+        for ptx in ("red.release.gpu.global.add", "ld.relaxed.gpu.global", "fence.acquire.gpu"):
+            assert (ptx in text) == ordered, ptx
+        assert (counters in text) == ordered
 
 
 @pytest.mark.parametrize("head_dim, deterministic, kernels", [(64, True, 3), (64, False, 2), (128, True, 3),
@@ -261,6 +433,43 @@ def test_gradients_match_reference(shape, dtype, is_causal, dq_atomic):
     for name, ours, ref, x in zip(("dq", "dk", "dv"), grads, want, (q, k, v)):
         assert ours.shape == x.shape and ours.dtype == x.dtype
         assert_close(ours, ref, dtype, table=GRADIENT, what=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask", ["full", "causal", "window", "segments"])
+@pytest.mark.parametrize("shape", [(2, 1000, 1000, 4, 2, 64), (1, 777, 1531, 4, 1, 64), (2, 1000, 1000, 4, 2, 128),
+                                   (1, 1531, 513, 4, 4, 128)])
+def test_dq_ordered_gradients_match_reference_and_repeat(shape, mask):
+    """The deterministic one-pass backward (dq_atomic + dq_ordered) against the reference, and 5 calls on one
+    input set give bitwise the same dq (and dk, dv)."""
+    if not hopper_fwd.on_hopper():
+        pytest.skip("needs an sm90 GPU")
+    q, k, v, d_out, d_lse = _inputs(shape, jnp.bfloat16, seed=4)
+    batch, q_len, kv_len = shape[:3]
+    is_causal, window = mask == "causal", (200, 30) if mask == "window" else None
+    ids = dict(q_segment_ids=None, kv_segment_ids=None)
+    if mask == "segments":
+        ids = dict(q_segment_ids=_segment_ids(batch, q_len, [[300, 500], [100]]),
+                   kv_segment_ids=_segment_ids(batch, kv_len, [[300, 500], [100]]))
+    scale = shape[-1] ** -0.5
+    band = dict(is_causal=is_causal, local_window_size=window)
+    out, lse = hopper_fwd.hopper_forward(q, k, v, scale=scale, **band, **ids)
+    config = dataclasses.replace(HopperBwdConfig.default(hopper_fwd.padded_head_dim(shape[-1])), dq_atomic=True,
+                                 dq_ordered=True)
+    call = functools.partial(hopper_bwd.hopper_backward, q, k, v, out, lse, d_out, d_lse, scale=scale,
+                             config=config, **band, **ids)
+    grads = jax.block_until_ready(call())
+    _, vjp = jax.vjp(lambda *x: reference.attention_reference(*x, scale=scale, band=masks.Band.of(is_causal, window),
+                                                              **ids),
+                     *(x.astype(jnp.float32) for x in (q, k, v)))
+    want = vjp((d_out.astype(jnp.float32), d_lse))
+    for name, ours, ref, x in zip(("dq", "dk", "dv"), grads, want, (q, k, v)):
+        assert ours.shape == x.shape and ours.dtype == x.dtype
+        assert_close(ours, ref, jnp.bfloat16, table=GRADIENT, what=name)
+    first = [np.asarray(g) for g in grads]
+    for _ in range(4):
+        for name, a, b in zip(("dq", "dk", "dv"), first, jax.block_until_ready(call())):
+            np.testing.assert_array_equal(a, np.asarray(b), err_msg=f"{name} differs between calls")
 
 
 @pytest.mark.gpu

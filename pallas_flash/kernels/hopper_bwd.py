@@ -15,6 +15,11 @@ padded rows, so that every recomputed P of such a row is exactly 0):
     `block_kv_dq` keys, two consumers of `block_q_dq` rows each with Q, dO, lse2, delta resident:
     S = Q K^T, dP = dO V^T, dS = P (dP - delta), dQ += dS K.
 
+  * One pass (`HopperBwdConfig.dq_atomic`): the dK/dV kernel also computes each query block's dQ = dS K and
+    reduce-adds it into a float32 buffer by TMA, in an order that varies; with `dq_ordered` the adds into each
+    (batch, head, query block) wait on a global semaphore for the lower key tiles' (`dq_order_ranks`), so
+    dQ is bitwise deterministic, and the grid is launched key-tile-major.
+
 Masks as in the forward (`hopper_fwd`): a causal or windowed band (top-left aligned: causal query i sees key
 j <= i) bounds the blocks each CTA visits (`tiles.q_block_range` for a dK/dV tile, `tiles.kv_block_range`
 for a dQ tile), and only blocks on the band's edges are masked; segment ids (lengths folded in) narrow the
@@ -35,7 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_flash import masks
+from pallas_flash import _compat, masks
 from pallas_flash.config import H100_SHARED_MEMORY, NUM_CONSUMERS, HopperBwdConfig
 from pallas_flash.kernels import tiles
 from pallas_flash.kernels.hopper_fwd import (CONSUMER_REGISTERS, HEAD_DIM_TILE, LOG2E, PRODUCER_REGISTERS,
@@ -79,10 +84,41 @@ def _dq_split(ds_t_smem, k_smem, wg):
     return ds_t_smem.at[:, rows], k_smem, rows, pl.ds(0, head_dim)
 
 
+def visited_q_blocks(kv_tile, read_range, *, block_q: int, tile_keys: int, num_q_blocks: int, kv_pad: int,
+                     band: masks.Band):
+    """(lo, hi, same): the query blocks [lo, hi) that the dK/dV CTA of key tile `kv_tile` (`tile_keys` keys)
+    visits per query head: those its keys' band reaches, intersected with its segment ids' blocks; `same` the
+    run of blocks in the tile's one segment (None without ids). `read_range(i)`: entry i of the tile's row of
+    `segment_block_ranges`, or None without segment ids. Elementwise: the kernel calls it on its scalars,
+    `dq_order_ranks` on every tile at once."""
+    q_lo, _, _, q_hi = tiles.q_block_range(kv_tile, block_q=block_q, block_kv=tile_keys, num_q_blocks=num_q_blocks,
+                                           kv_len=kv_pad, band=band, always_mask=True)
+    if read_range is None:
+        return q_lo, q_hi, None
+    q_lo = jnp.maximum(q_lo, read_range(0))
+    q_hi = jnp.maximum(jnp.minimum(q_hi, read_range(1)), q_lo)
+    return q_lo, q_hi, (read_range(2), read_range(3))
+
+
+def dq_order_ranks(q_ranges, *, batch: int, num_tiles: int, block_q: int, tile_keys: int, num_q_blocks: int,
+                   kv_pad: int, band: masks.Band):
+    """int32 [batch, num_tiles, num_q_blocks]: for `HopperBwdConfig.dq_ordered`, entry (b, t, j) counts the key
+    tiles t' < t of example b that visit query block j (`visited_q_blocks`, the kernel's own rule; the same
+    for every query head). The CTA of tile t adds its dQ of block j once that many tiles have added theirs."""
+    read = None if q_ranges is None else (lambda i: q_ranges[:, :, i])
+    lo, hi, _ = visited_q_blocks(jnp.arange(num_tiles, dtype=jnp.int32)[None, :], read, block_q=block_q,
+                                 tile_keys=tile_keys, num_q_blocks=num_q_blocks, kv_pad=kv_pad, band=band)
+    lo, hi = (jnp.broadcast_to(jnp.asarray(x, jnp.int32), (batch, num_tiles)) for x in (lo, hi))
+    blocks = jnp.arange(num_q_blocks, dtype=jnp.int32)
+    visits = ((blocks >= lo[:, :, None]) & (blocks < hi[:, :, None])).astype(jnp.int32)
+    return (jnp.cumsum(visits, axis=1) - visits).astype(jnp.int32)
+
+
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv_ids_ref, q_ranges_ref,
                  dq_acc_ref, dk_ref, dv_ref, scoped, *, scale: float, band: masks.Band, kv_len: int, group: int,
-                 config: HopperBwdConfig, interpreting: bool):
-    """Grid (batch, kv_heads, kv_tiles), 3 warpgroups ("wg"): 0 and 1 consume, 2 produces.
+                 config: HopperBwdConfig, interpreting: bool, dq_order=None):
+    """Grid (batch, kv_heads, kv_tiles) (with config.dq_ordered launched as (kv_tiles, batch, kv_heads)),
+    3 warpgroups ("wg"): 0 and 1 consume, 2 produces.
 
     `interpreting`: as in the forward (`hopper_fwd._kernel`), for JAX's Mosaic GPU interpreter on CPU: the
     wgmmas are plain dots on the same shared-memory tiles and registers (no `pl.run_state`, no transposed
@@ -93,7 +129,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
     q_ranges_ref None or with them the query blocks each key tile's ids may meet (`segment_block_ranges`),
     dk_ref/dv_ref like k_ref (summed over the group's query heads).
     dq_acc_ref: None, or (config.dq_atomic) a float32 [batch, q_pad, heads, d] buffer of zeros that each
-    query block's dS K is reduce-added into by TMA (unscaled)."""
+    query block's dS K is reduce-added into by TMA (unscaled).
+    dq_order: None, or (config.dq_ordered) (ranks_ref, semaphores): `dq_order_ranks`' int32 table in global
+    memory and a global int32 semaphore per (batch, query head, query block), flattened, zero at launch."""
     ((k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, *dq_staging), (k_ready, v_ready),
      (q_ready, do_ready, lse_ready, delta_ready), free, segments, *ds_barriers) = scoped
     has_segments = q_ids_ref is not None
@@ -110,14 +148,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
     # blocks outside the tile's same-segment run.
     always_mask = mask_padded_keys
     # Query blocks this CTA visits per head: those its keys' band reaches (maybe none).
-    q_lo, _, _, q_hi = tiles.q_block_range(kv_tile, block_q=block_q, block_kv=NUM_CONSUMERS * block_kv,
-                                           num_q_blocks=num_q_blocks, kv_len=k_ref.shape[1], band=band,
-                                           always_mask=True)
-    same = None
-    if has_segments:
-        q_lo = jnp.maximum(q_lo, q_ranges_ref[batch, kv_tile, 0])
-        q_hi = jnp.maximum(jnp.minimum(q_hi, q_ranges_ref[batch, kv_tile, 1]), q_lo)
-        same = (q_ranges_ref[batch, kv_tile, 2], q_ranges_ref[batch, kv_tile, 3])
+    q_lo, q_hi, same = visited_q_blocks(
+        kv_tile, (lambda i: q_ranges_ref[batch, kv_tile, i]) if has_segments else None, block_q=block_q,
+        tile_keys=NUM_CONSUMERS * block_kv, num_q_blocks=num_q_blocks, kv_pad=k_ref.shape[1], band=band)
     q_steps = q_hi - q_lo
     total_steps = group * q_steps
     wg = lax.axis_index("wg")
@@ -148,6 +181,16 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
                 plgpu.barrier_wait(k_ready.at[i])
         plgpu.barrier_wait(v_ready.at[wg])
         c = scale * LOG2E  # exp(scale * s - lse) = exp2(c * s - lse2)
+
+        def dq_semaphore(g, q_block):  # config.dq_ordered: the counter of (batch, query head, query block)
+            _, semaphores = dq_order
+            return semaphores.at[(batch * q_ref.shape[2] + kv_head * group + g) * num_q_blocks + q_block]
+
+        def signal_dq_added(t):
+            """Step t's half of dQ has landed in the buffer (after `wait_smem_to_gmem(0)`): one count of the
+            NUM_CONSUMERS that this tile adds to its block's semaphore (each consumer signals its own half)."""
+            per_head = jnp.maximum(q_steps, 1)
+            _compat.semaphore_signal_gpu(dq_semaphore(lax.div(t, per_head), q_lo + lax.rem(t, per_head)))
 
         def step(q_block, carry, *, g, masked: bool):
             dk, dv = carry
@@ -215,6 +258,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
             ds_t_smem, dq_staging_smem = dq_staging
             t = g * q_steps + q_block - q_lo
             ds = ds.astype(dtype)
+            if dq_order is not None:  # read early: the global load's latency hides behind the matmuls
+                ranks_ref, _ = dq_order
+                dq_rank = ranks_ref[batch, kv_tile, q_block]
 
             @pl.when(t > 0)
             def _():
@@ -235,11 +281,20 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
             dk, dq = pl.run_state(dk_dq)((plgpu.ACC.init(dk), plgpu.ACC.init(zeros(dq_smem.shape))))
             plgpu.barrier_arrive(ds_free)
             plgpu.barrier_arrive(free.at[slot])
-            # Two staging slots per warpgroup, one store (its own bulk group) per step: once at most one is in
-            # flight (step t-1's), step t-2's has read this slot.
-            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+            if dq_order is None:
+                # Two staging slots per warpgroup, one store (its own bulk group) per step: once at most one is
+                # in flight (step t-1's), step t-2's has read this slot.
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+            else:  # step t-1's reduce-add has landed (it had this step's matmuls to do so): count it
+                plgpu.wait_smem_to_gmem(0)
+
+                @pl.when(t > 0)
+                def _():
+                    signal_dq_added(t - 1)
             dq_smem[...] = dq
             plgpu.commit_smem()
+            if dq_order is not None:  # the lower key tiles that visit this block have added their dQ (both halves)
+                _compat.semaphore_wait_at_least(dq_semaphore(g, q_block), NUM_CONSUMERS * dq_rank)
             q_rows = pl.ds(q_block * block_q + dq_rows.start, dq_rows.size)
             plgpu.copy_smem_to_gmem(dq_smem, dq_acc_ref.at[batch, q_rows, kv_head * group + g, dq_cols],
                                     reduction_op="add")
@@ -261,6 +316,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
 
         shape = (block_kv, k_smem.shape[-1])
         dk, dv = lax.fori_loop(0, group, head, (zeros(shape), zeros(shape)))
+        if dq_order is not None:
+            plgpu.wait_smem_to_gmem(0)
+
+            @pl.when(total_steps > 0)
+            def _():  # the last step's reduce-add has landed: let the next key tile add to its block
+                signal_dq_added(total_steps - 1)
         if dq_acc_ref is not None:
             @pl.when(total_steps > 0)
             def _():  # the last step's phase: the other warpgroup's last dQ wgmma has read this K
@@ -446,12 +507,19 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_ids, kv_ids, *, scale: float, band: mas
     body = functools.partial(_dkdv_kernel, scale=scale, band=band, kv_len=kv_len, group=q.shape[2] // kv_heads,
                              config=config, interpreting=interpret is not None)
 
+    num_q_blocks = q.shape[1] // block_q
+    num_tiles = kv_pad // (NUM_CONSUMERS * block_kv)
+
     def entry(*refs):
         inputs, rest = refs[:6], refs[6:]
         segment_refs, rest = (rest[:3], rest[3:]) if has_segments else ((None, None, None), rest)
+        order = {}
+        if config.dq_ordered:  # the rank table rides behind the inputs; the counters are global semaphores
+            semaphores = pl.get_global(plgpu.SemaphoreType.REGULAR((batch * q.shape[2] * num_q_blocks,)))
+            order, rest = dict(dq_order=(rest[0], semaphores)), rest[1:]
         dq_acc, outputs = (rest[0], rest[1:]) if config.dq_atomic else (None, rest)
         pl.run_scoped(
-            lambda *scoped: body(*inputs, *segment_refs, dq_acc, *outputs, scoped),
+            lambda *scoped: body(*inputs, *segment_refs, dq_acc, *outputs, scoped, **order),
             tuple(smem),
             (plgpu.Barrier(num_barriers=NUM_CONSUMERS),) * 2,
             (plgpu.Barrier(num_barriers=num_stages),) * 4,
@@ -462,12 +530,22 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_ids, kv_ids, *, scale: float, band: mas
         )
 
     operands = (q, k, v, d_out, lse2, delta)
+    q_ranges = None
     if has_segments:
-        operands += (q_ids, kv_ids, segment_block_ranges(kv_ids, q_ids, rows_per_tile=NUM_CONSUMERS * block_kv,
-                                                         cols_per_block=block_q))
+        q_ranges = segment_block_ranges(kv_ids, q_ids, rows_per_tile=NUM_CONSUMERS * block_kv, cols_per_block=block_q)
+        operands += (q_ids, kv_ids, q_ranges)
     out_type = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
-    grid = dict(grid=(batch, kv_heads, kv_pad // (NUM_CONSUMERS * block_kv)),
+    grid = dict(grid=(batch, kv_heads, num_tiles),
                 grid_names=("batch", "kv_heads", "kv_tiles"), num_threads=NUM_CONSUMERS + 1, thread_name="wg")
+    if config.dq_ordered:
+        operands += (dq_order_ranks(q_ranges, batch=batch, num_tiles=num_tiles, block_q=block_q,
+                                    tile_keys=NUM_CONSUMERS * block_kv, num_q_blocks=num_q_blocks, kv_pad=kv_pad,
+                                    band=band),)
+        # Key-tile-major launch: Pallas gives the last grid axis to CUDA's x, so kv_tiles goes first (CUDA's
+        # z, the slowest in launch order). Tile t of every (batch, kv head) launches before tile t + 1: the
+        # CTAs resident together mostly belong to different heads and do not wait on each other, and every
+        # CTA a tile waits on (same batch and head, lower tile) launched before it.
+        grid.update(grid=(num_tiles, batch, kv_heads), grid_names=("kv_tiles", "batch", "kv_heads"))
     compiler_params = plgpu.CompilerParams(approx_math=True)
     interpreter = {} if interpret is None else dict(interpret=interpret)
     if not config.dq_atomic:
