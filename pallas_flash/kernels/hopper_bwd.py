@@ -47,7 +47,7 @@ from pallas_flash.kernels.hopper_fwd import (CONSUMER_REGISTERS, HEAD_DIM_TILE, 
                                              _pad_axis, _round_up, dot_t, drain_ring, fill_ring, load_own_ids,
                                              padded_head_dim, query_tile_schedule, register_ops,
                                              segment_block_ranges, stream_kv_blocks, tile_visible,
-                                             unmasked_blocks)
+                                             unmasked_blocks, masked_edge_loops)
 
 MAX_HEAD_DIM = 128  # at 256, K and V of a 128-key CTA alone take 128 KiB of shared memory
 # setmaxnreg budgets (consumer, producer) of the one-pass (dq_atomic) dK/dV kernel: its consumers hold dK and dV
@@ -307,12 +307,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
             kv_len=k_ref.shape[1], band=band, always_mask=always_mask)
         unmasked_lo, unmasked_hi = unmasked_blocks(band_range, (q_lo, q_hi), same)
 
+        # Without a left band edge, masked padding or segment ids, unmasked_hi == q_hi: no trailing edge.
+        trailing = band.left is not None or always_mask or has_segments
+
         def head(g, carry):
-            carry = lax.fori_loop(q_lo, unmasked_lo, functools.partial(step, g=g, masked=True), carry)
-            carry = lax.fori_loop(unmasked_lo, unmasked_hi, functools.partial(step, g=g, masked=False), carry)
-            if band.left is None and not always_mask and not has_segments:
-                return carry  # unmasked_hi == q_hi: no trailing edge (and no code for one)
-            return lax.fori_loop(unmasked_hi, q_hi, functools.partial(step, g=g, masked=True), carry)
+            return masked_edge_loops(functools.partial(step, g=g), carry, q_lo, unmasked_lo, unmasked_hi,
+                                     q_hi if trailing else None)
 
         shape = (block_kv, k_smem.shape[-1])
         dk, dv = lax.fori_loop(0, group, head, (zeros(shape), zeros(shape)))
@@ -446,12 +446,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv_i
             lax.div(q_start, block_q), block_q=block_q, block_kv=block_kv, num_kv_blocks=num_kv_blocks,
             kv_len=kv_len, band=band, always_mask=False)
         unmasked_lo, unmasked_hi = unmasked_blocks(band_range, (kv_lo, kv_hi), same)
-        dq = zeros((block_q, q_smem.shape[-1]))
-        if band.left is not None or has_segments:  # else unmasked_lo == kv_lo: no leading edge (nor code for one)
-            dq = lax.fori_loop(kv_lo, unmasked_lo, functools.partial(step, masked=True), dq)
-        dq = lax.fori_loop(unmasked_lo, unmasked_hi, functools.partial(step, masked=False), dq)
-        # The trailing edge (a loop even for one block: the step index must be a traced value).
-        dq = lax.fori_loop(unmasked_hi, kv_hi, functools.partial(step, masked=True), dq)
+        # Without a left band edge or segment ids, unmasked_lo == kv_lo: no leading edge.
+        leading = band.left is not None or has_segments
+        dq = masked_edge_loops(step, zeros((block_q, q_smem.shape[-1])), kv_lo if leading else None, unmasked_lo,
+                               unmasked_hi, kv_hi)
         q_smem[...] = (dq * scale).astype(dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])

@@ -279,10 +279,9 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
 
             carry = (acc, m, l, p.astype(dtype))
             unmasked_lo, unmasked_hi = (jnp.maximum(edge, kv_lo + 1) for edge in unmasked)
-            if band.left is not None or has_segments:
-                carry = lax.fori_loop(kv_lo + 1, unmasked_lo, functools.partial(step, masked=True), carry)
-            carry = lax.fori_loop(unmasked_lo, unmasked_hi, functools.partial(step, masked=False), carry)
-            acc, m, l, p_last = lax.fori_loop(unmasked_hi, kv_hi, functools.partial(step, masked=True), carry)
+            leading = band.left is not None or has_segments
+            acc, m, l, p_last = masked_edge_loops(step, carry, kv_lo + 1 if leading else None, unmasked_lo,
+                                                  unmasked_hi, kv_hi)
             last = slot_of(kv_hi - 1)
             plgpu.barrier_wait(v_ready.at[last])
             my_turn()
@@ -347,13 +346,10 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
             if config.overlap:
                 acc, m, l = overlapped_blocks(acc, m, l, q_seg=q_seg, q_start=q_start, kv_lo=kv_lo, kv_hi=kv_hi,
                                               unmasked=(unmasked_lo, unmasked_hi), slot_of=slot_of)
-            else:
-                carry = (acc, m, l)
-                if band.left is not None or has_segments:  # else unmasked_lo == kv_lo: no leading edge
-                    carry = lax.fori_loop(kv_lo, unmasked_lo, functools.partial(step, masked=True), carry)
-                carry = lax.fori_loop(unmasked_lo, unmasked_hi, functools.partial(step, masked=False), carry)
-                # The trailing edge (a loop even for one block: the step index must be a traced value).
-                acc, m, l = lax.fori_loop(unmasked_hi, kv_hi, functools.partial(step, masked=True), carry)
+            else:  # without a left band edge or segment ids, unmasked_lo == kv_lo: no leading edge
+                leading = band.left is not None or has_segments
+                acc, m, l = masked_edge_loops(step, (acc, m, l), kv_lo if leading else None, unmasked_lo,
+                                              unmasked_hi, kv_hi)
 
             if separate_out:  # Q is spent: the next tile's loads while this one's output is stored
                 pl.when(i + 1 < num_tiles)(lambda: load_q(i + 1))
@@ -523,6 +519,19 @@ def unmasked_blocks(band_range, visited, same=None):
         first, end = jnp.maximum(first, same[0]), jnp.minimum(end, same[1])
     first = jnp.clip(first, lo, hi)
     return first, jnp.clip(end, first, hi)
+
+
+def masked_edge_loops(step, carry, lo, first, end, hi):
+    """`step(i, carry, masked=...)` over blocks [lo, hi) in `unmasked_blocks`' order: the masked leading edge
+    [lo, first), the unmasked middle [first, end), the masked trailing edge [end, hi). `lo` or `hi` None: that
+    edge is known to be empty, so no code is traced for it (an edge that may hold blocks is a loop even for
+    one block: the step index must be a traced value)."""
+    if lo is not None:
+        carry = lax.fori_loop(lo, first, functools.partial(step, masked=True), carry)
+    carry = lax.fori_loop(first, end, functools.partial(step, masked=False), carry)
+    if hi is not None:
+        carry = lax.fori_loop(end, hi, functools.partial(step, masked=True), carry)
+    return carry
 
 
 def segment_block_ranges(row_ids, col_ids, *, rows_per_tile: int, cols_per_block: int):
