@@ -7,6 +7,7 @@
                                                    # setmaxnreg budgets of the backward kernels
       [--dq-ordered]                               # the one-pass backward with its dQ adds in a fixed
                                                    # order (dq_atomic + dq_ordered: bitwise deterministic)
+      [--two-pass]                                 # the two-pass backward at every head_dim
   python benchmarks/bar.py --smoke        # CPU: tiny shapes, "xla_chunked" against "xla", no timing claims
 
 The bar (issue 6 forward, issue 7 forward+backward): at least 1.0x cuDNN at head_dim 64 and 128, N = 2k, 8k and
@@ -100,11 +101,15 @@ def main(argv=None) -> None:
     parser.add_argument("--dq-ordered", action="store_true",
                         help="force the deterministic one-pass Hopper backward (dq_atomic and dq_ordered: "
                         "semaphore-ordered dQ reduce-adds) at every head_dim")
+    parser.add_argument("--two-pass", action="store_true",
+                        help="force the two-pass Hopper backward (a separate dQ kernel) at every head_dim")
     parser.add_argument("--bwd-registers", help="experiment: CONSUMER,PRODUCER setmaxnreg budgets of every Hopper "
                         "backward kernel (multiples of 8; 2 * CONSUMER + PRODUCER <= 512; defaults: two-pass "
                         "232,40, one-pass 240,24)")
     parser.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, xla_chunked against xla")
     args = parser.parse_args(argv)
+    if args.two_pass and (args.one_pass or args.dq_ordered):
+        parser.error("--two-pass excludes --one-pass and --dq-ordered")
     if args.bwd_registers:  # every backward kernel's split (read at trace time)
         consumer, producer = (int(x) for x in args.bwd_registers.split(","))
         hopper_bwd.CONSUMER_REGISTERS, hopper_bwd.PRODUCER_REGISTERS = consumer, producer
@@ -140,12 +145,13 @@ def main(argv=None) -> None:
                     theirs, arg_sets = compile_pass(attend(theirs_impl, causal, True), pass_, inputs)
                     for hopper in hopper_configs:
                         config = None
-                        if hopper is not None or args.one_pass or args.dq_ordered:
+                        if hopper is not None or args.one_pass or args.dq_ordered or args.two_pass:
                             config = dataclasses.replace(
                                 pf.KernelConfig.default(head_dim), hopper=hopper,
-                                hopper_bwd=dataclasses.replace(HopperBwdConfig.default(head_dim), dq_atomic=True,
+                                hopper_bwd=dataclasses.replace(HopperBwdConfig.default(head_dim),
+                                                               dq_atomic=not args.two_pass,
                                                                dq_ordered=args.dq_ordered)
-                                if args.one_pass or args.dq_ordered else None)
+                                if args.one_pass or args.dq_ordered or args.two_pass else None)
                         try:
                             ours, _ = compile_pass(attend(ours_impl, causal, not args.nondeterministic, config),
                                                    pass_, inputs)
@@ -176,7 +182,7 @@ def main(argv=None) -> None:
                                     "bitwise_repeatable": dict(zip(("ours", "theirs"), repeats)),
                                     "xla_flags": os.environ.get("XLA_FLAGS", ""),
                                     "nondeterministic": args.nondeterministic, "one_pass": args.one_pass,
-                                    "dq_ordered": args.dq_ordered,
+                                    "dq_ordered": args.dq_ordered, "two_pass": args.two_pass,
                                     "bwd_registers": args.bwd_registers, "jax": jax.__version__,
                                     "device": jax.devices()[0].device_kind}) + "\n")
 

@@ -119,19 +119,23 @@ class HopperBwdConfig:
       num_stages_dq: depth of the K/V shared-memory ring (>= 2).
       dq_atomic: one pass instead of two: the dK/dV kernel also computes each query block's dS K and adds it
         into a float32 dQ buffer with TMA reduce-adds (5 matmuls per tile instead of 7). The order of those
-        float32 additions varies from run to run, so dQ is not bitwise deterministic. Under `jax.vmap` the
+        float32 additions varies from run to run (unless dq_ordered), so dQ is not bitwise deterministic.
+        Under `jax.vmap` the
         vmapped axis is folded into the batch (the kernel writes into a mutable array, which Mosaic GPU's
         batching cannot carry). At head_dim 64 it needs block_q_dkv >= 128 (`hopper_bwd.dq_split`). On the
         H100 fwd+bwd 1.06-1.09x cuDNN at head_dim 64 (the two passes: 0.93-1.03x), 0.82-0.91x at 128 (the
-        two passes: 0.92-1.10x) (pallas_flash/kernels/NOTES.md); `flash_attention(deterministic=False)` uses
-        it where faster. False (the default) keeps the deterministic separate dQ pass; the block_*_dq /
-        num_stages_dq fields apply to it only.
+        two passes: 0.92-1.10x) (pallas_flash/kernels/NOTES.md); `HopperBwdConfig.default` takes it at
+        head_dim 64 (with dq_ordered unless deterministic=False). False (the field's default) keeps the
+        deterministic separate dQ pass; the block_*_dq / num_stages_dq fields apply to it only.
       dq_ordered: with dq_atomic only (ValueError otherwise): a bitwise deterministic one pass. The CTA of key
-        tile t adds a query block's dQ only after every lower key tile that visits that block has added its
-        own (one global int32 semaphore per (batch, query head, query block), waited on and signalled by the
-        kernel), and the grid is launched key-tile-major, so dQ's float32 sums run in one fixed order.
-        Opt-in and unmeasured: predicted ~0.95x the speed of dq_atomic alone (pallas_flash/kernels/NOTES.md,
-        "Deterministic one-pass"). False (the default) leaves dq_atomic's order free.
+        tile t adds a query block's dQ only after every higher key tile that visits that block has added its
+        own (one global int32 semaphore per (batch, query head, query block), waited on and signalled by a
+        store warp of the producer, so the matmuls never wait on other CTAs), with key tiles launched in
+        descending order in groups of (batch, kv head) pairs sized to keep their dQ in L2
+        (`hopper_bwd.pairs_per_group`); dQ's float32 sums run in one fixed order. On the H100 at head_dim
+        64 it is 1-2% behind dq_atomic alone at 16k and ahead of the two passes (pallas_flash/kernels/NOTES.md,
+        "Deterministic one-pass"); the default for deterministic gradients at head_dim 64. False leaves
+        dq_atomic's order free.
     """
 
     block_q_dkv: int = 64
@@ -180,13 +184,13 @@ class HopperBwdConfig:
         """Per padded head_dim (a multiple of 64), from the H100 tile sweep of 2026-11-23 (pallas_flash/kernels/
         NOTES.md, "Hopper backward"): 2-stage rings beat 3 (3-5% at head_dim 128, 1-2% at 64); 128-query
         Q/dO blocks in the dK/dV kernel only where head_dim 64 leaves the registers for them.
-        deterministic=False: the one-pass backward (dq_atomic) where it measured faster than the two passes
-        on the H100: head_dim 64 (fwd+bwd 1.06-1.09x cuDNN at the six anchor points, the two passes
-        0.93-1.03x); at head_dim 128 it is slower (0.82-0.91x cuDNN, the two passes 0.92-1.10x), so the two
-        passes stay."""
+        head_dim 64: the one pass (dq_atomic), with its dQ adds ordered (dq_ordered, bitwise deterministic)
+        unless deterministic=False; on the H100 fwd+bwd 1.06-1.09x cuDNN free-order and ~1.0x ordered at
+        the six anchor points, against the two passes' 0.93-1.03x. head_dim 128: the two passes either way
+        (0.92-1.10x cuDNN; the one pass measured 0.82-0.91x free-order and 0.79-0.85x ordered)."""
         if head_dim <= 64:
             return cls(block_q_dkv=128, block_kv_dkv=64, num_stages_dkv=2, block_q_dq=64, block_kv_dq=128,
-                       num_stages_dq=2, dq_atomic=not deterministic)
+                       num_stages_dq=2, dq_atomic=True, dq_ordered=deterministic)
         if head_dim <= 128:
             return cls(block_q_dkv=64, block_kv_dkv=64, num_stages_dkv=2, block_q_dq=64, block_kv_dq=64,
                        num_stages_dq=2)

@@ -81,7 +81,8 @@ def test_lowers_for_gpu(shape, dtype, is_causal, dq_atomic):
     through Mosaic GPU's lowering (ragged lengths, GQA, padded head_dim)."""
     q, k, v, d_out, d_lse = (jax.ShapeDtypeStruct(x.shape, x.dtype) for x in _inputs(shape, dtype))
     lse = d_lse
-    config = dataclasses.replace(HopperBwdConfig.default(128 if shape[-1] > 64 else 64), dq_atomic=dq_atomic)
+    config = dataclasses.replace(HopperBwdConfig.default(128 if shape[-1] > 64 else 64), dq_atomic=dq_atomic,
+                                 dq_ordered=False)
 
     def backward(*args):
         return hopper_bwd.hopper_backward(*args, scale=0.125, is_causal=is_causal, config=config)
@@ -100,7 +101,7 @@ def test_one_pass_lowers_for_gpu(head_dim, is_causal, dtype):
     q = jax.ShapeDtypeStruct((1, 200, 4, head_dim), dtype)
     k = jax.ShapeDtypeStruct((1, 333, 2, head_dim), dtype)
     lse = jax.ShapeDtypeStruct((1, 4, 200), jnp.float32)
-    config = dataclasses.replace(HopperBwdConfig.default(head_dim), dq_atomic=True)
+    config = dataclasses.replace(HopperBwdConfig.default(head_dim), dq_atomic=True, dq_ordered=False)
 
     def backward(*args):
         return hopper_bwd.hopper_backward(*args, scale=0.125, is_causal=is_causal, config=config)
@@ -111,15 +112,17 @@ def test_one_pass_lowers_for_gpu(head_dim, is_causal, dtype):
 
 
 def test_dq_ordered_config():
-    """dq_ordered is a bool, only with dq_atomic (the two-pass backward is deterministic already), off in every
-    default."""
+    """dq_ordered is a bool, only with dq_atomic (the two-pass backward is deterministic already). The
+    defaults are deterministic unless asked not to be: head_dim 64 runs the one pass, ordered by default;
+    head_dim 128 the two passes either way."""
     assert HopperBwdConfig(dq_atomic=True, dq_ordered=True).dq_ordered
     for bad in (dict(dq_ordered=True), dict(dq_ordered=1, dq_atomic=True), dict(dq_ordered=None)):
         with pytest.raises(ValueError, match="dq_ordered"):
             HopperBwdConfig(**bad)
-    for head_dim in (64, 128):
-        for deterministic in (True, False):
-            assert not HopperBwdConfig.default(head_dim, deterministic).dq_ordered
+    for deterministic in (True, False):
+        at_64, at_128 = HopperBwdConfig.default(64, deterministic), HopperBwdConfig.default(128, deterministic)
+        assert at_64.dq_atomic and at_64.dq_ordered == deterministic
+        assert not at_128.dq_atomic and not at_128.dq_ordered
     config = HopperBwdConfig(block_q_dkv=128, dq_atomic=True)  # same shared memory: the counters are global
     assert dataclasses.replace(config, dq_ordered=True).smem_bytes_dkv(64) == config.smem_bytes_dkv(64)
 
@@ -127,7 +130,7 @@ def test_dq_ordered_config():
 def _brute_force_ranks(batch, num_tiles, tile_keys, num_q_blocks, block_q, band, q_ids=None, kv_ids=None):
     """`hopper_bwd.dq_order_ranks` from first principles: key tile t visits query block j if some (query, key)
     pair of theirs is in the band and (with ids, sorted here) their valid id intervals overlap; entry (b, t, j)
-    counts the tiles before t that visit j."""
+    counts the tiles after t that visit j."""
     q_pos = np.arange(num_q_blocks * block_q)[:, None]
     k_pos = np.arange(num_tiles * tile_keys)[None, :]
     seen = np.ones((q_pos.size, k_pos.size), bool)
@@ -146,14 +149,14 @@ def _brute_force_ranks(batch, num_tiles, tile_keys, num_q_blocks, block_q, band,
         (t_lo, t_hi), (b_lo, b_hi) = interval(kv_ids, tile_keys), interval(q_ids, block_q)
         visits &= (t_lo[:, :, None] <= b_hi[:, None, :]) & (b_lo[:, None, :] <= t_hi[:, :, None])
     visits = visits.astype(np.int32)
-    return np.cumsum(visits, axis=1) - visits, visits
+    return np.cumsum(visits[:, ::-1], axis=1)[:, ::-1] - visits, visits
 
 
 @pytest.mark.parametrize("is_causal, window, segments", [
     (False, None, False), (True, None, False), (False, (300, 100), False), (True, (200, None), False),
     (False, None, True), (True, (300, None), True)])
 def test_dq_order_ranks(is_causal, window, segments):
-    """The rank table the dq_ordered kernel waits on: per (example, key tile, query block), how many lower key
+    """The rank table the dq_ordered kernel waits on: per (example, key tile, query block), how many higher key
     tiles visit that block, against a brute-force count (queries and keys of unequal lengths, padding)."""
     batch, block_q, tile_keys, num_q_blocks, num_tiles = 2, 64, 128, 9, 7
     band = masks.Band.of(is_causal, window)
@@ -172,60 +175,88 @@ def test_dq_order_ranks(is_causal, window, segments):
     assert 0 < visits.sum() and (visits.sum() < visits.size) == (not band.is_full or segments)  # masks skip some
 
 
-def _simulate_dq_order(ranks, visited, *, heads_per_kv: int, kv_heads: int, resident: int, seed: int):
-    """The dq_ordered protocol on the CPU: CTAs (tile, batch, kv head) launched key-tile-major, in order, at
-    most `resident` at once; each move is one random resident CTA's next action. A CTA's steps are (g, block)
-    for each head of its group and each block it visits; at step i its consumers first signal step i-1's
-    semaphore (its reduce-add has landed; this needs nothing from other CTAs), then wait until step i's
-    semaphore reaches NUM_CONSUMERS * rank, then add; after its last step it signals that one and exits.
-    Returns the tiles in the order they added into each (batch, head, block) and the semaphores' final
+def _simulate_dq_order(ranks, visited, *, heads_per_kv: int, kv_heads: int, resident: int, seed: int,
+                       monkeypatch):
+    """The dq_ordered protocol on the CPU: CTAs dispatched in `hopper_bwd.ordered_launch`'s order (decoded by
+    `ordered_cta`; 3 pairs per launch group, so that the last group is partial), at most `resident` at once;
+    each move is one random resident CTA's store warp's next action. A CTA's steps are (g, block) for each
+    head of its group and each block it visits; at step i the store warp waits until step i's semaphore
+    reaches its rank and adds, and its next move signals that semaphore (the add has landed: this needs
+    nothing from other CTAs); after its last signal it exits. Inactive CTAs (past the last pair) exit at
+    once. Returns the tiles in the order they added into each (batch, head, block) and the semaphores' final
     values; raises on a deadlock."""
-    from pallas_flash.config import NUM_CONSUMERS
     rng = np.random.default_rng(seed)
     batch, num_tiles, _ = ranks.shape
-    pending = [(t, b, h) for t in range(num_tiles) for b in range(batch) for h in range(kv_heads)]
-    steps = {cta: [(g, j) for g in range(heads_per_kv) for j in range(*visited[cta[1]][cta[0]])] for cta in pending}
-    semaphores, order, running = {}, {}, {}  # running: cta -> [next step, whether step - 1 is signalled]
+    grid, names = hopper_bwd.ordered_launch(batch, kv_heads, num_tiles, group=3)
+    pending = []  # (batch, kv head, tile) or None (inactive), in launch order: CUDA's x (the last axis) fastest
+    for index in np.ndindex(*grid):
+        axes = dict(zip(names, (np.int32(i) for i in index)))
+        monkeypatch.setattr(hopper_bwd.lax, "axis_index", lambda name: axes[name])
+        b, h, t, active = (int(x) for x in hopper_bwd.ordered_cta(batch, kv_heads, num_tiles, group=3))
+        pending.append((b, h, t) if active else None)
+    monkeypatch.undo()
+    assert sorted(cta for cta in pending if cta) == [(b, h, t) for b in range(batch) for h in range(kv_heads)
+                                                     for t in range(num_tiles)]
+    steps = {cta: [(g, j) for g in range(heads_per_kv) for j in range(*visited[cta[0]][cta[2]])]
+             for cta in pending if cta}
+    semaphores, order, running = {}, {}, {}  # running: slot -> [cta, next step, whether step - 1 is signalled]
 
     def counter(cta, step):
-        (t, b, h), (g, j) = cta, steps[cta][step]
+        (b, h, _), (g, j) = cta, steps[cta][step]
         return b, h * heads_per_kv + g, j
 
-    def ready(cta):
-        i, signalled = running[cta]
-        if i > 0 and not signalled or i == len(steps[cta]):
-            return True  # to signal, or to exit
-        t, b, _ = cta
-        return semaphores.get(counter(cta, i), 0) >= NUM_CONSUMERS * ranks[b, t, steps[cta][i][1]]
+    def ready(slot):
+        cta, i, signalled = running[slot]
+        if cta is None or i > 0 and not signalled or i == len(steps[cta]):
+            return True  # to exit, to signal, or to exit after the last signal
+        b, _, t = cta
+        return semaphores.get(counter(cta, i), 0) >= ranks[b, t, steps[cta][i][1]]
 
+    launched = 0
     while pending or running:
         while pending and len(running) < resident:
-            running[pending.pop(0)] = [0, True]
-        movable = [cta for cta in running if ready(cta)]
+            running[launched], launched = [pending.pop(0), 0, True], launched + 1
+        movable = [slot for slot in running if ready(slot)]
         if not movable:
             raise AssertionError(f"deadlock with {resident} resident CTAs: {running}")
-        cta = movable[rng.integers(len(movable))]
-        i, signalled = running[cta]
-        if i > 0 and not signalled:
-            semaphores[counter(cta, i - 1)] = semaphores.get(counter(cta, i - 1), 0) + NUM_CONSUMERS
-            running[cta][1] = True
+        slot = movable[rng.integers(len(movable))]
+        cta, i, signalled = running[slot]
+        if cta is None:
+            del running[slot]
+        elif i > 0 and not signalled:
+            semaphores[counter(cta, i - 1)] = semaphores.get(counter(cta, i - 1), 0) + 1
+            running[slot][2] = True
         elif i == len(steps[cta]):
-            del running[cta]
+            del running[slot]
         else:
-            order.setdefault(counter(cta, i), []).append(cta[0])
-            running[cta] = [i + 1, False]
+            order.setdefault(counter(cta, i), []).append(cta[2])
+            running[slot] = [cta, i + 1, False]
     return order, semaphores
+
+
+@pytest.mark.parametrize("pairs, dq_bytes, want", [
+    (256, 2048 * 64 * 4, 32),   # 2k keys, head_dim 64: 512 KiB of dQ per pair; at most 32 pairs
+    (32, 16384 * 64 * 4, 4),    # 16k, head_dim 64: 4 MiB per pair, 16 MiB per group
+    (16, 16384 * 128 * 4, 2),   # 16k, head_dim 128
+    (3, 1024 * 64 * 4, 3),      # fewer pairs than a group holds
+    (8, 1 << 26, 1)])           # one pair's dQ alone over the L2 budget: one pair per group
+def test_dq_ordered_launch_groups_keep_dq_in_l2(pairs, dq_bytes, want):
+    """A dq_ordered launch group's dQ (every pair a wave of CTAs adds into) stays within hopper_bwd.DQ_L2_BYTES,
+    with at least one and at most MAX_PAIRS_PER_GROUP pairs; the grid covers every pair."""
+    group = hopper_bwd.pairs_per_group(pairs, dq_bytes)
+    assert group == want
+    (groups, tiles, per_group), _ = hopper_bwd.ordered_launch(pairs, 1, 5, group)
+    assert tiles == 5 and per_group == group and groups * group >= pairs > (groups - 1) * group
 
 
 @pytest.mark.parametrize("is_causal, window", [(False, None), (True, None), (True, (200, None)),
                                                (False, (300, 100))])
-def test_dq_order_protocol_is_deadlock_free_and_fixed(is_causal, window):
-    """Simulated on the CPU with the kernel's rank table and visited blocks: under key-tile-major in-order
+def test_dq_order_protocol_is_deadlock_free_and_fixed(is_causal, window, monkeypatch):
+    """Simulated on the CPU with the kernel's rank table, visited blocks and launch order: under in-order
     dispatch (1 to 5 CTAs resident, random interleaving) no CTA waits forever, every (batch, head, block)
-    receives its tiles' adds in ascending tile order whatever the interleaving, and each semaphore ends at
-    NUM_CONSUMERS times the number of tiles that visit its block."""
-    from pallas_flash.config import NUM_CONSUMERS
-    batch, kv_heads, group, block_q, tile_keys, num_q_blocks, num_tiles = 2, 2, 2, 64, 128, 9, 7
+    receives its tiles' adds in descending tile order whatever the interleaving, and each semaphore ends at
+    the number of tiles that visit its block."""
+    batch, kv_heads, group, block_q, tile_keys, num_q_blocks, num_tiles = 2, 2, 2, 64, 128, 9, 7  # 4 pairs
     band = masks.Band.of(is_causal, window)
     common = dict(block_q=block_q, tile_keys=tile_keys, num_q_blocks=num_q_blocks, kv_pad=num_tiles * tile_keys,
                   band=band)
@@ -235,10 +266,10 @@ def test_dq_order_protocol_is_deadlock_free_and_fixed(is_causal, window):
     orders = []
     for resident, seed in ((1, 0), (2, 1), (3, 2), (5, 3), (5, 4)):
         order, semaphores = _simulate_dq_order(ranks, visited, heads_per_kv=group, kv_heads=kv_heads,
-                                               resident=resident, seed=seed)
+                                               resident=resident, seed=seed, monkeypatch=monkeypatch)
         for (b, head, j), tiles_in_order in order.items():
-            assert tiles_in_order == sorted(tiles_in_order)
-            assert semaphores[(b, head, j)] == NUM_CONSUMERS * len(tiles_in_order)
+            assert tiles_in_order == sorted(tiles_in_order, reverse=True)
+            assert semaphores[(b, head, j)] == len(tiles_in_order)
             assert len(tiles_in_order) == sum(lo <= j < hi for lo, hi in visited[b])
         orders.append(order)
     assert all(order == orders[0] for order in orders)
@@ -281,12 +312,13 @@ def test_dq_ordered_lowers_for_gpu(head_dim, is_causal, window, segments):
         assert (counters in text) == ordered
 
 
-@pytest.mark.parametrize("head_dim, deterministic, kernels", [(64, True, 3), (64, False, 2), (128, True, 3),
+@pytest.mark.parametrize("head_dim, deterministic, kernels", [(64, True, 2), (64, False, 2), (128, True, 3),
                                                                (128, False, 3)])
 def test_deterministic_picks_the_backward(head_dim, deterministic, kernels):
-    """jax.grad of the Hopper attention lowers to forward + dK/dV + dQ kernels (3), except with
-    deterministic=False at head_dim 64, where the one-pass backward (2: its dK/dV kernel sums dQ) measured
-    faster; also under jax.vmap, which the one-pass kernel only takes through `_fold_vmap`."""
+    """jax.grad of the Hopper attention lowers to forward + dK/dV + dQ kernels (3) at head_dim 128, and to the
+    one-pass backward (2: its dK/dV kernel sums dQ) at head_dim 64, where it measured faster: with its dQ
+    adds ordered by semaphores unless deterministic=False. Also under jax.vmap, which the one-pass kernel only
+    takes through `_fold_vmap`."""
     from pallas_flash.kernels import hopper
     q = jax.ShapeDtypeStruct((3, 1, 200, 4, head_dim), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((3, 1, 333, 2, head_dim), jnp.bfloat16)
@@ -301,6 +333,7 @@ def test_deterministic_picks_the_backward(head_dim, deterministic, kernels):
         text = jax.jit(fn).trace(args[0], args[1], args[1]).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("stablehlo.custom_call @mosaic_gpu") == kernels
         assert ("cp.reduce.async.bulk.tensor" in text) == (kernels == 2)
+        assert ("red.release.gpu.global.add" in text) == (kernels == 2 and deterministic)
 
 
 @pytest.mark.parametrize("in_axes", [0, (0, None, 0), (None, 1, 0)])
@@ -341,7 +374,7 @@ def test_masked_kernels_lower_for_gpu(window, segments, dq_atomic):
     lse = jax.ShapeDtypeStruct((batch, 4, q_len), jnp.float32)
     ids = ((jax.ShapeDtypeStruct((batch, q_len), jnp.int32), jax.ShapeDtypeStruct((batch, kv_len), jnp.int32))
            if segments else (None, None))
-    config = dataclasses.replace(HopperBwdConfig.default(64), dq_atomic=dq_atomic)
+    config = dataclasses.replace(HopperBwdConfig.default(64), dq_atomic=dq_atomic, dq_ordered=False)
     for is_causal in (False, True):
         mask = dict(scale=0.125, is_causal=is_causal, local_window_size=window)
 
@@ -424,7 +457,8 @@ def test_gradients_match_reference(shape, dtype, is_causal, dq_atomic):
     q, k, v, d_out, d_lse = _inputs(shape, dtype, seed=1)
     scale = shape[-1] ** -0.5
     out, lse = hopper_fwd.hopper_forward(q, k, v, scale=scale, is_causal=is_causal)
-    config = dataclasses.replace(HopperBwdConfig.default(hopper_fwd.padded_head_dim(shape[-1])), dq_atomic=dq_atomic)
+    config = dataclasses.replace(HopperBwdConfig.default(hopper_fwd.padded_head_dim(shape[-1])), dq_atomic=dq_atomic,
+                                 dq_ordered=False)
     grads = hopper_bwd.hopper_backward(q, k, v, out, lse, d_out, d_lse, scale=scale, is_causal=is_causal,
                                        config=config)
     _, vjp = jax.vjp(lambda *x: reference.attention_reference(*x, scale=scale, is_causal=is_causal),
@@ -496,10 +530,11 @@ def test_grad_of_mosaic_attention_uses_it(monkeypatch, is_causal):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("is_causal", [False, True])
-def test_nondeterministic_grad_under_vmap(is_causal):
-    """deterministic=False at head_dim 64 (the one-pass backward) under jax.vmap (folded into the batch
-    by `_fold_vmap`), against the reference per example."""
+def test_one_pass_grad_under_vmap(is_causal, deterministic):
+    """The one-pass backward at head_dim 64 (the default: dQ adds ordered, or free with deterministic=False)
+    under jax.vmap (folded into the batch by `_fold_vmap`), against the reference per example."""
     if not hopper_fwd.on_hopper():
         pytest.skip("needs an sm90 GPU")
     import pallas_flash as pf
@@ -509,7 +544,8 @@ def test_nondeterministic_grad_under_vmap(is_causal):
         return jnp.vdot(attend(q[None], k[None], v[None])[0].astype(jnp.float32), d_out.astype(jnp.float32))
 
     ours = jax.vmap(jax.grad(functools.partial(loss, lambda *x: pf.flash_attention(
-        *x, is_causal=is_causal, implementation="mosaic", deterministic=False)), argnums=(0, 1, 2)))(q, k, v, d_out)
+        *x, is_causal=is_causal, implementation="mosaic", deterministic=deterministic)), argnums=(0, 1, 2)))(
+        q, k, v, d_out)
     ref = jax.vmap(jax.grad(functools.partial(loss, lambda *x: reference.attention_reference(
         *x, scale=64 ** -0.5, is_causal=is_causal)[0]), argnums=(0, 1, 2)))(
         *(x.astype(jnp.float32) for x in (q, k, v)), d_out)

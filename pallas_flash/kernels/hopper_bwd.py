@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -73,15 +74,21 @@ def dq_split(head_dim: int, block_q: int) -> str | None:
     return None
 
 
+def _dq_share(head_dim: int, block_q: int, wg):
+    """Warpgroup wg's dQ rows and columns within a query block (`dq_split`)."""
+    if dq_split(head_dim, block_q) == "columns":
+        return pl.ds(0, block_q), pl.ds(wg * (head_dim // NUM_CONSUMERS), head_dim // NUM_CONSUMERS)
+    return pl.ds(wg * (block_q // NUM_CONSUMERS), block_q // NUM_CONSUMERS), pl.ds(0, head_dim)
+
+
 def _dq_split(ds_t_smem, k_smem, wg):
     """Warpgroup wg's share of dQ = (dS^T)^T K (`dq_split`): (its columns of the shared dS^T tile, its columns
     of the shared K tile, its dQ rows and columns within the query block)."""
     (_, block_q), head_dim = ds_t_smem.shape, k_smem.shape[-1]
+    rows, cols = _dq_share(head_dim, block_q, wg)
     if dq_split(head_dim, block_q) == "columns":
-        cols = pl.ds(wg * (head_dim // NUM_CONSUMERS), head_dim // NUM_CONSUMERS)
-        return ds_t_smem, k_smem.at[:, cols], pl.ds(0, block_q), cols
-    rows = pl.ds(wg * (block_q // NUM_CONSUMERS), block_q // NUM_CONSUMERS)
-    return ds_t_smem.at[:, rows], k_smem, rows, pl.ds(0, head_dim)
+        return ds_t_smem, k_smem.at[:, cols], rows, cols
+    return ds_t_smem.at[:, rows], k_smem, rows, cols
 
 
 def visited_q_blocks(kv_tile, read_range, *, block_q: int, tile_keys: int, num_q_blocks: int, kv_pad: int,
@@ -103,22 +110,53 @@ def visited_q_blocks(kv_tile, read_range, *, block_q: int, tile_keys: int, num_q
 def dq_order_ranks(q_ranges, *, batch: int, num_tiles: int, block_q: int, tile_keys: int, num_q_blocks: int,
                    kv_pad: int, band: masks.Band):
     """int32 [batch, num_tiles, num_q_blocks]: for `HopperBwdConfig.dq_ordered`, entry (b, t, j) counts the key
-    tiles t' < t of example b that visit query block j (`visited_q_blocks`, the kernel's own rule; the same
-    for every query head). The CTA of tile t adds its dQ of block j once that many tiles have added theirs."""
+    tiles t' > t of example b that visit query block j (`visited_q_blocks`, the kernel's own rule; the same
+    for every query head). The CTA of tile t adds its dQ of block j once that many tiles have added theirs:
+    descending tile order, in which a causal band's higher tiles, which start at later query blocks, reach
+    each block first anyway."""
     read = None if q_ranges is None else (lambda i: q_ranges[:, :, i])
     lo, hi, _ = visited_q_blocks(jnp.arange(num_tiles, dtype=jnp.int32)[None, :], read, block_q=block_q,
                                  tile_keys=tile_keys, num_q_blocks=num_q_blocks, kv_pad=kv_pad, band=band)
     lo, hi = (jnp.broadcast_to(jnp.asarray(x, jnp.int32), (batch, num_tiles)) for x in (lo, hi))
     blocks = jnp.arange(num_q_blocks, dtype=jnp.int32)
     visits = ((blocks >= lo[:, :, None]) & (blocks < hi[:, :, None])).astype(jnp.int32)
-    return (jnp.cumsum(visits, axis=1) - visits).astype(jnp.int32)
+    return (jnp.sum(visits, axis=1, keepdims=True) - jnp.cumsum(visits, axis=1)).astype(jnp.int32)
+
+
+# dq_ordered launch: (batch, kv head) pairs in groups; within a group, key tiles in descending order, each tile
+# for all the group's pairs. A tile waits only on higher tiles of its own pair, which launched before it
+# (deadlock-free under in-order dispatch). A wave of CTAs reduce-adds into the dQ of every pair in its group,
+# so groups are sized to keep that dQ in L2: at most DQ_L2_BYTES of it (16 MiB of the H100's 50 MiB), and at
+# most MAX_PAIRS_PER_GROUP pairs (a wave then holds ~132 / 32 tiles per pair). On the H100 (2026-11-23) groups
+# of 32 pairs at 16k keys (128 MiB of dQ) ran fwd+bwd at 0.65-0.77x cuDNN, groups of 4 (16 MiB) at 0.99-1.01x.
+DQ_L2_BYTES = 16 << 20
+MAX_PAIRS_PER_GROUP = 32
+
+
+def pairs_per_group(pairs: int, dq_bytes_per_pair: int) -> int:
+    """(batch, kv head) pairs per launch group of the dq_ordered kernel (`ordered_launch`)."""
+    return max(1, min(pairs, MAX_PAIRS_PER_GROUP, DQ_L2_BYTES // dq_bytes_per_pair))
+
+
+def ordered_launch(batch: int, kv_heads: int, num_tiles: int, group: int):
+    """(grid, grid_names) of the dq_ordered dK/dV kernel with `group` pairs per group: (pair groups, key tiles,
+    pairs in a group), the last CUDA's x (fastest in launch order). `ordered_cta` decodes a CTA's coordinates."""
+    return (pl.cdiv(batch * kv_heads, group), num_tiles, group), ("pair_groups", "kv_tiles", "pairs")
+
+
+def ordered_cta(batch: int, kv_heads: int, num_tiles: int, group: int):
+    """(batch, kv head, key tile, active) of this CTA under `ordered_launch`: tiles descend in launch order;
+    CTAs past the last pair (the last group may be partial) are inactive and do nothing."""
+    pair = lax.axis_index("pair_groups") * group + lax.axis_index("pairs")
+    kv_tile = num_tiles - 1 - lax.axis_index("kv_tiles")
+    return lax.div(pair, kv_heads), lax.rem(pair, kv_heads), kv_tile, pair < batch * kv_heads
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv_ids_ref, q_ranges_ref,
                  dq_acc_ref, dk_ref, dv_ref, scoped, *, scale: float, band: masks.Band, kv_len: int, group: int,
                  config: HopperBwdConfig, interpreting: bool, dq_order=None):
-    """Grid (batch, kv_heads, kv_tiles) (with config.dq_ordered launched as (kv_tiles, batch, kv_heads)),
-    3 warpgroups ("wg"): 0 and 1 consume, 2 produces.
+    """Grid (batch, kv_heads, kv_tiles) (with config.dq_ordered `ordered_launch`'s), 3 warpgroups ("wg"):
+    0 and 1 consume, 2 produces (with config.dq_ordered its first warp loads, its second stores dQ).
 
     `interpreting`: as in the forward (`hopper_fwd._kernel`), for JAX's Mosaic GPU interpreter on CPU: the
     wgmmas are plain dots on the same shared-memory tiles and registers (no `pl.run_state`, no transposed
@@ -130,16 +168,18 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
     dk_ref/dv_ref like k_ref (summed over the group's query heads).
     dq_acc_ref: None, or (config.dq_atomic) a float32 [batch, q_pad, heads, d] buffer of zeros that each
     query block's dS K is reduce-added into by TMA (unscaled).
-    dq_order: None, or (config.dq_ordered) (ranks_ref, semaphores): `dq_order_ranks`' int32 table in global
-    memory and a global int32 semaphore per (batch, query head, query block), flattened, zero at launch."""
+    dq_order: None, or (config.dq_ordered) a `_DqOrder`."""
     ((k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, *dq_staging), (k_ready, v_ready),
      (q_ready, do_ready, lse_ready, delta_ready), free, segments, *ds_barriers) = scoped
     has_segments = q_ids_ref is not None
     block_q, block_kv, num_stages = config.block_q_dkv, config.block_kv_dkv, config.num_stages_dkv
     num_q_blocks = q_ref.shape[1] // block_q
     dtype = q_ref.dtype
-    batch, kv_head = lax.axis_index("batch"), lax.axis_index("kv_heads")
-    kv_tile = lax.axis_index("kv_tiles")
+    if dq_order is None:
+        batch, kv_head = lax.axis_index("batch"), lax.axis_index("kv_heads")
+        kv_tile = lax.axis_index("kv_tiles")
+    else:
+        batch, kv_head, kv_tile = dq_order.cta
     tile_start = kv_tile * (NUM_CONSUMERS * block_kv)
     # Padded keys need a mask only where their dS reaches real rows: the one-pass dQ. (Without it only
     # their own dK/dV rows see them, and those are sliced off.)
@@ -181,16 +221,6 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
                 plgpu.barrier_wait(k_ready.at[i])
         plgpu.barrier_wait(v_ready.at[wg])
         c = scale * LOG2E  # exp(scale * s - lse) = exp2(c * s - lse2)
-
-        def dq_semaphore(g, q_block):  # config.dq_ordered: the counter of (batch, query head, query block)
-            _, semaphores = dq_order
-            return semaphores.at[(batch * q_ref.shape[2] + kv_head * group + g) * num_q_blocks + q_block]
-
-        def signal_dq_added(t):
-            """Step t's half of dQ has landed in the buffer (after `wait_smem_to_gmem(0)`): one count of the
-            NUM_CONSUMERS that this tile adds to its block's semaphore (each consumer signals its own half)."""
-            per_head = jnp.maximum(q_steps, 1)
-            _compat.semaphore_signal_gpu(dq_semaphore(lax.div(t, per_head), q_lo + lax.rem(t, per_head)))
 
         def step(q_block, carry, *, g, masked: bool):
             dk, dv = carry
@@ -258,9 +288,6 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
             ds_t_smem, dq_staging_smem = dq_staging
             t = g * q_steps + q_block - q_lo
             ds = ds.astype(dtype)
-            if dq_order is not None:  # read early: the global load's latency hides behind the matmuls
-                ranks_ref, _ = dq_order
-                dq_rank = ranks_ref[batch, kv_tile, q_block]
 
             @pl.when(t > 0)
             def _():
@@ -281,20 +308,20 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
             dk, dq = pl.run_state(dk_dq)((plgpu.ACC.init(dk), plgpu.ACC.init(zeros(dq_smem.shape))))
             plgpu.barrier_arrive(ds_free)
             plgpu.barrier_arrive(free.at[slot])
-            if dq_order is None:
-                # Two staging slots per warpgroup, one store (its own bulk group) per step: once at most one is
-                # in flight (step t-1's), step t-2's has read this slot.
-                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-            else:  # step t-1's reduce-add has landed (it had this step's matmuls to do so): count it
-                plgpu.wait_smem_to_gmem(0)
+            if dq_order is not None:  # the producer's store warp adds it, in order (`store_dq_in_order`)
+                @pl.when(t >= 2)
+                def _():  # that warp has read step t-2's dQ out of this slot
+                    plgpu.barrier_wait(dq_order.free.at[lax.rem(t, 2)])
 
-                @pl.when(t > 0)
-                def _():
-                    signal_dq_added(t - 1)
+                dq_smem[...] = dq
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(dq_order.staged.at[lax.rem(t, 2)])
+                return dk, dv
+            # Two staging slots per warpgroup, one store (its own bulk group) per step: once at most one is
+            # in flight (step t-1's), step t-2's has read this slot.
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
             dq_smem[...] = dq
             plgpu.commit_smem()
-            if dq_order is not None:  # the lower key tiles that visit this block have added their dQ (both halves)
-                _compat.semaphore_wait_at_least(dq_semaphore(g, q_block), NUM_CONSUMERS * dq_rank)
             q_rows = pl.ds(q_block * block_q + dq_rows.start, dq_rows.size)
             plgpu.copy_smem_to_gmem(dq_smem, dq_acc_ref.at[batch, q_rows, kv_head * group + g, dq_cols],
                                     reduction_op="add")
@@ -316,12 +343,6 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
 
         shape = (block_kv, k_smem.shape[-1])
         dk, dv = lax.fori_loop(0, group, head, (zeros(shape), zeros(shape)))
-        if dq_order is not None:
-            plgpu.wait_smem_to_gmem(0)
-
-            @pl.when(total_steps > 0)
-            def _():  # the last step's reduce-add has landed: let the next key tile add to its block
-                signal_dq_added(total_steps - 1)
         if dq_acc_ref is not None:
             @pl.when(total_steps > 0)
             def _():  # the last step's phase: the other warpgroup's last dQ wgmma has read this K
@@ -353,9 +374,74 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
             if has_segments:  # ids of the block's queries (read in masked steps, which all steps are then)
                 plgpu.copy_gmem_to_smem(q_ids_ref.at[batch, queries], segments[0].at[slot], segments[2].at[slot])
 
-        fill_ring(load, num_stages=num_stages, steps=total_steps)
-        if interpreting:
-            drain_ring((free,), num_stages=num_stages, steps=total_steps)
+        if dq_order is None:
+            fill_ring(load, num_stages=num_stages, steps=total_steps)
+            if interpreting:
+                drain_ring((free,), num_stages=num_stages, steps=total_steps)
+            return
+
+        # Waiting on other CTAs must not hold up the loads or the matmuls: one warp loads, another adds dQ.
+        @pl.core_map(plgpu.WarpMesh(axis_name="warp"))
+        def _per_warp():
+            warp = lax.axis_index("warp")
+
+            @pl.when(warp == 0)
+            def _():
+                fill_ring(load, num_stages=num_stages, steps=total_steps)
+
+            @pl.when(warp == 1)
+            def _():
+                store_dq_in_order(dq_order, dq_staging[1], dq_acc_ref, batch=batch, kv_head=kv_head,
+                                  kv_tile=kv_tile, group=group, q_lo=q_lo, q_steps=q_steps, block_q=block_q)
+
+
+class _DqOrder(NamedTuple):
+    """What the dq_ordered dK/dV kernel needs beyond the one-pass kernel's: `dq_order_ranks`' int32 table in
+    global memory; a global int32 semaphore per (batch, query head, query block), flattened, zero at launch;
+    the CTA's (batch, kv head, key tile) (`ordered_cta`); per dQ staging slot a barrier that both consumers'
+    dQ is in it (`staged`) and one that the store warp has read it out (`free`)."""
+    ranks: object
+    semaphores: object
+    cta: tuple
+    staged: object
+    free: object
+
+
+def store_dq_in_order(order: _DqOrder, staging, dq_acc_ref, *, batch, kv_head, kv_tile, group: int, q_lo, q_steps,
+                      block_q: int):
+    """The dq_ordered kernel's store warp: for each step t of the CTA (query head g, query block j), once both
+    consumers have staged their dQ halves in slot t % 2 and the semaphore of (batch, head, block) counts every
+    higher key tile that visits the block (`dq_order_ranks`), reduce-add both halves into dq_acc_ref by TMA;
+    once they have landed, free the slot and add 1 to the semaphore. So each block's float32 sums run in one
+    order whatever the timing, and the consumers wait on nothing but a free slot (two slots: they stage step
+    t+1 while this warp waits). Signalling step t-1 after issuing step t instead measured the same."""
+    _, q_pad, heads, head_dim = dq_acc_ref.shape
+    num_q_blocks = q_pad // block_q
+    per_head = jnp.maximum(q_steps, 1)
+
+    def block_of(t):  # (query head within the group, query block) of step t: `load`'s order
+        return lax.div(t, per_head), q_lo + lax.rem(t, per_head)
+
+    def semaphore(t):
+        g, q_block = block_of(t)
+        return order.semaphores.at[(batch * heads + kv_head * group + g) * num_q_blocks + q_block]
+
+    @pl.loop(0, q_steps * group)
+    def _store(t):
+        slot = lax.rem(t, 2)
+        g, q_block = block_of(t)
+        rank = order.ranks[batch, kv_tile, q_block]
+        plgpu.barrier_wait(order.staged.at[slot])
+        _compat.semaphore_wait_at_least(semaphore(t), rank)
+        for wg in range(NUM_CONSUMERS):
+            rows, cols = _dq_share(head_dim, block_q, wg)
+            q_rows = pl.ds(q_block * block_q + rows.start, rows.size)
+            plgpu.copy_smem_to_gmem(staging.at[slot, wg], dq_acc_ref.at[batch, q_rows, kv_head * group + g, cols],
+                                    reduction_op="add", commit_group=False)
+        plgpu.commit_smem_to_gmem_group()
+        plgpu.wait_smem_to_gmem(0)
+        plgpu.barrier_arrive(order.free.at[slot])
+        _compat.semaphore_signal_gpu(semaphore(t))
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, dq_ref,
@@ -502,22 +588,36 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_ids, kv_ids, *, scale: float, band: mas
                  plgpu.SMEM((2, NUM_CONSUMERS, rows, cols), jnp.float32,
                             transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)))]
         extra_barriers = (plgpu.Barrier(num_arrivals=NUM_CONSUMERS),) * 2
+        if config.dq_ordered:  # per staging slot: both consumers' dQ is in it; the store warp has read it
+            extra_barriers += (plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=2),
+                               plgpu.Barrier(num_arrivals=1, num_barriers=2))
     body = functools.partial(_dkdv_kernel, scale=scale, band=band, kv_len=kv_len, group=q.shape[2] // kv_heads,
                              config=config, interpreting=interpret is not None)
 
     num_q_blocks = q.shape[1] // block_q
     num_tiles = kv_pad // (NUM_CONSUMERS * block_kv)
+    # dq_ordered: a pair's float32 dQ covers its kv head's group of query heads
+    launch_group = pairs_per_group(batch * kv_heads, q.shape[1] * q.shape[2] // kv_heads * head_dim * 4)
 
     def entry(*refs):
         inputs, rest = refs[:6], refs[6:]
         segment_refs, rest = (rest[:3], rest[3:]) if has_segments else ((None, None, None), rest)
-        order = {}
+        ranks = semaphores = None
         if config.dq_ordered:  # the rank table rides behind the inputs; the counters are global semaphores
+            ranks, rest = rest[0], rest[1:]
             semaphores = pl.get_global(plgpu.SemaphoreType.REGULAR((batch * q.shape[2] * num_q_blocks,)))
-            order, rest = dict(dq_order=(rest[0], semaphores)), rest[1:]
         dq_acc, outputs = (rest[0], rest[1:]) if config.dq_atomic else (None, rest)
+
+        def run(*scoped):
+            if ranks is None:
+                return body(*inputs, *segment_refs, dq_acc, *outputs, scoped)
+            *scoped, staged, free = scoped
+            *cta, active = ordered_cta(batch, kv_heads, num_tiles, launch_group)
+            order = _DqOrder(ranks, semaphores, tuple(cta), staged, free)
+            pl.when(active)(lambda: body(*inputs, *segment_refs, dq_acc, *outputs, tuple(scoped), dq_order=order))
+
         pl.run_scoped(
-            lambda *scoped: body(*inputs, *segment_refs, dq_acc, *outputs, scoped, **order),
+            run,
             tuple(smem),
             (plgpu.Barrier(num_barriers=NUM_CONSUMERS),) * 2,
             (plgpu.Barrier(num_barriers=num_stages),) * 4,
@@ -539,11 +639,7 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_ids, kv_ids, *, scale: float, band: mas
         operands += (dq_order_ranks(q_ranges, batch=batch, num_tiles=num_tiles, block_q=block_q,
                                     tile_keys=NUM_CONSUMERS * block_kv, num_q_blocks=num_q_blocks, kv_pad=kv_pad,
                                     band=band),)
-        # Key-tile-major launch: Pallas gives the last grid axis to CUDA's x, so kv_tiles goes first (CUDA's
-        # z, the slowest in launch order). Tile t of every (batch, kv head) launches before tile t + 1: the
-        # CTAs resident together mostly belong to different heads and do not wait on each other, and every
-        # CTA a tile waits on (same batch and head, lower tile) launched before it.
-        grid.update(grid=(num_tiles, batch, kv_heads), grid_names=("kv_tiles", "batch", "kv_heads"))
+        grid.update(zip(("grid", "grid_names"), ordered_launch(batch, kv_heads, num_tiles, launch_group)))
     compiler_params = plgpu.CompilerParams(approx_math=True)
     interpreter = {} if interpret is None else dict(interpret=interpret)
     if not config.dq_atomic:
