@@ -180,17 +180,22 @@ class HopperBwdConfig:
         return q_and_do + ring + _HOPPER_SMEM_SLACK
 
     @classmethod
-    def default(cls, head_dim: int, deterministic: bool = True) -> "HopperBwdConfig":
+    def default(cls, head_dim: int, deterministic: bool = True, kv_len: int | None = None,
+                is_causal: bool = False) -> "HopperBwdConfig":
         """Per padded head_dim (a multiple of 64), from the H100 tile sweep of 2026-11-23 (pallas_flash/kernels/
         NOTES.md, "Hopper backward"): 2-stage rings beat 3 (3-5% at head_dim 128, 1-2% at 64); 128-query
         Q/dO blocks in the dK/dV kernel only where head_dim 64 leaves the registers for them.
         head_dim 64: the one pass (dq_atomic), with its dQ adds ordered (dq_ordered, bitwise deterministic)
-        unless deterministic=False; on the H100 fwd+bwd 1.06-1.09x cuDNN free-order and ~1.0x ordered at
-        the six anchor points, against the two passes' 0.93-1.03x. head_dim 128: the two passes either way
-        (0.92-1.10x cuDNN; the one pass measured 0.82-0.91x free-order and 0.79-0.85x ordered)."""
+        unless deterministic=False; on the H100 fwd+bwd 1.06-1.09x cuDNN free-order and 0.99-1.02x ordered
+        at the six anchor points, against the two passes' 0.93-1.03x. Except deterministic causal rows up to
+        2k keys (`kv_len`, `is_causal`: the call's): the two passes, 1.048x against the ordered one pass's
+        1.002x at 2k (equal at 4k). head_dim 128: the two passes either way (0.91-1.10x cuDNN; the one pass
+        measured 0.82-0.91x free-order and 0.79-0.85x ordered)."""
         if head_dim <= 64:
+            ordered_pays = not (is_causal and kv_len is not None and kv_len <= 2048)
             return cls(block_q_dkv=128, block_kv_dkv=64, num_stages_dkv=2, block_q_dq=64, block_kv_dq=128,
-                       num_stages_dq=2, dq_atomic=True, dq_ordered=deterministic)
+                       num_stages_dq=2, dq_atomic=not deterministic or ordered_pays,
+                       dq_ordered=deterministic and ordered_pays)
         if head_dim <= 128:
             return cls(block_q_dkv=64, block_kv_dkv=64, num_stages_dkv=2, block_q_dq=64, block_kv_dq=64,
                        num_stages_dq=2)
@@ -211,8 +216,8 @@ class KernelConfig:
         and loops over key blocks of block_kv_dq).
       xla_block_kv: key chunk of the XLA chunked path (its memory is O(q_len * xla_block_kv)).
       hopper: tiles of the Hopper (Mosaic GPU) forward kernel; None: `HopperConfig.default(head_dim)`.
-      hopper_bwd: tiles of the Hopper backward kernels; None: `HopperBwdConfig.default(head_dim,
-        deterministic)` with `flash_attention`'s `deterministic`.
+      hopper_bwd: tiles of the Hopper backward kernels; None: `HopperBwdConfig.default` for the call's
+        head_dim, key length and causality, with `flash_attention`'s `deterministic`.
     num_warps and num_stages are Triton launch parameters; num_stages is the software-pipelining depth of
     the key (or query) loop.
     """

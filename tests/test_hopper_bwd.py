@@ -113,8 +113,8 @@ def test_one_pass_lowers_for_gpu(head_dim, is_causal, dtype):
 
 def test_dq_ordered_config():
     """dq_ordered is a bool, only with dq_atomic (the two-pass backward is deterministic already). The
-    defaults are deterministic unless asked not to be: head_dim 64 runs the one pass, ordered by default;
-    head_dim 128 the two passes either way."""
+    defaults are deterministic unless asked not to be: head_dim 64 runs the one pass, ordered by default,
+    except deterministic causal rows up to 2k keys (the two passes); head_dim 128 the two passes either way."""
     assert HopperBwdConfig(dq_atomic=True, dq_ordered=True).dq_ordered
     for bad in (dict(dq_ordered=True), dict(dq_ordered=1, dq_atomic=True), dict(dq_ordered=None)):
         with pytest.raises(ValueError, match="dq_ordered"):
@@ -123,6 +123,11 @@ def test_dq_ordered_config():
         at_64, at_128 = HopperBwdConfig.default(64, deterministic), HopperBwdConfig.default(128, deterministic)
         assert at_64.dq_atomic and at_64.dq_ordered == deterministic
         assert not at_128.dq_atomic and not at_128.dq_ordered
+        for kv_len, is_causal in ((2048, False), (2049, True), (None, True)):
+            assert HopperBwdConfig.default(64, deterministic, kv_len, is_causal) == at_64
+    short_causal = HopperBwdConfig.default(64, True, kv_len=2048, is_causal=True)
+    assert not short_causal.dq_atomic and not short_causal.dq_ordered
+    assert HopperBwdConfig.default(64, False, kv_len=2048, is_causal=True).dq_atomic
     config = HopperBwdConfig(block_q_dkv=128, dq_atomic=True)  # same shared memory: the counters are global
     assert dataclasses.replace(config, dq_ordered=True).smem_bytes_dkv(64) == config.smem_bytes_dkv(64)
 
@@ -235,9 +240,9 @@ def _simulate_dq_order(ranks, visited, *, heads_per_kv: int, kv_heads: int, resi
 
 
 @pytest.mark.parametrize("pairs, dq_bytes, want", [
-    (256, 2048 * 64 * 4, 32),   # 2k keys, head_dim 64: 512 KiB of dQ per pair; at most 32 pairs
-    (32, 16384 * 64 * 4, 4),    # 16k, head_dim 64: 4 MiB per pair, 16 MiB per group
-    (16, 16384 * 128 * 4, 2),   # 16k, head_dim 128
+    (256, 1024 * 64 * 4, 32),   # 1k keys, head_dim 64: 256 KiB of dQ per pair; at most 32 pairs
+    (256, 2048 * 64 * 4, 16),   # 2k: 512 KiB per pair, 8 MiB per group
+    (32, 16384 * 64 * 4, 2),    # 16k, head_dim 64: 4 MiB per pair
     (3, 1024 * 64 * 4, 3),      # fewer pairs than a group holds
     (8, 1 << 26, 1)])           # one pair's dQ alone over the L2 budget: one pair per group
 def test_dq_ordered_launch_groups_keep_dq_in_l2(pairs, dq_bytes, want):
@@ -312,19 +317,20 @@ def test_dq_ordered_lowers_for_gpu(head_dim, is_causal, window, segments):
         assert (counters in text) == ordered
 
 
-@pytest.mark.parametrize("head_dim, deterministic, kernels", [(64, True, 2), (64, False, 2), (128, True, 3),
-                                                               (128, False, 3)])
-def test_deterministic_picks_the_backward(head_dim, deterministic, kernels):
+@pytest.mark.parametrize("head_dim, deterministic, is_causal, kernels", [
+    (64, True, False, 2), (64, True, True, 3), (64, False, True, 2), (128, True, False, 3), (128, False, True, 3)])
+def test_deterministic_picks_the_backward(head_dim, deterministic, is_causal, kernels):
     """jax.grad of the Hopper attention lowers to forward + dK/dV + dQ kernels (3) at head_dim 128, and to the
     one-pass backward (2: its dK/dV kernel sums dQ) at head_dim 64, where it measured faster: with its dQ
-    adds ordered by semaphores unless deterministic=False. Also under jax.vmap, which the one-pass kernel only
-    takes through `_fold_vmap`."""
+    adds ordered by semaphores unless deterministic=False; deterministic causal calls of up to 2k keys (these
+    have 333) keep the two passes. Also under jax.vmap, which the one-pass kernel only takes through
+    `_fold_vmap`."""
     from pallas_flash.kernels import hopper
     q = jax.ShapeDtypeStruct((3, 1, 200, 4, head_dim), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((3, 1, 333, 2, head_dim), jnp.bfloat16)
 
     def loss(q, k, v):
-        out, _ = hopper.flash_attention_hopper(q, k, v, scale=0.125, band=masks.Band.of(True, None),
+        out, _ = hopper.flash_attention_hopper(q, k, v, scale=0.125, band=masks.Band.of(is_causal, None),
                                                config=KernelConfig(), deterministic=deterministic)
         return out.astype(jnp.float32).sum()
 

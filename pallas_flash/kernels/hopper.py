@@ -13,7 +13,7 @@ import os
 import jax
 
 from pallas_flash import masks
-from pallas_flash.config import H100_SHARED_MEMORY, HopperBwdConfig, HopperConfig, KernelConfig
+from pallas_flash.config import H100_SHARED_MEMORY, HopperConfig, KernelConfig
 from pallas_flash.kernels import hopper_bwd, hopper_fwd, portable
 
 _logger = logging.getLogger("pallas_flash")
@@ -82,8 +82,8 @@ def _attention_fwd(q, k, v, q_ids, kv_ids, scale, band, config, deterministic):
 def _attention_bwd(scale, band, config, deterministic, residuals, cotangents):
     q, k, v, q_ids, kv_ids, out, lse = residuals
     if use_hopper_backward() and hopper_fwd.padded_head_dim(q.shape[-1]) <= hopper_bwd.MAX_HEAD_DIM:
-        bwd_config = config.hopper_bwd or HopperBwdConfig.default(hopper_fwd.padded_head_dim(q.shape[-1]),
-                                                                  deterministic)
+        bwd_config = config.hopper_bwd or hopper_bwd.default_config(hopper_fwd.padded_head_dim(q.shape[-1]),
+                                                                    k.shape[1], band, deterministic)
         d_out, d_lse = cotangents
         is_causal, window = _window(band)
         dq, dk, dv = hopper_bwd.hopper_backward(q, k, v, out, lse, d_out, d_lse, scale=scale, is_causal=is_causal,
@@ -106,6 +106,6 @@ def flash_attention_hopper(query, key, value, *, scale: float, band: masks.Band,
                            q_segment_ids=None, kv_segment_ids=None, deterministic: bool = True):
     """Shapes and results as `reference.attention_reference` (bf16/fp16 on sm90; a band (causal, local
     window) and segment ids (which carry per-example lengths too, see `api._segments`)); differentiable in
-    query, key and value (and through the returned LSE). deterministic=False lets the backward use the
-    one-pass kernel where it is faster (`HopperBwdConfig.default`), unless config.hopper_bwd is set."""
+    query, key and value (and through the returned LSE). deterministic=False lets the backward add dQ
+    in a free order where that is faster (`HopperBwdConfig.default`), unless config.hopper_bwd is set."""
     return _attention(query, key, value, q_segment_ids, kv_segment_ids, scale, band, config, deterministic)

@@ -126,11 +126,19 @@ def dq_order_ranks(q_ranges, *, batch: int, num_tiles: int, block_q: int, tile_k
 # dq_ordered launch: (batch, kv head) pairs in groups; within a group, key tiles in descending order, each tile
 # for all the group's pairs. A tile waits only on higher tiles of its own pair, which launched before it
 # (deadlock-free under in-order dispatch). A wave of CTAs reduce-adds into the dQ of every pair in its group,
-# so groups are sized to keep that dQ in L2: at most DQ_L2_BYTES of it (16 MiB of the H100's 50 MiB), and at
-# most MAX_PAIRS_PER_GROUP pairs (a wave then holds ~132 / 32 tiles per pair). On the H100 (2026-11-23) groups
-# of 32 pairs at 16k keys (128 MiB of dQ) ran fwd+bwd at 0.65-0.77x cuDNN, groups of 4 (16 MiB) at 0.99-1.01x.
-DQ_L2_BYTES = 16 << 20
+# so groups are sized to keep that dQ in L2: at most DQ_L2_BYTES of it (of the H100's 50 MiB), and at most
+# MAX_PAIRS_PER_GROUP pairs (a wave then holds ~132 / 32 tiles per pair). On the H100 (2026-11-23, head_dim 64,
+# fwd+bwd x cuDNN): groups of 32 pairs at 16k keys (128 MiB of dQ) 0.65-0.77x, of 4 (16 MiB) 0.99-1.01x; at 8k
+# and 16k a 32 MiB budget fell to 0.82-0.89x causal, 16 and 8 MiB measured alike (8 equal or better at 3 of 4
+# points), so 8, the furthest from that cliff.
+DQ_L2_BYTES = 8 << 20
 MAX_PAIRS_PER_GROUP = 32
+
+
+def default_config(head_dim: int, kv_len: int, band: masks.Band, deterministic: bool) -> HopperBwdConfig:
+    """`HopperBwdConfig.default` for a call with this (padded) head_dim, key length and band."""
+    is_causal = band.right == 0 and band.left is None
+    return HopperBwdConfig.default(head_dim, deterministic, kv_len=kv_len, is_causal=is_causal)
 
 
 def pairs_per_group(pairs: int, dq_bytes_per_pair: int) -> int:
@@ -767,7 +775,7 @@ def hopper_backward(q, k, v, out, lse, d_out, d_lse, *, scale: float, is_causal:
     padded_dim = padded_head_dim(head_dim)
     if padded_dim > MAX_HEAD_DIM:
         raise ValueError(f"the Hopper backward takes head_dim <= {MAX_HEAD_DIM}, got {head_dim}")
-    config = config or HopperBwdConfig.default(padded_dim)
+    config = config or default_config(padded_dim, kv_len, band, deterministic=True)
     check_config(config, padded_dim, q.dtype.itemsize)
     if config.dq_atomic and interpret is not None:
         raise ValueError("the one-pass dq_atomic backward cannot run in the Mosaic GPU interpreter (JAX 0.10.2 "
