@@ -309,7 +309,7 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, segment_i
                 ("dropout", mods.dropout_rate > 0.0))
     unserved = [name for name, used in features if used]
     impl = _choose_implementation(implementation, lambda: hopper.unsupported_reason(
-        query, key, band=band, unserved=unserved, config=config, has_segments=q_ids is not None))
+        query, key, band=band, unserved=unserved, config=config))
     masking = dict(q_segment_ids=q_ids, kv_segment_ids=kv_ids, block_mask=block_mask, mods=mods,
                    mod_arrays=mod_arrays)
     if impl == "mosaic":

@@ -68,8 +68,7 @@ class HopperConfig:
         return self._q_tile_bytes(head_dim, itemsize) + kv_ring + lse + _HOPPER_SMEM_SLACK
 
     @classmethod
-    def default(cls, head_dim: int, kv_len: int | None = None, is_causal: bool = False,
-                masked: bool = False) -> "HopperConfig":
+    def default(cls, head_dim: int, kv_len: int | None = None, is_causal: bool = False) -> "HopperConfig":
         """Per padded head_dim (a multiple of 64), from the H100 sweeps in pallas_flash/kernels/NOTES.md.
 
         head_dim 64: 256-key blocks (fewer, longer wgmmas per softmax), except for causal rows up to 1k, where
@@ -83,22 +82,18 @@ class HopperConfig:
         no overlap (unmeasured with it). Longer (or unknown) rows: the overlap, one CTA per tile, 3-6% faster
         than the previous defaults at five of the six anchor points and 1% slower at 2k causal.
         head_dim 256: 64-key blocks, one CTA per tile (unmeasured).
-        `masked`: the call has a window or segment ids (or lengths). Those keep the tiles chosen before the
-        sixth session (head_dim 64: causal rows up to 2k on 128-key blocks, 3 stages; head_dim 128: no
-        overlap, persistent CTAs for causal rows up to 8k): the new choices ran on the GPU without masks
-        only (the overlap has run window and segment ids in the CPU interpreter)."""
+        Calls with a window or segment ids (or lengths) get the same tiles: their GPU tests passed with them
+        (H100, 2026-11-23, tests/test_masks.py); their speed there is unmeasured."""
         known = kv_len is not None
         short = known and kv_len <= 1024
         if head_dim <= 64:
-            if is_causal and (short or (masked and known and kv_len <= 2048)):
+            if is_causal and short:
                 return cls(block_q=64, block_kv=128, num_stages=3, persistent=True)
             return cls(block_q=64, block_kv=256, num_stages=2,
                        persistent=short or (is_causal and known and kv_len <= 8192))
         if head_dim <= 128:
             if short:
                 return cls(block_q=64, block_kv=128, num_stages=2, persistent=not is_causal)
-            if masked:
-                return cls(block_q=64, block_kv=128, num_stages=2, persistent=is_causal and known and kv_len <= 8192)
             return cls(block_q=64, block_kv=128, num_stages=2, persistent=False, overlap=True)
         return cls(block_q=64, block_kv=64, num_stages=2)
 

@@ -1,5 +1,4 @@
 """Segment ids, per-example lengths and local windows, in every implementation, forward and backward."""
-import dataclasses
 import functools
 
 import jax
@@ -148,30 +147,20 @@ GPU_CASES = _gpu_cases()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiles", ["default", "unmasked_default"])
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("case", list(GPU_CASES))
-def test_hopper_mask_feature_against_reference(case, is_causal, tiles):
-    """The Hopper forward and backward (`implementation="mosaic"`) with each mask feature: outputs, LSE and
-    gradients against the float32 reference; rows that see nothing give zeros and lse = -inf.
-    tiles="unmasked_default": the forward tiles an unmasked call of this shape gets (the overlap at head_dim
-    128, 256-key blocks at head_dim 64 causal 2k), which masked calls do not get until this passes on the GPU."""
-    from pallas_flash.config import HopperConfig, KernelConfig
-    from pallas_flash.kernels import hopper, hopper_fwd
+def test_hopper_mask_feature_against_reference(case, is_causal):
+    """The Hopper forward and backward (`implementation="mosaic"`, default tiles: those of an unmasked call
+    of the shape, the overlap at head_dim 128) with each mask feature: outputs, LSE and gradients against the
+    float32 reference; rows that see nothing give zeros and lse = -inf."""
+    from pallas_flash.kernels import hopper
     if not hopper.on_hopper_gpu():
         pytest.skip("needs an sm90 GPU")
     shape, kwargs = GPU_CASES[case]["shape"], GPU_CASES[case]["kwargs"]
-    config = None
-    if tiles == "unmasked_default":
-        head_dim = hopper_fwd.padded_head_dim(shape[-1])
-        unmasked = HopperConfig.default(head_dim, shape[2], is_causal)
-        if unmasked == HopperConfig.default(head_dim, shape[2], is_causal, masked=True):
-            pytest.skip("masked and unmasked calls of this shape get the same tiles")
-        config = dataclasses.replace(KernelConfig.default(shape[-1]), hopper=unmasked)
     dtype = jnp.float16 if case == "lengths" else jnp.bfloat16
     q, k, v, cotangent = make_inputs(shape, dtype, seed=12)
     ours = functools.partial(pf.flash_attention, is_causal=is_causal, implementation="mosaic", return_lse=True,
-                             config=config, **kwargs)
+                             **kwargs)
     ref = functools.partial(pf.attention_reference, scale=shape[-1] ** -0.5,
                             **_reference_mask_args(shape, kwargs, is_causal))
     f32 = [x.astype(jnp.float32) for x in (q, k, v, cotangent)]

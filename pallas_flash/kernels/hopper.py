@@ -35,17 +35,13 @@ def _window(band: masks.Band):
     return False, None if band.is_full else (band.left, band.right)
 
 
-def _hopper_config(config: KernelConfig, head_dim: int, kv_len: int, band: masks.Band,
-                   has_segments: bool) -> HopperConfig:
-    return config.hopper or hopper_fwd.default_config(hopper_fwd.padded_head_dim(head_dim), kv_len, band,
-                                                      has_segments)
+def _hopper_config(config: KernelConfig, head_dim: int, kv_len: int, band: masks.Band) -> HopperConfig:
+    return config.hopper or hopper_fwd.default_config(hopper_fwd.padded_head_dim(head_dim), kv_len, band)
 
 
-def unsupported_reason(query, key, *, band: masks.Band, unserved=(), config: KernelConfig,
-                       has_segments: bool = False) -> str | None:
+def unsupported_reason(query, key, *, band: masks.Band, unserved=(), config: KernelConfig) -> str | None:
     """None if the Hopper kernel serves this call on this machine, else why not (for the dispatcher).
-    `unserved`: names of the call's features the Hopper kernel does not have; `has_segments`: the call has
-    segment ids (they pick the forward's default tiles)."""
+    `unserved`: names of the call's features the Hopper kernel does not have."""
     if not on_hopper_gpu():
         return ("the Mosaic GPU kernel needs an sm90 (Hopper) GPU (on CPU, JAX's Mosaic GPU interpreter runs its "
                 "kernels only as a test path, with plain dots for wgmma: hopper_fwd.hopper_forward and "
@@ -57,7 +53,7 @@ def unsupported_reason(query, key, *, band: masks.Band, unserved=(), config: Ker
     head_dim = query.shape[-1]
     if head_dim > hopper_fwd.MAX_HEAD_DIM:
         return f"the Mosaic GPU kernel takes head_dim <= {hopper_fwd.MAX_HEAD_DIM}, got {head_dim}"
-    hopper_config = _hopper_config(config, head_dim, key.shape[1], band, has_segments)
+    hopper_config = _hopper_config(config, head_dim, key.shape[1], band)
     needed = hopper_config.smem_bytes(hopper_fwd.padded_head_dim(head_dim))
     if needed > H100_SHARED_MEMORY:
         return f"{hopper_config} needs {needed} bytes of shared memory at head_dim {head_dim}"
@@ -74,8 +70,7 @@ def _attention_fwd(q, k, v, q_ids, kv_ids, scale, band, config, deterministic):
     is_causal, window = _window(band)
     out, lse = hopper_fwd.hopper_forward(q, k, v, scale=scale, is_causal=is_causal, local_window_size=window,
                                          q_segment_ids=q_ids, kv_segment_ids=kv_ids,
-                                         config=_hopper_config(config, q.shape[-1], k.shape[1], band,
-                                                               has_segments=q_ids is not None))
+                                         config=_hopper_config(config, q.shape[-1], k.shape[1], band))
     return (out, lse), (q, k, v, q_ids, kv_ids, out, lse)
 
 

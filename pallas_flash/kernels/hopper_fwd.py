@@ -684,11 +684,10 @@ def _forward_padded(q, k, v, q_ids, kv_ids, *, scale: float, band: masks.Band, k
     )(*operands)
 
 
-def default_config(head_dim: int, kv_len: int, band: masks.Band, has_segments: bool) -> HopperConfig:
-    """`HopperConfig.default` for a call with this (padded) head_dim, key length, band and segment ids."""
-    is_causal = band.right == 0 and band.left is None
-    masked = has_segments or not (band.is_full or is_causal)
-    return HopperConfig.default(head_dim, kv_len, is_causal, masked)
+def default_config(head_dim: int, kv_len: int, band: masks.Band) -> HopperConfig:
+    """`HopperConfig.default` for a call with this (padded) head_dim, key length and band (a window counts
+    as not causal)."""
+    return HopperConfig.default(head_dim, kv_len, band.right == 0 and band.left is None)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "is_causal", "local_window_size", "config", "interpret"))
@@ -706,7 +705,7 @@ def hopper_forward(query, key, value, *, scale: float, is_causal: bool = False, 
     band = masks.Band.of(is_causal, local_window_size)
     q_len, kv_len, head_dim = query.shape[1], key.shape[1], query.shape[3]
     padded_dim = padded_head_dim(head_dim)
-    config = config or default_config(padded_dim, kv_len, band, has_segments=q_segment_ids is not None)
+    config = config or default_config(padded_dim, kv_len, band)
     q_pad = _round_up(q_len, NUM_CONSUMERS * config.block_q)
     kv_pad = _round_up(kv_len, config.block_kv)
     q = _pad_axis(_pad_axis(query, 1, q_pad), 3, padded_dim)
