@@ -16,9 +16,10 @@ padded rows, so that every recomputed P of such a row is exactly 0):
     S = Q K^T, dP = dO V^T, dS = P (dP - delta), dQ += dS K.
 
   * One pass (`HopperBwdConfig.dq_atomic`): the dK/dV kernel also computes each query block's dQ = dS K and
-    reduce-adds it into a float32 buffer by TMA, in an order that varies; with `dq_ordered` the adds into each
-    (batch, head, query block) wait on a global semaphore for the lower key tiles' (`dq_order_ranks`), so
-    dQ is bitwise deterministic, and the grid is launched key-tile-major.
+    reduce-adds it into a float32 buffer by TMA, in an order that varies; with `dq_ordered` a store warp of
+    the producer adds each (batch, head, query block)'s dQ only after the higher key tiles' (a global
+    semaphore per block, `dq_order_ranks`), so dQ is bitwise deterministic; key tiles launch in descending
+    order within groups of (batch, kv head) pairs (`ordered_launch`).
 
 Masks as in the forward (`hopper_fwd`): a causal or windowed band (top-left aligned: causal query i sees key
 j <= i) bounds the blocks each CTA visits (`tiles.q_block_range` for a dK/dV tile, `tiles.kv_block_range`
