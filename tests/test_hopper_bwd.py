@@ -475,10 +475,21 @@ def test_gradients_match_reference(shape, dtype, is_causal, dq_atomic):
         assert_close(ours, ref, dtype, table=GRADIENT, what=name)
 
 
+# The last shape's three (batch, kv head) pairs launch in groups of two (`pairs_per_group`: 2.75 MiB of dQ per
+# pair), so its second group has an inactive CTA per key tile (checked on CPU below).
+DQ_ORDERED_GPU_SHAPES = [(2, 1000, 1000, 4, 2, 64), (1, 777, 1531, 4, 1, 64), (2, 1000, 1000, 4, 2, 128),
+                         (1, 1531, 513, 4, 4, 128), (1, 2816, 2816, 12, 3, 64)]
+
+
+def test_dq_ordered_gpu_grid_has_a_partial_launch_group():
+    batch, q_len, _, heads, kv_heads, head_dim = DQ_ORDERED_GPU_SHAPES[-1]
+    group = hopper_bwd.pairs_per_group(batch * kv_heads, q_len * heads // kv_heads * head_dim * 4)
+    assert q_len % 128 == 0 and (batch * kv_heads) % group != 0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mask", ["full", "causal", "window", "segments"])
-@pytest.mark.parametrize("shape", [(2, 1000, 1000, 4, 2, 64), (1, 777, 1531, 4, 1, 64), (2, 1000, 1000, 4, 2, 128),
-                                   (1, 1531, 513, 4, 4, 128)])
+@pytest.mark.parametrize("shape", DQ_ORDERED_GPU_SHAPES)
 def test_dq_ordered_gradients_match_reference_and_repeat(shape, mask):
     """The deterministic one-pass backward (dq_atomic + dq_ordered) against the reference, and 5 calls on one
     input set give bitwise the same dq (and dk, dv)."""
