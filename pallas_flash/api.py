@@ -273,9 +273,9 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, segment_i
         (interpret mode without a GPU), "xla_chunked" or "xla" (dense reference).
       config: a `KernelConfig`; default `KernelConfig.default(head_dim)`.
       deterministic: True (default): gradients are bitwise the same from run to run. False lets the Hopper
-        backward sum dQ with float32 atomic adds where that is faster (head_dim <= 64 on the H100: fwd+bwd
-        4-11% faster at 8k-16k tokens), so dQ varies in its last bits between runs. The other
-        implementations are deterministic either way.
+        backward add dQ's float32 partial sums in whatever order they arrive where that is faster (head_dim
+        <= 64 on the H100: fwd+bwd 1-10% faster than the ordered adds), so dQ varies in its last bits
+        between runs. The other implementations are deterministic either way.
     Returns:
       out [batch, q_len, heads, head_dim] in query's dtype, and lse if `return_lse`. A query that sees no
       key gets zeros and lse = -inf.

@@ -46,7 +46,7 @@ def make_attention_fn(*, is_causal: bool = False, implementation: str | None = N
         with other masking (padding) by leaving this False and passing the combined mask.
       implementation, config: passed to `flash_attention`.
       deterministic_gradients: passed to `flash_attention` as `deterministic` (bitwise reproducible
-        gradients; False allows the faster one-pass Hopper backward where there is one). Named apart from
+        gradients; False lets the Hopper backward add dQ in a free order where that is faster). Named apart from
         Flax's own `deterministic`, the dropout switch.
     Returns:
       `attention_fn(query, key, value, bias=None, mask=None, ...)` with the signature of Flax's
