@@ -44,6 +44,11 @@ class Band:
     def is_full(self) -> bool:
         return self.left is None and self.right is None
 
+    @property
+    def is_causal(self) -> bool:
+        """Exactly causal: every key up to the query's position (a window is not)."""
+        return self.left is None and self.right == 0
+
 
 def visible(q_pos, k_pos, *, band: Band, kv_len: int | None = None, q_segment=None, kv_segment=None):
     """Boolean visibility of keys `k_pos` to queries `q_pos` (broadcasting integer arrays); segment ids

@@ -136,12 +136,6 @@ DQ_L2_BYTES = 8 << 20
 MAX_PAIRS_PER_GROUP = 32
 
 
-def default_config(head_dim: int, kv_len: int, band: masks.Band, deterministic: bool) -> HopperBwdConfig:
-    """`HopperBwdConfig.default` for a call with this (padded) head_dim, key length and band."""
-    is_causal = band.right == 0 and band.left is None
-    return HopperBwdConfig.default(head_dim, deterministic, kv_len=kv_len, is_causal=is_causal)
-
-
 def pairs_per_group(pairs: int, dq_bytes_per_pair: int) -> int:
     """(batch, kv head) pairs per launch group of the dq_ordered kernel (`ordered_launch`)."""
     return max(1, min(pairs, MAX_PAIRS_PER_GROUP, DQ_L2_BYTES // dq_bytes_per_pair))
@@ -754,6 +748,11 @@ def check_config(config: HopperBwdConfig, head_dim: int, itemsize: int = 2) -> N
         if needed > H100_SHARED_MEMORY:
             raise ValueError(f"{config} needs {needed} bytes of shared memory in the {name} kernel at head_dim "
                              f"{head_dim} (the limit is {H100_SHARED_MEMORY})")
+
+
+def default_config(head_dim: int, kv_len: int, band: masks.Band, deterministic: bool) -> HopperBwdConfig:
+    """`HopperBwdConfig.default` for a call with this (padded) head_dim, key length and band."""
+    return HopperBwdConfig.default(head_dim, deterministic, kv_len=kv_len, is_causal=band.is_causal)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "is_causal", "local_window_size", "config", "interpret"))

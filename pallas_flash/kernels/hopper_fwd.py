@@ -687,7 +687,7 @@ def _forward_padded(q, k, v, q_ids, kv_ids, *, scale: float, band: masks.Band, k
 def default_config(head_dim: int, kv_len: int, band: masks.Band) -> HopperConfig:
     """`HopperConfig.default` for a call with this (padded) head_dim, key length and band (a window counts
     as not causal)."""
-    return HopperConfig.default(head_dim, kv_len, band.right == 0 and band.left is None)
+    return HopperConfig.default(head_dim, kv_len, band.is_causal)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "is_causal", "local_window_size", "config", "interpret"))
