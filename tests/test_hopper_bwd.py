@@ -317,6 +317,34 @@ def test_dq_ordered_lowers_for_gpu(head_dim, is_causal, window, segments):
         assert (counters in text) == ordered
 
 
+def _largest_wgmma_group(jaxpr_text: str) -> int:
+    """The most wgmmas issued in one innermost `{ lambda ... }` block of a printed jaxpr: a wgmma group
+    (`pl.run_scoped` / `pl.run_state` bodies hold one group each)."""
+    largest, stack = 0, []
+    for line in jaxpr_text.splitlines():
+        stack.extend([0] * line.count("{ lambda"))
+        if stack:
+            stack[-1] += line.count("wgmma_ref")
+        for _ in range(min(line.count(" in ("), len(stack))):
+            largest = max(largest, stack.pop())
+    return largest
+
+
+@pytest.mark.parametrize("dq_atomic, dq_ordered", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_fused_wgmma_order_only_for_the_ordered_one_pass_on_a_full_band(dq_atomic, dq_ordered, is_causal):
+    """The dK/dV kernels issue dP^T with S^T and then dV, dK, dQ as one group (3 wgmmas) only in the ordered
+    one pass on a full band, where it measured faster; elsewhere S^T alone, then dV with dP^T, then dK (and
+    dQ): groups of at most 2 (`_dkdv_kernel`'s `fused`)."""
+    shape = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
+    lse = jax.ShapeDtypeStruct((1, 2, 256), jnp.float32)
+    config = dataclasses.replace(HopperBwdConfig.default(64), dq_atomic=dq_atomic, dq_ordered=dq_ordered)
+    text = str(jax.make_jaxpr(functools.partial(hopper_bwd.hopper_backward, scale=0.125, is_causal=is_causal,
+                                                config=config))(shape, shape, shape, shape, lse, shape, None))
+    assert "wgmma_ref" in text
+    assert _largest_wgmma_group(text) == (3 if dq_ordered and not is_causal else 2)
+
+
 @pytest.mark.parametrize("head_dim, deterministic, is_causal, kernels", [
     (64, True, False, 2), (64, True, True, 3), (64, False, True, 2), (128, True, False, 3), (128, False, True, 3)])
 def test_deterministic_picks_the_backward(head_dim, deterministic, is_causal, kernels):

@@ -225,21 +225,41 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
         plgpu.barrier_wait(v_ready.at[wg])
         c = scale * LOG2E  # exp(scale * s - lse) = exp2(c * s - lse2)
 
+        # The order of a step's wgmmas. Split: S^T; then dV with dP^T; then dK (and dQ): three groups, the
+        # elementwise work between them. Fused: S^T with dP^T (neither needs P^T); then dV, dK (and dQ): two
+        # groups, one wait fewer per step, at the price of dP^T's registers live through the softmax. On the
+        # H100 (fwd+bwd x cuDNN, head_dim 64; NOTES.md "Order of the wgmmas") fused put the ordered one pass
+        # 2-3% nearer cuDNN on a full band but 8% further under a causal band, the free-order one pass 4-6%
+        # further on a full band, and the two passes no nearer. So: fused for the ordered one pass on a full
+        # band only.
+        fused = dq_order is not None and band.is_full
+
         def step(q_block, carry, *, g, masked: bool):
             dk, dv = carry
             slot = lax.rem(g * q_steps + q_block - q_lo, num_stages)
             q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
             plgpu.barrier_wait(q_ready.at[slot])
             plgpu.barrier_wait(lse_ready.at[slot])
+            if fused:
+                plgpu.barrier_wait(do_ready.at[slot])
+                plgpu.barrier_wait(delta_ready.at[slot])
 
-            def s_t(acc_ref):
-                plgpu.wgmma(acc_ref, k_smem, plgpu.transpose_ref(q_tile, (1, 0)))
-                return acc_ref[...]
+            def s_t(s_ref):
+                plgpu.wgmma(s_ref, k_smem, plgpu.transpose_ref(q_tile, (1, 0)))
+                return s_ref[...]
 
+            def s_t_dp_t(s_ref, dp_ref):
+                plgpu.wgmma(s_ref, k_smem, plgpu.transpose_ref(q_tile, (1, 0)))
+                plgpu.wgmma(dp_ref, v_smem, plgpu.transpose_ref(do_tile, (1, 0)))
+                return s_ref[...], dp_ref[...]
+
+            tile = plgpu.ACC((block_kv, block_q), jnp.float32)
             if interpreting:
                 s = dot_t(k_smem[...], q_tile[...])
+            elif fused:
+                s, dp = pl.run_scoped(s_t_dp_t, tile, tile)
             else:
-                s = pl.run_scoped(s_t, plgpu.ACC((block_kv, block_q), jnp.float32))
+                s = pl.run_scoped(s_t, tile)
             lse2 = load_vector(lse_smem.at[slot], column)
             p = jnp.exp2(s * c - lax.broadcast_in_dim(lse2, s.shape, [1]))
             q_seg = None
@@ -253,21 +273,24 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
                                        kv_seg=kv_seg, shape=s.shape, q_axis=1)
                 if visible is not None:  # None: traced for a loop that runs no iterations
                     p = jnp.where(visible, p, 0.0)
-            plgpu.barrier_wait(do_ready.at[slot])
-            plgpu.barrier_wait(delta_ready.at[slot])
+            if not fused:
+                plgpu.barrier_wait(do_ready.at[slot])
+                plgpu.barrier_wait(delta_ready.at[slot])
 
-            def dv_dp(refs):  # one wgmma group: a single wait for both
-                dv_ref, dp_ref = refs
-                plgpu.wgmma(dv_ref, p.astype(dtype), do_tile)
-                plgpu.wgmma(dp_ref, v_smem, plgpu.transpose_ref(do_tile, (1, 0)))
+                def dv_dp_t(refs):  # one wgmma group: a single wait for both
+                    dv_ref, dp_ref = refs
+                    plgpu.wgmma(dv_ref, p.astype(dtype), do_tile)
+                    plgpu.wgmma(dp_ref, v_smem, plgpu.transpose_ref(do_tile, (1, 0)))
 
-            if interpreting:
-                dv = dv + jnp.dot(p.astype(dtype), do_tile[...], preferred_element_type=jnp.float32)
-                dp = dot_t(v_smem[...], do_tile[...])
-            else:
-                dv, dp = pl.run_state(dv_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros(s.shape))))
+                if interpreting:
+                    dv = dv + jnp.dot(p.astype(dtype), do_tile[...], preferred_element_type=jnp.float32)
+                    dp = dot_t(v_smem[...], do_tile[...])
+                else:
+                    dv, dp = pl.run_state(dv_dp_t)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros(s.shape))))
             delta = load_vector(delta_smem.at[slot], column)
             ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [1]))
+            if fused:  # the wgmma operands now: float32 P^T dies here
+                ds, p = ds.astype(dtype), p.astype(dtype)
             if dq_acc_ref is None:
                 def dk_update(dk_ref):
                     plgpu.wgmma(dk_ref, ds.astype(dtype), q_tile)
@@ -301,14 +324,22 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
             plgpu.barrier_arrive(ds_ready)
             ds_operand, k_operand, dq_rows, dq_cols = _dq_split(ds_t_smem, k_smem2, wg)
 
-            def dk_dq(refs):  # one wgmma group: dK's is issued before the wait for the other half of dS^T
-                dk_ref, dq_ref = refs
+            def dk_dq(dk_ref, dq_ref):  # dK's wgmma is issued before the wait for the other half of dS^T
                 plgpu.wgmma(dk_ref, ds, q_tile)
                 plgpu.barrier_wait(ds_ready)
                 plgpu.wgmma(dq_ref, plgpu.transpose_ref(ds_operand, (1, 0)), k_operand)
 
+            def dv_dk_dq(refs):
+                dv_ref, dk_ref, dq_ref = refs
+                plgpu.wgmma(dv_ref, p, do_tile)
+                dk_dq(dk_ref, dq_ref)
+
             dq_smem = dq_staging_smem.at[lax.rem(t, 2), wg]
-            dk, dq = pl.run_state(dk_dq)((plgpu.ACC.init(dk), plgpu.ACC.init(zeros(dq_smem.shape))))
+            dq = plgpu.ACC.init(zeros(dq_smem.shape))
+            if fused:  # one wgmma group
+                dv, dk, dq = pl.run_state(dv_dk_dq)((plgpu.ACC.init(dv), plgpu.ACC.init(dk), dq))
+            else:
+                dk, dq = pl.run_state(lambda refs: dk_dq(*refs))((plgpu.ACC.init(dk), dq))
             plgpu.barrier_arrive(ds_free)
             plgpu.barrier_arrive(free.at[slot])
             if dq_order is not None:  # the producer's store warp adds it, in order (`store_dq_in_order`)
