@@ -274,7 +274,7 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, segment_i
       config: a `KernelConfig`; default `KernelConfig.default(head_dim)`.
       deterministic: True (default): gradients are bitwise the same from run to run. False lets the Hopper
         backward add dQ's float32 partial sums in whatever order they arrive where that is faster (head_dim
-        <= 64 on the H100: fwd+bwd 1-10% faster than the ordered adds), so dQ varies in its last bits
+        <= 64 on the H100: fwd+bwd 2-10% faster than the ordered adds), so dQ varies in its last bits
         between runs. The other implementations are deterministic either way.
     Returns:
       out [batch, q_len, heads, head_dim] in query's dtype, and lse if `return_lse`. A query that sees no

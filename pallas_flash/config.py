@@ -128,9 +128,10 @@ class HopperBwdConfig:
         store warp of the producer, so the matmuls never wait on other CTAs), with key tiles launched in
         descending order in groups of (batch, kv head) pairs sized to keep their dQ in L2
         (`hopper_bwd.pairs_per_group`); dQ's float32 sums run in one fixed order. On the H100 at head_dim
-        64, fwd+bwd 0.99-1.01x cuDNN: 1-10% behind dq_atomic alone, 2-9% ahead of the two passes except at
-        causal 2k (pallas_flash/kernels/NOTES.md, "Deterministic one-pass on the H100"); the default for
-        deterministic gradients at head_dim 64. False leaves dq_atomic's order free.
+        64, fwd+bwd 1.02-1.04x cuDNN non-causal and 0.99-1.00x causal at 8k and 16k keys: 3-8% behind
+        dq_atomic alone, ahead of the two passes except at causal 2k (pallas_flash/kernels/NOTES.md,
+        "Deterministic one-pass on the H100", "Order of the wgmmas"); the default for deterministic gradients
+        at head_dim 64. False leaves dq_atomic's order free.
     """
 
     block_q_dkv: int = 64
@@ -181,8 +182,8 @@ class HopperBwdConfig:
         NOTES.md, "Hopper backward"): 2-stage rings beat 3 (3-5% at head_dim 128, 1-2% at 64); 128-query
         Q/dO blocks in the dK/dV kernel only where head_dim 64 leaves the registers for them.
         head_dim 64: the one pass (dq_atomic), with its dQ adds ordered (dq_ordered, bitwise deterministic)
-        unless deterministic=False; on the H100 fwd+bwd 1.06-1.10x cuDNN free-order and 0.99-1.01x ordered
-        at the six anchor points, against the two passes' 0.93-1.03x. Except deterministic causal rows up to
+        unless deterministic=False; on the H100 fwd+bwd 1.06-1.10x cuDNN free-order and 1.02-1.04x ordered
+        non-causal, 0.99-1.00x causal at 8k and 16k keys, against the two passes' 0.93-1.03x. Except deterministic causal rows up to
         2k keys (`kv_len`, `is_causal`: the call's): the two passes, 1.048x against the ordered one pass's
         1.002x at 2k (equal at 4k). head_dim 128: the two passes either way (0.91-1.10x cuDNN; the one pass
         measured 0.82-0.91x free-order and 0.79-0.85x ordered)."""
