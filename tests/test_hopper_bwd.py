@@ -187,9 +187,9 @@ def _simulate_dq_order(ranks, visited, *, heads_per_kv: int, kv_heads: int, resi
     each move is one random resident CTA's store warp's next action. A CTA's steps are (g, block) for each
     head of its group and each block it visits; at step i the store warp waits until step i's semaphore
     reaches its rank and adds, and its next move signals that semaphore (the add has landed: this needs
-    nothing from other CTAs); after its last signal it exits. Inactive CTAs (past the last pair) exit at
-    once. Returns the tiles in the order they added into each (batch, head, block) and the semaphores' final
-    values; raises on a deadlock."""
+    nothing from other CTAs); after its last signal it exits. Inactive CTAs (past the last pair) exit at once.
+    Step numbers decode by `hopper_bwd.step_block`, as in the kernel. Returns the tiles in the order they added
+    into each (batch, head, block) and the semaphores' final values; raises on a deadlock."""
     rng = np.random.default_rng(seed)
     batch, num_tiles, _ = ranks.shape
     grid, names = hopper_bwd.ordered_launch(batch, kv_heads, num_tiles, group=3)
@@ -202,8 +202,13 @@ def _simulate_dq_order(ranks, visited, *, heads_per_kv: int, kv_heads: int, resi
     monkeypatch.undo()
     assert sorted(cta for cta in pending if cta) == [(b, h, t) for b in range(batch) for h in range(kv_heads)
                                                      for t in range(num_tiles)]
-    steps = {cta: [(g, j) for g in range(heads_per_kv) for j in range(*visited[cta[0]][cta[2]])]
-             for cta in pending if cta}
+    def cta_steps(lo, hi):  # the kernel's own decode of step numbers (its loader's and store warp's order)
+        decode = functools.partial(hopper_bwd.step_block, q_lo=np.int32(lo), q_steps=np.int32(hi - lo))
+        return [tuple(int(x) for x in decode(np.int32(i))) for i in range(heads_per_kv * (hi - lo))]
+
+    steps = {cta: cta_steps(*visited[cta[0]][cta[2]]) for cta in pending if cta}
+    assert all(sorted(s) == [(g, j) for g in range(heads_per_kv) for j in range(*visited[cta[0]][cta[2]])]
+               for cta, s in steps.items())
     semaphores, order, running = {}, {}, {}  # running: slot -> [cta, next step, whether step - 1 is signalled]
 
     def counter(cta, step):

@@ -155,6 +155,13 @@ def ordered_cta(batch: int, kv_heads: int, num_tiles: int, group: int):
     return lax.div(pair, kv_heads), lax.rem(pair, kv_heads), kv_tile, pair < batch * kv_heads
 
 
+def step_block(step, *, q_lo, q_steps):
+    """(query head within the kv head's group, query block) of a dK/dV CTA's step: the CTA visits query blocks
+    [q_lo, q_lo + q_steps) of each query head of its group in turn (`q_steps` may be 0)."""
+    per_head = jnp.maximum(q_steps, 1)
+    return lax.div(step, per_head), q_lo + lax.rem(step, per_head)
+
+
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv_ids_ref, q_ranges_ref,
                  dq_acc_ref, dk_ref, dv_ref, scoped, *, scale: float, band: masks.Band, kv_len: int, group: int,
                  config: HopperBwdConfig, interpreting: bool, dq_order=None):
@@ -236,7 +243,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
 
         def step(q_block, carry, *, g, masked: bool):
             dk, dv = carry
-            slot = lax.rem(g * q_steps + q_block - q_lo, num_stages)
+            t = g * q_steps + q_block - q_lo  # this warpgroup's step number (`step_block` inverted)
+            slot = lax.rem(t, num_stages)
             q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
             plgpu.barrier_wait(q_ready.at[slot])
             plgpu.barrier_wait(lse_ready.at[slot])
@@ -312,7 +320,6 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
             # the other warpgroup's dQ wgmma.
             ds_ready, ds_free = ds_barriers
             ds_t_smem, dq_staging_smem = dq_staging
-            t = g * q_steps + q_block - q_lo
             ds = ds.astype(dtype)
 
             @pl.when(t > 0)
@@ -395,9 +402,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
         plgpu.set_max_registers(producer_registers, action="decrease")
 
         def load(step, slot, wait_free: bool):
-            per_head = jnp.maximum(q_steps, 1)
-            head = kv_head * group + lax.div(step, per_head)
-            queries = pl.ds((q_lo + lax.rem(step, per_head)) * block_q, block_q)
+            g, q_block = step_block(step, q_lo=q_lo, q_steps=q_steps)
+            head = kv_head * group + g
+            queries = pl.ds(q_block * block_q, block_q)
             if wait_free:
                 plgpu.barrier_wait(free.at[slot])
             rows = (batch, queries, head)
@@ -451,22 +458,15 @@ def store_dq_in_order(order: _DqOrder, staging, dq_acc_ref, *, batch, kv_head, k
     t+1 while this warp waits). Signalling step t-1 after issuing step t instead measured the same."""
     _, q_pad, heads, head_dim = dq_acc_ref.shape
     num_q_blocks = q_pad // block_q
-    per_head = jnp.maximum(q_steps, 1)
-
-    def block_of(t):  # (query head within the group, query block) of step t: `load`'s order
-        return lax.div(t, per_head), q_lo + lax.rem(t, per_head)
-
-    def semaphore(t):
-        g, q_block = block_of(t)
-        return order.semaphores.at[(batch * heads + kv_head * group + g) * num_q_blocks + q_block]
 
     @pl.loop(0, q_steps * group)
     def _store(t):
         slot = lax.rem(t, 2)
-        g, q_block = block_of(t)
+        g, q_block = step_block(t, q_lo=q_lo, q_steps=q_steps)
+        semaphore = order.semaphores.at[(batch * heads + kv_head * group + g) * num_q_blocks + q_block]
         rank = order.ranks[batch, kv_tile, q_block]
         plgpu.barrier_wait(order.staged.at[slot])
-        _compat.semaphore_wait_at_least(semaphore(t), rank)
+        _compat.semaphore_wait_at_least(semaphore, rank)
         for wg in range(NUM_CONSUMERS):
             rows, cols = _dq_share(head_dim, block_q, wg)
             q_rows = pl.ds(q_block * block_q + rows.start, rows.size)
@@ -475,7 +475,7 @@ def store_dq_in_order(order: _DqOrder, staging, dq_acc_ref, *, batch, kv_head, k
         plgpu.commit_smem_to_gmem_group()
         plgpu.wait_smem_to_gmem(0)
         plgpu.barrier_arrive(order.free.at[slot])
-        _compat.semaphore_signal_gpu(semaphore(t))
+        _compat.semaphore_signal_gpu(semaphore)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, dq_ref,
