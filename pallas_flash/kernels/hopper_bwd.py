@@ -422,10 +422,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
             return
 
         # Waiting on other CTAs must not hold up the loads or the matmuls: one warp loads, another adds dQ.
-        @pl.core_map(plgpu.WarpMesh(axis_name="warp"))
-        def _per_warp():
-            warp = lax.axis_index("warp")
-
+        @plgpu.warp_map
+        def _per_warp(warp):
             @pl.when(warp == 0)
             def _():
                 fill_ring(load, num_stages=num_stages, steps=total_steps)
