@@ -183,10 +183,10 @@ class HopperBwdConfig:
         Q/dO blocks in the dK/dV kernel only where head_dim 64 leaves the registers for them.
         head_dim 64: the one pass (dq_atomic), with its dQ adds ordered (dq_ordered, bitwise deterministic)
         unless deterministic=False; on the H100 fwd+bwd 1.06-1.10x cuDNN free-order and 1.02-1.04x ordered
-        non-causal, 0.99-1.00x causal at 8k and 16k keys, against the two passes' 0.93-1.03x. Except deterministic causal rows up to
-        2k keys (`kv_len`, `is_causal`: the call's): the two passes, 1.048x against the ordered one pass's
-        1.002x at 2k (equal at 4k). head_dim 128: the two passes either way (0.91-1.10x cuDNN; the one pass
-        measured 0.82-0.91x free-order and 0.79-0.85x ordered)."""
+        non-causal, 0.99-1.00x causal at 8k and 16k keys, against the two passes' 0.93-1.03x. Except
+        deterministic causal rows up to 2k keys (`kv_len`, `is_causal`: the call's): the two passes, 1.048x
+        against the ordered one pass's 1.002x at 2k (equal at 4k). head_dim 128: the two passes either way
+        (0.91-1.10x cuDNN; the one pass measured 0.82-0.91x free-order and 0.79-0.85x ordered)."""
         if head_dim <= 64:
             ordered_pays = not (is_causal and kv_len is not None and kv_len <= 2048)
             return cls(block_q_dkv=128, block_kv_dkv=64, num_stages_dkv=2, block_q_dq=64, block_kv_dq=128,
