@@ -8,6 +8,8 @@
       [--dq-ordered]                               # the one-pass backward with its dQ adds in a fixed
                                                    # order (dq_atomic + dq_ordered: bitwise deterministic)
       [--two-pass]                                 # the two-pass backward at every head_dim
+      [--bwd ";dq_overlap=1;dq_overlap=1,num_stages_dq=3"]  # HopperBwdConfig fields over the call's default,
+                                                   # each its own row ("": the default itself)
   python benchmarks/bar.py --smoke        # CPU: tiny shapes, "xla_chunked" against "xla", no timing claims
 
 The bar (issue 6 forward, issue 7 forward+backward): at least 1.0x cuDNN at head_dim 64 and 128, N = 2k, 8k and
@@ -72,6 +74,28 @@ def parse_hopper_configs(text: str | None) -> list[HopperConfig | None]:
     return configs
 
 
+def parse_bwd_overrides(text: str | None) -> list[dict | None]:
+    """`--bwd` as HopperBwdConfig field overrides: ";"-separated items of ","-separated field=int pairs (bools
+    as 0/1); an empty item is the default backward; None (no flag): [None], the default only."""
+    if text is None:
+        return [None]
+    fields = {f.name: f.type for f in dataclasses.fields(HopperBwdConfig)}
+    items = []
+    for item in text.split(";"):
+        overrides = {}
+        for pair in filter(None, item.split(",")):
+            name, _, value = pair.partition("=")
+            if name not in fields or not value.lstrip("-").isdigit():
+                raise ValueError(f"--bwd: want field=int with a HopperBwdConfig field, got {pair!r}")
+            overrides[name] = bool(int(value)) if name.startswith("dq_") else int(value)
+        items.append(overrides)
+    return items
+
+
+def describe_bwd(overrides: dict | None) -> str:
+    return "" if not overrides else " bwd:" + ",".join(f"{k}={int(v)}" for k, v in overrides.items())
+
+
 def describe(config: HopperConfig | None) -> str:
     if config is None:
         return "default"
@@ -103,6 +127,8 @@ def main(argv=None) -> None:
                         "semaphore-ordered dQ reduce-adds) at every head_dim")
     parser.add_argument("--two-pass", action="store_true",
                         help="force the two-pass Hopper backward (a separate dQ kernel) at every head_dim")
+    parser.add_argument("--bwd", help="backward variants, each its own row: ';'-separated items of ','-separated "
+                        "HopperBwdConfig field=int overrides of the call's default (an empty item: the default)")
     parser.add_argument("--bwd-registers", help="experiment: CONSUMER,PRODUCER setmaxnreg budgets of every Hopper "
                         "backward kernel (multiples of 8; 2 * CONSUMER + PRODUCER <= 512; defaults: two-pass "
                         "232,40, one-pass 240,24)")
@@ -115,6 +141,9 @@ def main(argv=None) -> None:
         hopper_bwd.CONSUMER_REGISTERS, hopper_bwd.PRODUCER_REGISTERS = consumer, producer
         hopper_bwd.ONE_PASS_REGISTERS = (consumer, producer)
     hopper_configs = parse_hopper_configs(args.hopper)
+    bwd_variants = parse_bwd_overrides(args.bwd)
+    if args.bwd is not None and (args.one_pass or args.dq_ordered or args.two_pass):
+        parser.error("--bwd excludes --one-pass, --dq-ordered and --two-pass (set dq_atomic/dq_ordered in it)")
     causals = [c == "true" for c in args.causal.lower().split(",")]
     if not set(args.causal.lower().split(",")) <= {"false", "true"}:
         parser.error(f"--causal takes false, true or false,true; got {args.causal!r}")
@@ -126,7 +155,7 @@ def main(argv=None) -> None:
     ours_name, theirs_name = ours_impl or "ours", theirs_impl
     print("jax", jax.__version__, jax.devices()[0].device_kind, flush=True)
     print("options:", " ".join(f"{k}={v}" for k, v in vars(args).items() if v not in (None, False)), flush=True)
-    print(f"| pass | D | N | causal | forward tiles | {ours_name} ms (TF/s) | {theirs_name} ms | {theirs_name} / "
+    print(f"| pass | D | N | causal | tiles | {ours_name} ms (TF/s) | {theirs_name} ms | {theirs_name} / "
           f"{ours_name} (95% interval) | verdict | max abs diff | bitwise repeatable ({ours_name}/{theirs_name}) |\n"
           "|---|---|---|---|---|---|---|---|---|---|---|",
           flush=True)
@@ -143,22 +172,28 @@ def main(argv=None) -> None:
                     point = Point("bar", max(1, tokens // seq), seq, seq, heads, heads, head_dim, causal, dtype)
                     inputs = [_random_inputs(point, DTYPES[dtype], seed) for seed in range(3)]  # q, k, v, ct
                     theirs, arg_sets = compile_pass(attend(theirs_impl, causal, True), pass_, inputs)
-                    for hopper in hopper_configs:
+                    for hopper, bwd in ((h, b) for h in hopper_configs for b in bwd_variants):
                         config = None
-                        if hopper is not None or args.one_pass or args.dq_ordered or args.two_pass:
-                            config = dataclasses.replace(
-                                pf.KernelConfig.default(head_dim), hopper=hopper,
-                                hopper_bwd=dataclasses.replace(HopperBwdConfig.default(head_dim),
-                                                               dq_atomic=not args.two_pass,
-                                                               dq_ordered=args.dq_ordered)
-                                if args.one_pass or args.dq_ordered or args.two_pass else None)
+                        hopper_bwd_config = None
+                        if args.one_pass or args.dq_ordered or args.two_pass:
+                            hopper_bwd_config = dataclasses.replace(HopperBwdConfig.default(head_dim),
+                                                                    dq_atomic=not args.two_pass,
+                                                                    dq_ordered=args.dq_ordered)
+                        elif bwd:
+                            hopper_bwd_config = dataclasses.replace(
+                                HopperBwdConfig.default(head_dim, not args.nondeterministic, kv_len=seq,
+                                                        is_causal=causal), **bwd)
+                        if hopper is not None or hopper_bwd_config is not None:
+                            config = dataclasses.replace(pf.KernelConfig.default(head_dim), hopper=hopper,
+                                                         hopper_bwd=hopper_bwd_config)
+                        tiles = describe(hopper) + describe_bwd(bwd)
                         try:
                             ours, _ = compile_pass(attend(ours_impl, causal, not args.nondeterministic, config),
                                                    pass_, inputs)
                         except Exception as error:  # a swept tile that does not compile (registers, memory)
-                            if hopper is None:
+                            if hopper is None and not bwd:
                                 raise
-                            print(f"| {pass_} | {head_dim} | {seq} | {causal} | {describe(hopper)} | failed: "
+                            print(f"| {pass_} | {head_dim} | {seq} | {causal} | {tiles} | failed: "
                                   f"{type(error).__name__}: {str(error).splitlines()[0][:160]} |", flush=True)
                             continue
                         difference = max_abs_difference(_unpack(pass_, ours(*arg_sets[0])),
@@ -168,7 +203,7 @@ def main(argv=None) -> None:
                             ours, theirs, arg_sets, reps=reps, min_sample_s=min_sample_s)
                         verdict = "ahead" if low > 1.0 else "behind" if high < 1.0 else "parity"
                         flops = FLOP_FACTOR[pass_] * fwd_flops(point)
-                        print(f"| {pass_} | {head_dim} | {seq} | {causal} | {describe(hopper)} | {ours_ms:.3f} "
+                        print(f"| {pass_} | {head_dim} | {seq} | {causal} | {tiles} | {ours_ms:.3f} "
                               f"({flops / ours_ms / 1e9:.0f}) | {theirs_ms:.3f} | {ratio:.3f} ({low:.3f}-{high:.3f})"
                               f" | {verdict} | {difference:.2e} | {'/'.join(map(_yes_no, repeats))} |", flush=True)
                         if args.out:
@@ -176,7 +211,8 @@ def main(argv=None) -> None:
                                 f.write(json.dumps({
                                     "pass": pass_, "ours": ours_name, "theirs": theirs_name, "head_dim": head_dim,
                                     "seq": seq, "batch": point.batch, "heads": heads, "causal": causal,
-                                    "forward_tiles": describe(hopper), "ours_ms": ours_ms, "theirs_ms": theirs_ms,
+                                    "forward_tiles": describe(hopper), "bwd_overrides": bwd or {},
+                                    "ours_ms": ours_ms, "theirs_ms": theirs_ms,
                                     "ratio": ratio, "interval": [low, high], "verdict": verdict, "calls": calls,
                                     "reps": reps, "max_abs_difference": difference,
                                     "bitwise_repeatable": dict(zip(("ours", "theirs"), repeats)),

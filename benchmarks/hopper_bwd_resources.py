@@ -6,7 +6,8 @@ process here).
 
     PYTHONPATH=. python benchmarks/hopper_bwd_resources.py --head-dim 128 --variant one-pass [--ptx]
 
-Variants: two-pass (dK/dV and dQ kernels), one-pass (dq_atomic), ordered (dq_atomic + dq_ordered).
+Variants: two-pass (dK/dV and dQ kernels), two-pass-overlap (its dQ kernel pipelined: dq_overlap), one-pass
+(dq_atomic), ordered (dq_atomic + dq_ordered).
 Needs an sm90 GPU."""
 import argparse
 import dataclasses
@@ -15,7 +16,12 @@ import re
 import subprocess
 import sys
 
-VARIANTS = {"two-pass": (False, False), "one-pass": (True, False), "ordered": (True, True)}
+VARIANTS = {  # HopperBwdConfig fields over the head_dim's default
+    "two-pass": dict(dq_atomic=False, dq_ordered=False),
+    "two-pass-overlap": dict(dq_atomic=False, dq_ordered=False, dq_overlap=True),
+    "one-pass": dict(dq_atomic=True, dq_ordered=False),
+    "ordered": dict(dq_atomic=True, dq_ordered=True),
+}
 
 
 def compile_once(head_dim: int, variant: str, is_causal: bool) -> None:
@@ -23,8 +29,7 @@ def compile_once(head_dim: int, variant: str, is_causal: bool) -> None:
     import jax.numpy as jnp
     from pallas_flash.config import HopperBwdConfig
     from pallas_flash.kernels import hopper_bwd
-    dq_atomic, dq_ordered = VARIANTS[variant]
-    config = dataclasses.replace(HopperBwdConfig.default(head_dim), dq_atomic=dq_atomic, dq_ordered=dq_ordered)
+    config = dataclasses.replace(HopperBwdConfig.default(head_dim), **VARIANTS[variant])
     x = jnp.zeros((1, 1024, 2, head_dim), jnp.bfloat16)
     lse = jnp.zeros((1, 2, 1024), jnp.float32)
     jax.block_until_ready(hopper_bwd.hopper_backward(x, x, x, x, lse, x, None, scale=head_dim ** -0.5,

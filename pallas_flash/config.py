@@ -98,6 +98,9 @@ class HopperConfig:
         return cls(block_q=64, block_kv=64, num_stages=2)
 
 
+_BWD_FLAGS = ("dq_atomic", "dq_ordered", "dq_overlap")  # HopperBwdConfig's bool fields
+
+
 @dataclasses.dataclass(frozen=True)
 class HopperBwdConfig:
     """Tiles of the Hopper backward kernels (two passes: dK/dV, then dQ).
@@ -132,6 +135,10 @@ class HopperBwdConfig:
         dq_atomic alone, ahead of the two passes except at causal 2k (pallas_flash/kernels/NOTES.md,
         "Deterministic one-pass on the H100", "Order of the wgmmas"); the default for deterministic gradients
         at head_dim 64. False leaves dq_atomic's order free.
+      dq_overlap: the two-pass dQ kernel's intra-warpgroup pipelining: step j issues S_j and dP_j, then
+        dQ += dS_{j-1} K_{j-1}, and computes dS_j while that last product runs (`hopper_bwd._dq_kernel`). Holds
+        dQ, S_j, dP_j and dS_{j-1} in registers at once, and each consumer two key blocks of the ring.
+        Not with dq_atomic (ValueError: that pass has no dQ kernel).
     """
 
     block_q_dkv: int = 64
@@ -142,16 +149,20 @@ class HopperBwdConfig:
     num_stages_dq: int = 2
     dq_atomic: bool = False
     dq_ordered: bool = False
+    dq_overlap: bool = False
 
     def __post_init__(self):
-        for name in ("dq_atomic", "dq_ordered"):
+        for name in _BWD_FLAGS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"HopperBwdConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.dq_ordered and not self.dq_atomic:
             raise ValueError("HopperBwdConfig.dq_ordered orders the one-pass backward's dQ reduce-adds: it needs "
                              "dq_atomic=True (the two-pass backward is deterministic already)")
+        if self.dq_overlap and self.dq_atomic:
+            raise ValueError("HopperBwdConfig.dq_overlap pipelines the two-pass backward's dQ kernel: it needs "
+                             "dq_atomic=False (the one pass has no dQ kernel)")
         for field in dataclasses.fields(self):
-            if field.name in ("dq_atomic", "dq_ordered"):
+            if field.name in _BWD_FLAGS:
                 continue
             value = getattr(self, field.name)
             if not isinstance(value, int) or isinstance(value, bool):

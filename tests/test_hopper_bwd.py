@@ -34,7 +34,8 @@ def _inputs(shape, dtype, seed=0):
 def test_config_validation():
     assert HopperBwdConfig() == HopperBwdConfig(64, 64, 2, 64, 64, 2)
     for bad in (dict(block_q_dkv=32), dict(block_kv_dq=100), dict(block_kv_dkv=320), dict(num_stages_dq=1),
-                dict(block_q_dq=64.0), dict(num_stages_dkv=True), dict(dq_atomic=1)):
+                dict(block_q_dq=64.0), dict(num_stages_dkv=True), dict(dq_atomic=1), dict(dq_overlap=1),
+                dict(dq_overlap=True, dq_atomic=True)):
         with pytest.raises(ValueError):
             HopperBwdConfig(**bad)
     with pytest.raises(TypeError):
@@ -72,17 +73,24 @@ def test_head_dim_256_is_refused():
         hopper_bwd.hopper_backward(x, x, x, x, jnp.zeros((1, 1, 64)), x, None, scale=1.0, is_causal=False)
 
 
-@pytest.mark.parametrize("dq_atomic", [False, True])
+BACKWARD_VARIANTS = {  # HopperBwdConfig fields over the default's, per backward variant under test
+    "two_pass": dict(dq_atomic=False, dq_ordered=False),
+    "two_pass_dq_overlap": dict(dq_atomic=False, dq_ordered=False, dq_overlap=True),
+    "one_pass": dict(dq_atomic=True, dq_ordered=False),
+}
+
+
+@pytest.mark.parametrize("variant", list(BACKWARD_VARIANTS))
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("shape,dtype", [((1, 300, 200, 4, 2, 64), jnp.bfloat16),
                                          ((1, 200, 333, 2, 1, 96), jnp.float16)])
-def test_lowers_for_gpu(shape, dtype, is_causal, dq_atomic):
+def test_lowers_for_gpu(shape, dtype, is_causal, variant):
     """Both kernels (or, with dq_atomic, the one-pass kernel and its TMA reduce-adds into a dQ buffer) go
     through Mosaic GPU's lowering (ragged lengths, GQA, padded head_dim)."""
     q, k, v, d_out, d_lse = (jax.ShapeDtypeStruct(x.shape, x.dtype) for x in _inputs(shape, dtype))
     lse = d_lse
-    config = dataclasses.replace(HopperBwdConfig.default(128 if shape[-1] > 64 else 64), dq_atomic=dq_atomic,
-                                 dq_ordered=False)
+    config = dataclasses.replace(HopperBwdConfig.default(128 if shape[-1] > 64 else 64), **BACKWARD_VARIANTS[variant])
+    dq_atomic = config.dq_atomic
 
     def backward(*args):
         return hopper_bwd.hopper_backward(*args, scale=0.125, is_causal=is_causal, config=config)
@@ -402,9 +410,9 @@ def test_fold_vmap_matches_per_example_calls(in_axes):
     np.testing.assert_allclose(nested[1].reshape(4, 2, 5), jnp.cumsum(a, axis=2), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("dq_atomic", [False, True])
+@pytest.mark.parametrize("variant", list(BACKWARD_VARIANTS))
 @pytest.mark.parametrize("window, segments", [((30, 5), False), ((40, None), True), (None, True)])
-def test_masked_kernels_lower_for_gpu(window, segments, dq_atomic):
+def test_masked_kernels_lower_for_gpu(window, segments, variant):
     """The forward and both backward kernels with a local window and/or segment ids (their ids streamed
     beside K or Q) go through Mosaic GPU's lowering, causal or not."""
     batch, q_len, kv_len = 2, 300, 200
@@ -413,7 +421,8 @@ def test_masked_kernels_lower_for_gpu(window, segments, dq_atomic):
     lse = jax.ShapeDtypeStruct((batch, 4, q_len), jnp.float32)
     ids = ((jax.ShapeDtypeStruct((batch, q_len), jnp.int32), jax.ShapeDtypeStruct((batch, kv_len), jnp.int32))
            if segments else (None, None))
-    config = dataclasses.replace(HopperBwdConfig.default(64), dq_atomic=dq_atomic, dq_ordered=False)
+    config = dataclasses.replace(HopperBwdConfig.default(64), **BACKWARD_VARIANTS[variant])
+    dq_atomic = config.dq_atomic
     for is_causal in (False, True):
         mask = dict(scale=0.125, is_causal=is_causal, local_window_size=window)
 
@@ -442,13 +451,15 @@ def _segment_ids(batch: int, length: int, starts):
     ((1, 200, 120, 1, 1, 64), False, (40, 10), False),  # both band edges; rows 160.. see no key (lse -inf)
     ((2, 130, 130, 1, 1, 64), True, None, True),    # segment ids: one example packed, one single sequence
 ], ids=["ragged_gqa", "causal", "window", "segments"])
-def test_backward_in_mosaic_gpu_interpreter(shape, is_causal, window, segments):
+@pytest.mark.parametrize("dq_overlap", [False, True])
+def test_backward_in_mosaic_gpu_interpreter(shape, is_causal, window, segments, dq_overlap):
     """The dK/dV and dQ kernels (barriers, TMA rings, band and segment block ranges, masks, padded rows and
     keys, the GQA head loop) in JAX's Mosaic GPU CPU interpreter with race detection, from the reference's
     residuals, against the reference's gradients. The interpreter cannot run wgmma on a transposed
     shared-memory ref or a register operand, so there the five matmuls are plain dots on the same tiles
     (`interpreting`); everything else is the kernels that run on the GPU. (The one-pass dq_atomic kernel
-    cannot run there: no mutable-array argument, no TMA reduce-add.)"""
+    cannot run there: no mutable-array argument, no TMA reduce-add.) dq_overlap: the dQ kernel's pipelined
+    steps, with its peeled first block, the last product after the loop and key blocks released a step later."""
     params = _compat.mosaic_gpu_interpret_params(detect_races=True)
     if params is None:
         pytest.skip("this JAX has no Mosaic GPU interpreter")
@@ -466,7 +477,7 @@ def test_backward_in_mosaic_gpu_interpreter(shape, is_causal, window, segments):
     with _compat.mosaic_gpu_race_states() as kernels:  # one state per kernel: dK/dV, then dQ
         grads = jax.block_until_ready(hopper_bwd.hopper_backward(
             q, k, v, out.astype(q.dtype), lse, d_out, d_lse, scale=scale, is_causal=is_causal,
-            local_window_size=window, config=HopperBwdConfig(), interpret=params, **ids))
+            local_window_size=window, config=HopperBwdConfig(dq_overlap=dq_overlap), interpret=params, **ids))
     assert [state.races_found for state in kernels] == [False, False]
     for name, ours, ref, x in zip(("dq", "dk", "dv"), grads, want, (q, k, v)):
         assert ours.shape == x.shape and ours.dtype == x.dtype
@@ -489,15 +500,15 @@ def test_dq_atomic_is_refused_in_the_interpreter():
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("shape", GPU_GRID)
-@pytest.mark.parametrize("dq_atomic", [False, True])
-def test_gradients_match_reference(shape, dtype, is_causal, dq_atomic):
+@pytest.mark.parametrize("variant", list(BACKWARD_VARIANTS))
+def test_gradients_match_reference(shape, dtype, is_causal, variant):
     if not hopper_fwd.on_hopper():
         pytest.skip("needs an sm90 GPU")
     q, k, v, d_out, d_lse = _inputs(shape, dtype, seed=1)
     scale = shape[-1] ** -0.5
     out, lse = hopper_fwd.hopper_forward(q, k, v, scale=scale, is_causal=is_causal)
-    config = dataclasses.replace(HopperBwdConfig.default(hopper_fwd.padded_head_dim(shape[-1])), dq_atomic=dq_atomic,
-                                 dq_ordered=False)
+    config = dataclasses.replace(HopperBwdConfig.default(hopper_fwd.padded_head_dim(shape[-1])),
+                                 **BACKWARD_VARIANTS[variant])
     grads = hopper_bwd.hopper_backward(q, k, v, out, lse, d_out, d_lse, scale=scale, is_causal=is_causal,
                                        config=config)
     _, vjp = jax.vjp(lambda *x: reference.attention_reference(*x, scale=scale, is_causal=is_causal),

@@ -518,26 +518,30 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv_i
         delta = load_vector(delta_smem2.at[wg], row)
         c = scale * LOG2E
 
-        def step(kv_step, dq, *, masked: bool):
-            slot = lax.rem(kv_step - kv_lo, num_stages)
-            plgpu.barrier_wait(k_ready.at[slot])
-            plgpu.barrier_wait(v_ready.at[slot])
+        def slot_of(kv_step):
+            return lax.rem(kv_step - kv_lo, num_stages)
 
-            def s_dp(s_ref, dp_ref):  # one wgmma group: a single wait for both
-                plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-                plgpu.wgmma(dp_ref, do_smem, plgpu.transpose_ref(v_smem.at[slot], (1, 0)))
+        def issue_s_dp(s_ref, dp_ref, slot):  # S = Q K^T and dP = dO V^T
+            plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+            plgpu.wgmma(dp_ref, do_smem, plgpu.transpose_ref(v_smem.at[slot], (1, 0)))
+
+        def s_and_dp(slot):  # S and dP waited for (one wait for both)
+            if interpreting:
+                return dot_t(q_smem[...], k_smem.at[slot][...]), dot_t(do_smem[...], v_smem.at[slot][...])
+
+            def products(s_ref, dp_ref):
+                issue_s_dp(s_ref, dp_ref, slot)
                 return s_ref[...], dp_ref[...]
 
-            if interpreting:
-                s, dp = dot_t(q_smem[...], k_smem.at[slot][...]), dot_t(do_smem[...], v_smem.at[slot][...])
-            else:
-                s, dp = pl.run_scoped(s_dp, plgpu.ACC((block_q, block_kv), jnp.float32),
-                                      plgpu.ACC((block_q, block_kv), jnp.float32))
-            plgpu.barrier_arrive(v_free.at[slot])
+            return pl.run_scoped(products, plgpu.ACC((block_q, block_kv), jnp.float32),
+                                 plgpu.ACC((block_q, block_kv), jnp.float32))
+
+        def d_scores(s, dp, kv_step, slot, *, masked: bool):
+            """dS = P (dP - delta) of block kv_step (float32), P recomputed from S and lse2."""
             p = jnp.exp2(s * c - lax.broadcast_in_dim(lse2, s.shape, [0]))
             kv_seg = None
-            if has_segments:  # the block's ids ride with K (released at the end of this step); every step
-                plgpu.barrier_wait(kv_ids_ready.at[slot])  # waits (one wait per phase), masked ones read them
+            if has_segments:  # the block's ids ride with K (released with it); every step waits (one wait
+                plgpu.barrier_wait(kv_ids_ready.at[slot])  # per phase), masked ones read them
                 if masked:
                     kv_seg = load_vector(kv_ids_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
             if masked:
@@ -546,17 +550,54 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv_i
                                        kv_seg=kv_seg, shape=s.shape, q_axis=0)
                 if visible is not None:  # None: traced for a loop that runs no iterations
                     p = jnp.where(visible, p, 0.0)
-            ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))
+            return p * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))
 
-            def dq_update(dq_ref):
-                plgpu.wgmma(dq_ref, ds.astype(dtype), k_smem.at[slot])
-
+        def add_ds_k(dq, ds, slot):  # dQ += dS K (dS in the input dtype), waited for
             if interpreting:
-                dq = dq + jnp.dot(ds.astype(dtype), k_smem.at[slot][...], preferred_element_type=jnp.float32)
-            else:
-                dq = pl.run_state(dq_update)(plgpu.ACC.init(dq))
+                return dq + jnp.dot(ds.astype(dtype), k_smem.at[slot][...], preferred_element_type=jnp.float32)
+            return pl.run_state(lambda dq_ref: plgpu.wgmma(dq_ref, ds.astype(dtype), k_smem.at[slot]))(
+                plgpu.ACC.init(dq))
+
+        def step(kv_step, dq, *, masked: bool):
+            slot = slot_of(kv_step)
+            plgpu.barrier_wait(k_ready.at[slot])
+            plgpu.barrier_wait(v_ready.at[slot])
+
+            s, dp = s_and_dp(slot)
+            plgpu.barrier_arrive(v_free.at[slot])
+            ds = d_scores(s, dp, kv_step, slot, masked=masked)
+            dq = add_ds_k(dq, ds, slot)
             plgpu.barrier_arrive(k_free.at[slot])
             return dq
+
+        def overlapped_step(kv_step, carry, *, masked: bool):
+            """`config.dq_overlap`: issues S_j and dP_j, then dQ += dS_{j-1} K_{j-1}, waits for S_j and dP_j
+            alone (wgmmas complete in order) and computes dS_j while that dQ product runs; K_{j-1} is
+            released once it is done, so the ring holds two key blocks per consumer at a time."""
+            dq, ds_prev = carry
+            slot, prev = slot_of(kv_step), slot_of(kv_step - 1)
+            plgpu.barrier_wait(k_ready.at[slot])
+            plgpu.barrier_wait(v_ready.at[slot])
+            if interpreting:  # the same steps, one product at a time
+                s, dp = s_and_dp(slot)
+                plgpu.barrier_arrive(v_free.at[slot])
+                ds = d_scores(s, dp, kv_step, slot, masked=masked)
+                dq = add_ds_k(dq, ds_prev, prev)
+            else:
+                def products(s_ref, dp_ref, dq_ref):
+                    dq_ref[...] = dq
+                    issue_s_dp(s_ref, dp_ref, slot)
+                    plgpu.wgmma(dq_ref, ds_prev, k_smem.at[prev])
+                    s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S_j, dP_j done; dQ may run on
+                    dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=None)
+                    plgpu.barrier_arrive(v_free.at[slot])
+                    ds = d_scores(s, dp, kv_step, slot, masked=masked)
+                    return dq_ref[...], ds
+
+                dq, ds = pl.run_scoped(products, plgpu.ACC((block_q, block_kv), jnp.float32),
+                                       plgpu.ACC((block_q, block_kv), jnp.float32), plgpu.ACC(dq.shape, jnp.float32))
+            plgpu.barrier_arrive(k_free.at[prev])
+            return dq, ds.astype(dtype)
 
         # Only the band's edges, the ragged last block and (with segment ids) blocks that are not wholly in
         # the tile's one segment pay for the mask.
@@ -566,8 +607,22 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv_i
         unmasked_lo, unmasked_hi = unmasked_blocks(band_range, (kv_lo, kv_hi), same)
         # Without a left band edge or segment ids, unmasked_lo == kv_lo: no leading edge.
         leading = band.left is not None or has_segments
-        dq = masked_edge_loops(step, zeros((block_q, q_smem.shape[-1])), kv_lo if leading else None, unmasked_lo,
-                               unmasked_hi, kv_hi)
+        dq = zeros((block_q, q_smem.shape[-1]))
+        if config.dq_overlap:  # block kv_lo (no dQ product before it) is peeled off and masked; kv_hi > kv_lo
+            first = slot_of(kv_lo)
+            plgpu.barrier_wait(k_ready.at[first])
+            plgpu.barrier_wait(v_ready.at[first])
+            s, dp = s_and_dp(first)
+            plgpu.barrier_arrive(v_free.at[first])
+            ds = d_scores(s, dp, kv_lo, first, masked=True).astype(dtype)
+            unmasked_lo, unmasked_hi = (jnp.maximum(edge, kv_lo + 1) for edge in (unmasked_lo, unmasked_hi))
+            dq, ds_last = masked_edge_loops(overlapped_step, (dq, ds), kv_lo + 1 if leading else None,
+                                            unmasked_lo, unmasked_hi, kv_hi)
+            last = slot_of(kv_hi - 1)
+            dq = add_ds_k(dq, ds_last, last)
+            plgpu.barrier_arrive(k_free.at[last])
+        else:
+            dq = masked_edge_loops(step, dq, kv_lo if leading else None, unmasked_lo, unmasked_hi, kv_hi)
         q_smem[...] = (dq * scale).astype(dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
