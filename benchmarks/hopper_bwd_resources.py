@@ -17,8 +17,8 @@ import subprocess
 import sys
 
 VARIANTS = {  # HopperBwdConfig fields over the head_dim's default
-    "two-pass": dict(dq_atomic=False, dq_ordered=False),
-    "two-pass-overlap": dict(dq_atomic=False, dq_ordered=False, dq_overlap=True),
+    "two-pass": dict(dq_atomic=False, dq_ordered=False, dq_overlap=False, num_stages_dq=2),
+    "two-pass-overlap": dict(dq_atomic=False, dq_ordered=False, dq_overlap=True, num_stages_dq=4),
     "one-pass": dict(dq_atomic=True, dq_ordered=False),
     "ordered": dict(dq_atomic=True, dq_ordered=True),
 }

@@ -124,7 +124,7 @@ class HopperBwdConfig:
         H100 fwd+bwd 1.06-1.09x cuDNN at head_dim 64 (the two passes: 0.93-1.03x), 0.82-0.91x at 128 (the
         two passes: 0.92-1.10x) (pallas_flash/kernels/NOTES.md); `HopperBwdConfig.default` takes it at
         head_dim 64 (with dq_ordered unless deterministic=False). False (the field's default) keeps the
-        deterministic separate dQ pass; the block_*_dq / num_stages_dq fields apply to it only.
+        deterministic separate dQ pass; the block_*_dq / num_stages_dq / dq_overlap fields apply to it only.
       dq_ordered: with dq_atomic only (ValueError otherwise): a bitwise deterministic one pass. The CTA of key
         tile t adds a query block's dQ only after every higher key tile that visits that block has added its
         own (one global int32 semaphore per (batch, query head, query block), waited on and signalled by a
@@ -137,8 +137,10 @@ class HopperBwdConfig:
         at head_dim 64. False leaves dq_atomic's order free.
       dq_overlap: the two-pass dQ kernel's intra-warpgroup pipelining: step j issues S_j and dP_j, then
         dQ += dS_{j-1} K_{j-1}, and computes dS_j while that last product runs (`hopper_bwd._dq_kernel`). Holds
-        dQ, S_j, dP_j and dS_{j-1} in registers at once, and each consumer two key blocks of the ring.
-        Not with dq_atomic (ValueError: that pass has no dQ kernel).
+        dQ, S_j, dP_j and dS_{j-1} in registers at once, and each consumer two key blocks of the ring, which
+        therefore wants num_stages_dq >= 3 (on the H100 at head_dim 128 fwd+bwd +1-4% over the plain
+        kernel with 4 stages, 2-13% worse with 2; NOTES.md "dQ kernel: intra-warpgroup overlap"). The
+        default at head_dim 128. Like the other *_dq fields it does nothing under dq_atomic.
     """
 
     block_q_dkv: int = 64
@@ -158,9 +160,6 @@ class HopperBwdConfig:
         if self.dq_ordered and not self.dq_atomic:
             raise ValueError("HopperBwdConfig.dq_ordered orders the one-pass backward's dQ reduce-adds: it needs "
                              "dq_atomic=True (the two-pass backward is deterministic already)")
-        if self.dq_overlap and self.dq_atomic:
-            raise ValueError("HopperBwdConfig.dq_overlap pipelines the two-pass backward's dQ kernel: it needs "
-                             "dq_atomic=False (the one pass has no dQ kernel)")
         for field in dataclasses.fields(self):
             if field.name in _BWD_FLAGS:
                 continue
@@ -197,7 +196,9 @@ class HopperBwdConfig:
         non-causal, 0.99-1.00x causal at 8k and 16k keys, against the two passes' 0.93-1.03x. Except
         deterministic causal rows up to 2k keys (`kv_len`, `is_causal`: the call's): the two passes, 1.048x
         against the ordered one pass's 1.002x at 2k (equal at 4k). head_dim 128: the two passes either way
-        (0.91-1.10x cuDNN; the one pass measured 0.82-0.91x free-order and 0.79-0.85x ordered)."""
+        (0.91-1.10x cuDNN; the one pass measured 0.82-0.91x free-order and 0.79-0.85x ordered), their dQ
+        kernel pipelined (dq_overlap) over a 4-stage K/V ring: 1.01-1.13x at 2k keys and causal, 0.93-0.94x
+        non-causal at 8k and 16k, against 0.92-1.11x without (session 9 of 2026-11-24)."""
         if head_dim <= 64:
             ordered_pays = not (is_causal and kv_len is not None and kv_len <= 2048)
             return cls(block_q_dkv=128, block_kv_dkv=64, num_stages_dkv=2, block_q_dq=64, block_kv_dq=128,
@@ -205,7 +206,7 @@ class HopperBwdConfig:
                        dq_ordered=deterministic and ordered_pays)
         if head_dim <= 128:
             return cls(block_q_dkv=64, block_kv_dkv=64, num_stages_dkv=2, block_q_dq=64, block_kv_dq=64,
-                       num_stages_dq=2)
+                       num_stages_dq=4, dq_overlap=True)
         # head_dim 256: K and V of 128 keys alone take 128 KiB of the dK/dV kernel's shared memory.
         raise ValueError(f"the Hopper backward takes head_dim <= 128, got {head_dim}")
 

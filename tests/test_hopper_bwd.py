@@ -34,8 +34,7 @@ def _inputs(shape, dtype, seed=0):
 def test_config_validation():
     assert HopperBwdConfig() == HopperBwdConfig(64, 64, 2, 64, 64, 2)
     for bad in (dict(block_q_dkv=32), dict(block_kv_dq=100), dict(block_kv_dkv=320), dict(num_stages_dq=1),
-                dict(block_q_dq=64.0), dict(num_stages_dkv=True), dict(dq_atomic=1), dict(dq_overlap=1),
-                dict(dq_overlap=True, dq_atomic=True)):
+                dict(block_q_dq=64.0), dict(num_stages_dkv=True), dict(dq_atomic=1), dict(dq_overlap=1)):
         with pytest.raises(ValueError):
             HopperBwdConfig(**bad)
     with pytest.raises(TypeError):
@@ -74,8 +73,8 @@ def test_head_dim_256_is_refused():
 
 
 BACKWARD_VARIANTS = {  # HopperBwdConfig fields over the default's, per backward variant under test
-    "two_pass": dict(dq_atomic=False, dq_ordered=False),
-    "two_pass_dq_overlap": dict(dq_atomic=False, dq_ordered=False, dq_overlap=True),
+    "two_pass": dict(dq_atomic=False, dq_ordered=False, dq_overlap=False, num_stages_dq=2),
+    "two_pass_dq_overlap": dict(dq_atomic=False, dq_ordered=False, dq_overlap=True, num_stages_dq=4),
     "one_pass": dict(dq_atomic=True, dq_ordered=False),
 }
 
@@ -122,7 +121,8 @@ def test_one_pass_lowers_for_gpu(head_dim, is_causal, dtype):
 def test_dq_ordered_config():
     """dq_ordered is a bool, only with dq_atomic (the two-pass backward is deterministic already). The
     defaults are deterministic unless asked not to be: head_dim 64 runs the one pass, ordered by default,
-    except deterministic causal rows up to 2k keys (the two passes); head_dim 128 the two passes either way."""
+    except deterministic causal rows up to 2k keys (the two passes); head_dim 128 the two passes either way,
+    their dQ kernel pipelined."""
     assert HopperBwdConfig(dq_atomic=True, dq_ordered=True).dq_ordered
     for bad in (dict(dq_ordered=True), dict(dq_ordered=1, dq_atomic=True), dict(dq_ordered=None)):
         with pytest.raises(ValueError, match="dq_ordered"):
@@ -130,7 +130,7 @@ def test_dq_ordered_config():
     for deterministic in (True, False):
         at_64, at_128 = HopperBwdConfig.default(64, deterministic), HopperBwdConfig.default(128, deterministic)
         assert at_64.dq_atomic and at_64.dq_ordered == deterministic
-        assert not at_128.dq_atomic and not at_128.dq_ordered
+        assert not at_128.dq_atomic and not at_128.dq_ordered and at_128.dq_overlap
         for kv_len, is_causal in ((2048, False), (2049, True), (None, True)):
             assert HopperBwdConfig.default(64, deterministic, kv_len, is_causal) == at_64
     short_causal = HopperBwdConfig.default(64, True, kv_len=2048, is_causal=True)
