@@ -4,17 +4,24 @@ Mosaic GPU kernel: registers, spill stores/loads, and (with --ptx) how many wgmm
 are set (names read from jaxlib's CUDA plugin; they go to the process's stdout from C++, hence the child
 process here).
 
-    PYTHONPATH=. python benchmarks/hopper_bwd_resources.py --head-dim 128 --variant one-pass [--ptx]
+    PYTHONPATH=. python benchmarks/hopper_bwd_resources.py --head-dim 128 --variant one-pass [--ptx] [--sass DIR]
 
 Variants: two-pass (dK/dV and dQ kernels), two-pass-overlap (its dQ kernel pipelined: dq_overlap), one-pass
 (dq_atomic), ordered (dq_atomic + dq_ordered).
+--sass DIR: the kernels' SASS, for what ptxas's counts do not say (which values spill, which waits and fences
+a step holds). Mosaic GPU's own MOSAIC_GPU_DUMP_SASS could not start nvdisasm on the device (2026-11-24), so the
+PTX it dumps to DIR is assembled here with the CUDA toolkit's ptxas (-arch=sm_90a -O3) and disassembled with
+cuobjdump (both from /usr/local/cuda/bin or PATH); per kernel (entry_N) DIR gets .ptx, .cubin and .sass, and a
+summary of its instruction counts is printed (its IR dumps are left out).
 Needs an sm90 GPU."""
 import argparse
 import dataclasses
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 
 VARIANTS = {  # HopperBwdConfig fields over the head_dim's default
     "two-pass": dict(dq_atomic=False, dq_ordered=False, dq_overlap=False, num_stages_dq=2),
@@ -42,12 +49,16 @@ def main() -> None:
     parser.add_argument("--variant", choices=sorted(VARIANTS), default="one-pass")
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--ptx", action="store_true", help="also count wgmma instructions in the PTX")
+    parser.add_argument("--sass", metavar="DIR", help="dump PTX to DIR, assemble and disassemble it to SASS there")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         compile_once(args.head_dim, args.variant, args.causal)
         return
     env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1", **({"MOSAIC_GPU_DUMP_PTX": "1"} if args.ptx else {}))
+    dump = tempfile.mkdtemp() if args.sass else None  # Mosaic GPU dumps every pass's IR there too (~40 MB)
+    if dump:
+        env.update(MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_TO=dump)
     out = subprocess.run([sys.executable, __file__, "--child", *sys.argv[1:]], env=env, capture_output=True,
                          text=True, check=True)
     text = out.stdout + out.stderr
@@ -57,6 +68,35 @@ def main() -> None:
             print(" ", line.strip())
     if args.ptx:
         print("  wgmma.mma_async instructions in the PTX:", text.count("wgmma.mma_async"))
+    if dump:
+        os.makedirs(args.sass, exist_ok=True)
+        for name in sorted(os.listdir(dump)):
+            if name.endswith((".ptx", ".ptxas")):
+                shutil.copy(os.path.join(dump, name), args.sass)
+        shutil.rmtree(dump)
+        summarize_sass(args.sass)
+
+
+# SASS opcodes worth counting per kernel: tensor-core instructions and their waits, spills, and the fences and
+# named barriers that shared-memory stores for a TMA or a wgmma operand bring (`plgpu.commit_smem`).
+SASS_OPCODES = ("HGMMA", "WARPGROUP.DEPBAR", "WARPGROUP.ARRIVE", "STL", "LDL", "MEMBAR", "BAR.SYNC",
+                "SYNCS.PHASECHK", "UBLKRED", "UTMAREDG", "UTMASTG", "UTMALDG")
+
+
+def summarize_sass(directory: str) -> None:
+    tools = [os.path.join("/usr/local/cuda/bin", name) for name in ("ptxas", "cuobjdump")]
+    ptxas, cuobjdump = (tool if os.path.exists(tool) else os.path.basename(tool) for tool in tools)
+    for ptx in sorted(f for f in os.listdir(directory) if f.endswith(".ptx")):
+        stem = os.path.join(directory, ptx[:-len(".ptx")])
+        subprocess.run([ptxas, "-arch=sm_90a", "-O3", f"{stem}.ptx", "-o", f"{stem}.cubin"], check=True)
+        sass = subprocess.run([cuobjdump, "-sass", f"{stem}.cubin"], check=True, capture_output=True,
+                              text=True).stdout
+        with open(f"{stem}.sass", "w") as f:
+            f.write(sass)
+        opcodes = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass, re.MULTILINE)
+        counts = {name: sum(op.startswith(name) for op in opcodes) for name in SASS_OPCODES}
+        print(f"  {os.path.basename(stem)}: {len(opcodes)} instructions;",
+              ", ".join(f"{name} {n}" for name, n in counts.items() if n))
 
 
 if __name__ == "__main__":
