@@ -87,7 +87,7 @@ def parse_bwd_overrides(text: str | None) -> list[dict | None]:
             name, _, value = pair.partition("=")
             if name not in fields or not value.lstrip("-").isdigit():
                 raise ValueError(f"--bwd: want field=int with a HopperBwdConfig field, got {pair!r}")
-            overrides[name] = bool(int(value)) if name.startswith("dq_") else int(value)
+            overrides[name] = bool(int(value)) if fields[name] in (bool, "bool") else int(value)
         items.append(overrides)
     return items
 
@@ -178,7 +178,8 @@ def main(argv=None) -> None:
                         if args.one_pass or args.dq_ordered or args.two_pass:
                             hopper_bwd_config = dataclasses.replace(HopperBwdConfig.default(head_dim),
                                                                     dq_atomic=not args.two_pass,
-                                                                    dq_ordered=args.dq_ordered)
+                                                                    dq_ordered=args.dq_ordered,
+                                                                    num_stages_dkv=2)
                         elif bwd:
                             hopper_bwd_config = dataclasses.replace(
                                 HopperBwdConfig.default(head_dim, not args.nondeterministic, kv_len=seq,

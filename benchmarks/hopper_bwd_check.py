@@ -83,7 +83,7 @@ def check(case, dtype, config=None):
         if DQ_ATOMIC:
             name += " dq_atomic"
             config = dataclasses.replace(config or HopperBwdConfig.default(hopper_fwd.padded_head_dim(D)),
-                                         dq_atomic=True, dq_ordered=False)
+                                         dq_atomic=True, dq_ordered=False, num_stages_dkv=2)
         grads = hopper_bwd.hopper_backward(q, k, v, out, lse, d_out, d_lse, scale=scale, is_causal=causal,
                                            config=config)
         grads = jax.block_until_ready(grads)
@@ -128,7 +128,8 @@ def fwd_bwd(kind, causal, head_dim):
             config = dataclasses.replace(config, hopper_bwd=HopperBwdConfig.default(head_dim))
         if kind == "hopper_atomic":
             config = dataclasses.replace(config, hopper_bwd=dataclasses.replace(HopperBwdConfig.default(head_dim),
-                                                                                dq_atomic=True, dq_ordered=False))
+                                                                                dq_atomic=True, dq_ordered=False,
+                                                                                num_stages_dkv=2))
 
         def attend(q, k, v):
             return pf.flash_attention(q, k, v, is_causal=causal, implementation="mosaic", config=config)

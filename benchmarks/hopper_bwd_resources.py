@@ -6,7 +6,8 @@ process here).
 
     PYTHONPATH=. python benchmarks/hopper_bwd_resources.py --head-dim 128 --variant one-pass [--ptx] [--sass DIR]
 
-Variants: two-pass (dK/dV and dQ kernels), two-pass-overlap (its dQ kernel pipelined: dq_overlap), one-pass
+Variants: two-pass (dK/dV and dQ kernels), two-pass-overlap (its dQ kernel pipelined: dq_overlap),
+two-pass-both-overlap (both kernels pipelined: dq_overlap, dkv_overlap), one-pass
 (dq_atomic), ordered (dq_atomic + dq_ordered).
 --sass DIR: the kernels' SASS, for what ptxas's counts do not say (which values spill, which waits and fences
 a step holds). Mosaic GPU's own MOSAIC_GPU_DUMP_SASS could not start nvdisasm on the device (2026-11-24), so the
@@ -24,10 +25,14 @@ import sys
 import tempfile
 
 VARIANTS = {  # HopperBwdConfig fields over the head_dim's default
-    "two-pass": dict(dq_atomic=False, dq_ordered=False, dq_overlap=False, num_stages_dq=2),
-    "two-pass-overlap": dict(dq_atomic=False, dq_ordered=False, dq_overlap=True, num_stages_dq=4),
-    "one-pass": dict(dq_atomic=True, dq_ordered=False),
-    "ordered": dict(dq_atomic=True, dq_ordered=True),
+    "two-pass": dict(dq_atomic=False, dq_ordered=False, dq_overlap=False, num_stages_dq=2, dkv_overlap=False,
+                     num_stages_dkv=2),
+    "two-pass-overlap": dict(dq_atomic=False, dq_ordered=False, dq_overlap=True, num_stages_dq=4, dkv_overlap=False,
+                             num_stages_dkv=2),
+    "two-pass-both-overlap": dict(dq_atomic=False, dq_ordered=False, dq_overlap=True, num_stages_dq=4,
+                                  dkv_overlap=True, num_stages_dkv=4),
+    "one-pass": dict(dq_atomic=True, dq_ordered=False, num_stages_dkv=2),
+    "ordered": dict(dq_atomic=True, dq_ordered=True, num_stages_dkv=2),
 }
 
 

@@ -98,7 +98,7 @@ class HopperConfig:
         return cls(block_q=64, block_kv=64, num_stages=2)
 
 
-_BWD_FLAGS = ("dq_atomic", "dq_ordered", "dq_overlap")  # HopperBwdConfig's bool fields
+_BWD_FLAGS = ("dq_atomic", "dq_ordered", "dq_overlap", "dkv_overlap")  # HopperBwdConfig's bool fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +141,10 @@ class HopperBwdConfig:
         therefore wants num_stages_dq >= 3 (on the H100 at head_dim 128 fwd+bwd +1-4% over the plain
         kernel with 4 stages, 2-13% worse with 2; NOTES.md "dQ kernel: intra-warpgroup overlap"). The
         default at head_dim 128. Like the other *_dq fields it does nothing under dq_atomic.
+      dkv_overlap: the same pipelining in the two-pass dK/dV kernel: step t issues S^T_t, then
+        dK += dS^T_{t-1} Q_{t-1}, and computes P^T_t while that product runs (`hopper_bwd._dkdv_kernel`). Each
+        consumer holds two Q/dO blocks of the ring (so num_stages_dkv >= 3) and dS^T_{t-1} on top of dK, dV,
+        P^T and dP^T. Does nothing under dq_atomic (the one pass has its own step).
     """
 
     block_q_dkv: int = 64
@@ -152,6 +156,7 @@ class HopperBwdConfig:
     dq_atomic: bool = False
     dq_ordered: bool = False
     dq_overlap: bool = False
+    dkv_overlap: bool = False
 
     def __post_init__(self):
         for name in _BWD_FLAGS:
@@ -198,15 +203,18 @@ class HopperBwdConfig:
         against the ordered one pass's 1.002x at 2k (equal at 4k). head_dim 128: the two passes either way
         (0.91-1.10x cuDNN; the one pass measured 0.82-0.91x free-order and 0.79-0.85x ordered), their dQ
         kernel pipelined (dq_overlap) over a 4-stage K/V ring: 1.01-1.13x at 2k keys and causal, 0.93-0.94x
-        non-causal at 8k and 16k, against 0.92-1.11x without (session 9 of 2026-11-24)."""
+        non-causal at 8k and 16k, against 0.92-1.11x without; without a causal band also their dK/dV kernel
+        (dkv_overlap, 4-stage Q/dO ring): 1.05 / 0.98 / 0.97x at 2k / 8k / 16k against 1.02 / 0.93 / 0.94x,
+        while under a causal band it spills and lost 2-8% (session 9 of 2026-11-24). Windows and segment ids
+        count as not causal here (their masked steps with dkv_overlap are unmeasured)."""
         if head_dim <= 64:
             ordered_pays = not (is_causal and kv_len is not None and kv_len <= 2048)
             return cls(block_q_dkv=128, block_kv_dkv=64, num_stages_dkv=2, block_q_dq=64, block_kv_dq=128,
                        num_stages_dq=2, dq_atomic=not deterministic or ordered_pays,
                        dq_ordered=deterministic and ordered_pays)
         if head_dim <= 128:
-            return cls(block_q_dkv=64, block_kv_dkv=64, num_stages_dkv=2, block_q_dq=64, block_kv_dq=64,
-                       num_stages_dq=4, dq_overlap=True)
+            return cls(block_q_dkv=64, block_kv_dkv=64, num_stages_dkv=2 if is_causal else 4, block_q_dq=64,
+                       block_kv_dq=64, num_stages_dq=4, dq_overlap=True, dkv_overlap=not is_causal)
         # head_dim 256: K and V of 128 keys alone take 128 KiB of the dK/dV kernel's shared memory.
         raise ValueError(f"the Hopper backward takes head_dim <= 128, got {head_dim}")
 

@@ -80,8 +80,10 @@ def test_bar_bwd_overrides_parse_and_bad_ones_are_named():
     """`--bwd`: ";"-separated HopperBwdConfig overrides (an empty item is the default), flags as 0/1, printed
     back in the tiles column; an unknown field or a non-integer value is a named ValueError."""
     from benchmarks import bar
-    items = bar.parse_bwd_overrides(";dq_overlap=1;dq_overlap=1,num_stages_dq=3;dq_atomic=0")
-    assert items == [{}, {"dq_overlap": True}, {"dq_overlap": True, "num_stages_dq": 3}, {"dq_atomic": False}]
+    items = bar.parse_bwd_overrides(";dq_overlap=1;dq_overlap=1,num_stages_dq=3;dq_atomic=0;dkv_overlap=1")
+    assert items == [{}, {"dq_overlap": True}, {"dq_overlap": True, "num_stages_dq": 3}, {"dq_atomic": False},
+                     {"dkv_overlap": True}]
+    assert all(type(v) is bool for item in items for k, v in item.items() if not k.startswith("num_"))
     assert [bar.describe_bwd(x) for x in items[:3]] == ["", " bwd:dq_overlap=1", " bwd:dq_overlap=1,num_stages_dq=3"]
     assert bar.parse_bwd_overrides(None) == [None]
     for bad in ("dq_overlaps=1", "num_stages_dq=x", "num_stages_dq"):

@@ -50,7 +50,9 @@ def test_default_tiles_fit_shared_memory(head_dim):
     hopper_bwd.check_config(config, head_dim)
     with pytest.raises(ValueError, match="shared memory"):
         hopper_bwd.check_config(dataclasses.replace(config, num_stages_dkv=8), head_dim)
-    one_pass = dataclasses.replace(config, dq_atomic=True)  # its dS^T tile and dQ staging slots fit beside
+    # The one pass's dS^T tile and dQ staging slots fit beside the default tiles, with a 2-stage ring (the
+    # two-pass dkv_overlap default at head_dim 128 takes 4).
+    one_pass = dataclasses.replace(config, dq_atomic=True, num_stages_dkv=2)
     hopper_bwd.check_config(one_pass, head_dim)
     with pytest.raises(ValueError, match="shared memory"):
         hopper_bwd.check_config(dataclasses.replace(one_pass, num_stages_dkv=3), head_dim)
@@ -73,9 +75,12 @@ def test_head_dim_256_is_refused():
 
 
 BACKWARD_VARIANTS = {  # HopperBwdConfig fields over the default's, per backward variant under test
-    "two_pass": dict(dq_atomic=False, dq_ordered=False, dq_overlap=False, num_stages_dq=2),
-    "two_pass_dq_overlap": dict(dq_atomic=False, dq_ordered=False, dq_overlap=True, num_stages_dq=4),
-    "one_pass": dict(dq_atomic=True, dq_ordered=False),
+    "two_pass": dict(dq_atomic=False, dq_ordered=False, dq_overlap=False, num_stages_dq=2, dkv_overlap=False,
+                     num_stages_dkv=2),
+    "two_pass_dq_overlap": dict(dq_atomic=False, dq_ordered=False, dq_overlap=True, num_stages_dq=4,
+                                dkv_overlap=False, num_stages_dkv=2),
+    "two_pass_dkv_overlap": dict(dq_atomic=False, dq_ordered=False, dkv_overlap=True, num_stages_dkv=4),
+    "one_pass": dict(dq_atomic=True, dq_ordered=False, num_stages_dkv=2),
 }
 
 
@@ -108,7 +113,7 @@ def test_one_pass_lowers_for_gpu(head_dim, is_causal, dtype):
     q = jax.ShapeDtypeStruct((1, 200, 4, head_dim), dtype)
     k = jax.ShapeDtypeStruct((1, 333, 2, head_dim), dtype)
     lse = jax.ShapeDtypeStruct((1, 4, 200), jnp.float32)
-    config = dataclasses.replace(HopperBwdConfig.default(head_dim), dq_atomic=True, dq_ordered=False)
+    config = dataclasses.replace(HopperBwdConfig.default(head_dim), dq_atomic=True, dq_ordered=False, num_stages_dkv=2)
 
     def backward(*args):
         return hopper_bwd.hopper_backward(*args, scale=0.125, is_causal=is_causal, config=config)
@@ -122,7 +127,7 @@ def test_dq_ordered_config():
     """dq_ordered is a bool, only with dq_atomic (the two-pass backward is deterministic already). The
     defaults are deterministic unless asked not to be: head_dim 64 runs the one pass, ordered by default,
     except deterministic causal rows up to 2k keys (the two passes); head_dim 128 the two passes either way,
-    their dQ kernel pipelined."""
+    their dQ kernel pipelined, and their dK/dV kernel too unless causal."""
     assert HopperBwdConfig(dq_atomic=True, dq_ordered=True).dq_ordered
     for bad in (dict(dq_ordered=True), dict(dq_ordered=1, dq_atomic=True), dict(dq_ordered=None)):
         with pytest.raises(ValueError, match="dq_ordered"):
@@ -130,7 +135,9 @@ def test_dq_ordered_config():
     for deterministic in (True, False):
         at_64, at_128 = HopperBwdConfig.default(64, deterministic), HopperBwdConfig.default(128, deterministic)
         assert at_64.dq_atomic and at_64.dq_ordered == deterministic
-        assert not at_128.dq_atomic and not at_128.dq_ordered and at_128.dq_overlap
+        assert not at_128.dq_atomic and not at_128.dq_ordered and at_128.dq_overlap and at_128.dkv_overlap
+        causal_128 = HopperBwdConfig.default(128, deterministic, is_causal=True)
+        assert not causal_128.dkv_overlap and causal_128.num_stages_dkv == 2 and causal_128.dq_overlap
         for kv_len, is_causal in ((2048, False), (2049, True), (None, True)):
             assert HopperBwdConfig.default(64, deterministic, kv_len, is_causal) == at_64
     short_causal = HopperBwdConfig.default(64, True, kv_len=2048, is_causal=True)
@@ -308,7 +315,7 @@ def test_dq_ordered_lowers_for_gpu(head_dim, is_causal, window, segments):
     lse = jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)
     ids = ((jax.ShapeDtypeStruct((batch, q_len), jnp.int32), jax.ShapeDtypeStruct((batch, kv_len), jnp.int32))
            if segments else (None, None))
-    one_pass = dataclasses.replace(HopperBwdConfig.default(head_dim), dq_atomic=True)
+    one_pass = dataclasses.replace(HopperBwdConfig.default(head_dim), dq_atomic=True, num_stages_dkv=2)
     texts = {}
     for ordered in (False, True):
         config = dataclasses.replace(one_pass, dq_ordered=ordered)
@@ -451,15 +458,18 @@ def _segment_ids(batch: int, length: int, starts):
     ((1, 200, 120, 1, 1, 64), False, (40, 10), False),  # both band edges; rows 160.. see no key (lse -inf)
     ((2, 130, 130, 1, 1, 64), True, None, True),    # segment ids: one example packed, one single sequence
 ], ids=["ragged_gqa", "causal", "window", "segments"])
-@pytest.mark.parametrize("dq_overlap", [False, True])
-def test_backward_in_mosaic_gpu_interpreter(shape, is_causal, window, segments, dq_overlap):
+@pytest.mark.parametrize("pipelining", [{}, dict(dq_overlap=True), dict(dkv_overlap=True, num_stages_dkv=3)],
+                         ids=["plain", "dq_overlap", "dkv_overlap"])
+def test_backward_in_mosaic_gpu_interpreter(shape, is_causal, window, segments, pipelining):
     """The dK/dV and dQ kernels (barriers, TMA rings, band and segment block ranges, masks, padded rows and
     keys, the GQA head loop) in JAX's Mosaic GPU CPU interpreter with race detection, from the reference's
     residuals, against the reference's gradients. The interpreter cannot run wgmma on a transposed
     shared-memory ref or a register operand, so there the five matmuls are plain dots on the same tiles
     (`interpreting`); everything else is the kernels that run on the GPU. (The one-pass dq_atomic kernel
     cannot run there: no mutable-array argument, no TMA reduce-add.) dq_overlap: the dQ kernel's pipelined
-    steps, with its peeled first block, the last product after the loop and key blocks released a step later."""
+    steps, with its peeled first block, the last product after the loop and key blocks released a step later;
+    dkv_overlap: the dK/dV kernel's, with its zero first product, the last one after the loop (or none, for
+    the causal case's tile that no query sees) and query blocks released a step later."""
     params = _compat.mosaic_gpu_interpret_params(detect_races=True)
     if params is None:
         pytest.skip("this JAX has no Mosaic GPU interpreter")
@@ -477,7 +487,7 @@ def test_backward_in_mosaic_gpu_interpreter(shape, is_causal, window, segments, 
     with _compat.mosaic_gpu_race_states() as kernels:  # one state per kernel: dK/dV, then dQ
         grads = jax.block_until_ready(hopper_bwd.hopper_backward(
             q, k, v, out.astype(q.dtype), lse, d_out, d_lse, scale=scale, is_causal=is_causal,
-            local_window_size=window, config=HopperBwdConfig(dq_overlap=dq_overlap), interpret=params, **ids))
+            local_window_size=window, config=HopperBwdConfig(**pipelining), interpret=params, **ids))
     assert [state.races_found for state in kernels] == [False, False]
     for name, ours, ref, x in zip(("dq", "dk", "dv"), grads, want, (q, k, v)):
         assert ours.shape == x.shape and ours.dtype == x.dtype
@@ -550,7 +560,7 @@ def test_dq_ordered_gradients_match_reference_and_repeat(shape, mask):
     band = dict(is_causal=is_causal, local_window_size=window)
     out, lse = hopper_fwd.hopper_forward(q, k, v, scale=scale, **band, **ids)
     config = dataclasses.replace(HopperBwdConfig.default(hopper_fwd.padded_head_dim(shape[-1])), dq_atomic=True,
-                                 dq_ordered=True)
+                                 dq_ordered=True, num_stages_dkv=2)
     call = functools.partial(hopper_bwd.hopper_backward, q, k, v, out, lse, d_out, d_lse, scale=scale,
                              config=config, **band, **ids)
     grads = jax.block_until_ready(call())

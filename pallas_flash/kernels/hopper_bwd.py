@@ -241,6 +241,23 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
         # band only.
         fused = dq_order is not None and band.is_full
 
+        def probabilities(s, q_block, slot, *, masked: bool):
+            """P^T = exp2(c S^T - lse2) of the step's query block (float32), masked if `masked`."""
+            lse2 = load_vector(lse_smem.at[slot], column)
+            p = jnp.exp2(s * c - lax.broadcast_in_dim(lse2, s.shape, [1]))
+            q_seg = None
+            if has_segments:  # every step waits (one wait per phase); masked ones read the ids
+                plgpu.barrier_wait(q_ids_ready.at[slot])
+                if masked:
+                    q_seg = load_vector(q_ids_smem.at[slot], column)
+            if masked:
+                visible = tile_visible(q_block * block_q + iota(s.shape, 1), kv_start + iota(s.shape, 0),
+                                       band=band, kv_len=kv_len if mask_padded_keys else None, q_seg=q_seg,
+                                       kv_seg=kv_seg, shape=s.shape, q_axis=1)
+                if visible is not None:  # None: traced for a loop that runs no iterations
+                    p = jnp.where(visible, p, 0.0)
+            return p
+
         def step(q_block, carry, *, g, masked: bool):
             dk, dv = carry
             t = g * q_steps + q_block - q_lo  # this warpgroup's step number (`step_block` inverted)
@@ -268,19 +285,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
                 s, dp = pl.run_scoped(s_t_dp_t, tile, tile)
             else:
                 s = pl.run_scoped(s_t, tile)
-            lse2 = load_vector(lse_smem.at[slot], column)
-            p = jnp.exp2(s * c - lax.broadcast_in_dim(lse2, s.shape, [1]))
-            q_seg = None
-            if has_segments:  # every step waits (one wait per phase); masked ones read the ids
-                plgpu.barrier_wait(q_ids_ready.at[slot])
-                if masked:
-                    q_seg = load_vector(q_ids_smem.at[slot], column)
-            if masked:
-                visible = tile_visible(q_block * block_q + iota(s.shape, 1), kv_start + iota(s.shape, 0),
-                                       band=band, kv_len=kv_len if mask_padded_keys else None, q_seg=q_seg,
-                                       kv_seg=kv_seg, shape=s.shape, q_axis=1)
-                if visible is not None:  # None: traced for a loop that runs no iterations
-                    p = jnp.where(visible, p, 0.0)
+            p = probabilities(s, q_block, slot, masked=masked)
             if not fused:
                 plgpu.barrier_wait(do_ready.at[slot])
                 plgpu.barrier_wait(delta_ready.at[slot])
@@ -368,6 +373,56 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
                                     reduction_op="add")
             return dk, dv
 
+        def overlapped_step(q_block, carry, *, g, masked: bool):
+            """`config.dkv_overlap` (two passes): issues S^T_t, then dK += dS^T_{t-1} Q_{t-1}, waits for S^T_t
+            alone (wgmma groups complete in order) and computes P^T_t while that dK product runs; then dV with
+            dP^T_t as in `step`. Q_{t-1}'s slot is released once its dK product is done, so the consumer holds
+            two slots of the ring. Step 0 has no previous step: its dK product adds zeros (the initial dS^T)
+            times its own Q block, which is exact, and it releases nothing."""
+            dk, dv, ds_prev = carry
+            t = g * q_steps + q_block - q_lo
+            slot = lax.rem(t, num_stages)
+            prev = jnp.where(t > 0, lax.rem(t + num_stages - 1, num_stages), slot)
+            q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
+            plgpu.barrier_wait(q_ready.at[slot])
+            plgpu.barrier_wait(lse_ready.at[slot])
+
+            def wait_do():
+                plgpu.barrier_wait(do_ready.at[slot])
+                plgpu.barrier_wait(delta_ready.at[slot])
+
+            if interpreting:  # the same steps, one product at a time
+                s = dot_t(k_smem[...], q_tile[...])
+                dk = dk + jnp.dot(ds_prev, q_smem.at[prev][...], preferred_element_type=jnp.float32)
+                p = probabilities(s, q_block, slot, masked=masked)
+                wait_do()
+                dv = dv + jnp.dot(p.astype(dtype), do_tile[...], preferred_element_type=jnp.float32)
+                dp = dot_t(v_smem[...], do_tile[...])
+            else:
+                def products(s_ref, dk_ref, dv_ref, dp_ref):
+                    dk_ref[...] = dk
+                    dv_ref[...] = dv
+                    plgpu.wgmma(s_ref, k_smem, plgpu.transpose_ref(q_tile, (1, 0)))
+                    plgpu.wgmma(dk_ref, ds_prev, q_smem.at[prev])
+                    s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S^T_t done; dK may run on
+                    p = probabilities(s, q_block, slot, masked=masked)
+                    wait_do()
+                    plgpu.wgmma(dv_ref, p.astype(dtype), do_tile)
+                    plgpu.wgmma(dp_ref, v_smem, plgpu.transpose_ref(do_tile, (1, 0)))
+                    dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=None)
+                    return p, dp, dk_ref[...], dv_ref[...]
+
+                tile, accumulator = plgpu.ACC((block_kv, block_q), jnp.float32), plgpu.ACC(dk.shape, jnp.float32)
+                p, dp, dk, dv = pl.run_scoped(products, tile, accumulator, accumulator, tile)
+
+            @pl.when(t > 0)
+            def _():
+                plgpu.barrier_arrive(free.at[prev])
+
+            delta = load_vector(delta_smem.at[slot], column)
+            ds = p * (dp - lax.broadcast_in_dim(delta, p.shape, [1]))
+            return dk, dv, ds.astype(dtype)
+
         # Query blocks that see every key of this warpgroup (in its band and, with segment ids, in the tile's
         # one segment) skip the mask (none, with `always_mask`).
         _, *band_range, _ = tiles.q_block_range(
@@ -378,18 +433,41 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
         # Without a left band edge, masked padding or segment ids, unmasked_hi == q_hi: no trailing edge.
         trailing = band.left is not None or always_mask or has_segments
 
+        overlap = config.dkv_overlap and dq_acc_ref is None
+        step_fn = overlapped_step if overlap else step
+
         def head(g, carry):
-            return masked_edge_loops(functools.partial(step, g=g), carry, q_lo, unmasked_lo, unmasked_hi,
+            return masked_edge_loops(functools.partial(step_fn, g=g), carry, q_lo, unmasked_lo, unmasked_hi,
                                      q_hi if trailing else None)
 
         shape = (block_kv, k_smem.shape[-1])
-        dk, dv = lax.fori_loop(0, group, head, (zeros(shape), zeros(shape)))
+        carry = (zeros(shape), zeros(shape))
+        if overlap:
+            carry += (zeros((block_kv, block_q)).astype(dtype),)
+        dk, dv, *ds_last = lax.fori_loop(0, group, head, carry)
         if dq_acc_ref is not None:
             @pl.when(total_steps > 0)
             def _():  # the last step's phase: the other warpgroup's last dQ wgmma has read this K
                 plgpu.barrier_wait(ds_barriers[1])
         # K and V of this warpgroup are read by wgmmas that have all returned: reuse them for the output.
-        k_smem[...] = (dk * scale).astype(dtype)
+        if overlap:  # the last step's dK product, then its slot is free
+            last = lax.rem(total_steps + num_stages - 1, num_stages)
+
+            @pl.when(total_steps > 0)
+            def _():
+                if interpreting:
+                    dk_out = dk + jnp.dot(ds_last[0], q_smem.at[last][...], preferred_element_type=jnp.float32)
+                else:
+                    dk_out = pl.run_state(lambda dk_ref: plgpu.wgmma(dk_ref, ds_last[0], q_smem.at[last]))(
+                        plgpu.ACC.init(dk))
+                plgpu.barrier_arrive(free.at[last])
+                k_smem[...] = (dk_out * scale).astype(dtype)
+
+            @pl.when(total_steps == 0)
+            def _():
+                k_smem[...] = (dk * scale).astype(dtype)
+        else:
+            k_smem[...] = (dk * scale).astype(dtype)
         v_smem[...] = dv.astype(dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[rows], commit_group=False)
