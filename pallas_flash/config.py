@@ -194,8 +194,9 @@ class HopperBwdConfig:
     def default(cls, head_dim: int, deterministic: bool = True, kv_len: int | None = None,
                 is_causal: bool = False) -> "HopperBwdConfig":
         """Per padded head_dim (a multiple of 64), from the H100 tile sweep of 2026-11-23 (pallas_flash/kernels/
-        NOTES.md, "Hopper backward"): 2-stage rings beat 3 (3-5% at head_dim 128, 1-2% at 64); 128-query
-        Q/dO blocks in the dK/dV kernel only where head_dim 64 leaves the registers for them.
+        NOTES.md, "Hopper backward"): 2-stage rings beat 3 for the plain (not overlapped) kernels (3-5% at
+        head_dim 128, 1-2% at 64); 128-query Q/dO blocks in the dK/dV kernel only where head_dim 64 leaves the
+        registers for them.
         head_dim 64: the one pass (dq_atomic), with its dQ adds ordered (dq_ordered, bitwise deterministic)
         unless deterministic=False; on the H100 fwd+bwd 1.06-1.10x cuDNN free-order and 1.02-1.04x ordered
         non-causal, 0.99-1.00x causal at 8k and 16k keys, against the two passes' 0.93-1.03x. Except
