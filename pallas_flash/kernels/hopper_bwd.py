@@ -270,12 +270,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
                 plgpu.barrier_wait(delta_ready.at[slot])
 
             def s_t(s_ref):
-                plgpu.wgmma(s_ref, k_smem, plgpu.transpose_ref(q_tile, (1, 0)))
+                plgpu.wgmma(s_ref, k_smem, q_tile.transpose((1, 0)))
                 return s_ref[...]
 
             def s_t_dp_t(s_ref, dp_ref):
-                plgpu.wgmma(s_ref, k_smem, plgpu.transpose_ref(q_tile, (1, 0)))
-                plgpu.wgmma(dp_ref, v_smem, plgpu.transpose_ref(do_tile, (1, 0)))
+                plgpu.wgmma(s_ref, k_smem, q_tile.transpose((1, 0)))
+                plgpu.wgmma(dp_ref, v_smem, do_tile.transpose((1, 0)))
                 return s_ref[...], dp_ref[...]
 
             tile = plgpu.ACC((block_kv, block_q), jnp.float32)
@@ -293,7 +293,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
                 def dv_dp_t(refs):  # one wgmma group: a single wait for both
                     dv_ref, dp_ref = refs
                     plgpu.wgmma(dv_ref, p.astype(dtype), do_tile)
-                    plgpu.wgmma(dp_ref, v_smem, plgpu.transpose_ref(do_tile, (1, 0)))
+                    plgpu.wgmma(dp_ref, v_smem, do_tile.transpose((1, 0)))
 
                 if interpreting:
                     dv = dv + jnp.dot(p.astype(dtype), do_tile[...], preferred_element_type=jnp.float32)
@@ -339,7 +339,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
             def dk_dq(dk_ref, dq_ref):  # dK's wgmma is issued before the wait for the other half of dS^T
                 plgpu.wgmma(dk_ref, ds, q_tile)
                 plgpu.barrier_wait(ds_ready)
-                plgpu.wgmma(dq_ref, plgpu.transpose_ref(ds_operand, (1, 0)), k_operand)
+                plgpu.wgmma(dq_ref, ds_operand.transpose((1, 0)), k_operand)
 
             def dv_dk_dq(refs):
                 dv_ref, dk_ref, dq_ref = refs
@@ -402,13 +402,13 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
                 def products(s_ref, dk_ref, dv_ref, dp_ref):
                     dk_ref[...] = dk
                     dv_ref[...] = dv
-                    plgpu.wgmma(s_ref, k_smem, plgpu.transpose_ref(q_tile, (1, 0)))
+                    plgpu.wgmma(s_ref, k_smem, q_tile.transpose((1, 0)))
                     plgpu.wgmma(dk_ref, ds_prev, q_smem.at[prev])
                     s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S^T_t done; dK may run on
                     p = probabilities(s, q_block, slot, masked=masked)
                     wait_do()
                     plgpu.wgmma(dv_ref, p.astype(dtype), do_tile)
-                    plgpu.wgmma(dp_ref, v_smem, plgpu.transpose_ref(do_tile, (1, 0)))
+                    plgpu.wgmma(dp_ref, v_smem, do_tile.transpose((1, 0)))
                     dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=None)
                     return p, dp, dk_ref[...], dv_ref[...]
 
@@ -600,8 +600,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv_i
             return lax.rem(kv_step - kv_lo, num_stages)
 
         def issue_s_dp(s_ref, dp_ref, slot):  # S = Q K^T and dP = dO V^T
-            plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-            plgpu.wgmma(dp_ref, do_smem, plgpu.transpose_ref(v_smem.at[slot], (1, 0)))
+            plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+            plgpu.wgmma(dp_ref, do_smem, v_smem.at[slot].transpose((1, 0)))
 
         def s_and_dp(slot):  # S and dP waited for (one wait for both)
             if interpreting:

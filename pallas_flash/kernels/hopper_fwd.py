@@ -199,7 +199,7 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
         def qk(slot, after_issue):
             """S = Q K[slot]^T in float32; `after_issue()` runs once its wgmma is issued (before the wait)."""
             def scores(s_ref):
-                plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
                 after_issue()
                 return s_ref[...]
 
@@ -261,7 +261,7 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
                 else:
                     def both(s_ref, o_ref):
                         o_ref[...] = acc
-                        plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                        plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
                         plgpu.wgmma(o_ref, p_prev, v_smem.at[prev])
                         pass_turn()
                         s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S_j done, P V may run on
