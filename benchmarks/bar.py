@@ -42,7 +42,7 @@ import numpy as np
 
 import pallas_flash as pf
 from pallas_flash.config import HopperBwdConfig, HopperConfig
-from pallas_flash.kernels import hopper_bwd
+from benchmarks import impls
 from benchmarks.attention import (DTYPES, FLOP_FACTOR, SWEEP_TOKENS, SWEEP_WIDTH, Point, _pass_function,
                                   _random_inputs, _unpack, fwd_flops, paired_ratio)
 
@@ -136,10 +136,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.two_pass and (args.one_pass or args.dq_ordered):
         parser.error("--two-pass excludes --one-pass and --dq-ordered")
-    if args.bwd_registers:  # every backward kernel's split (read at trace time)
-        consumer, producer = (int(x) for x in args.bwd_registers.split(","))
-        hopper_bwd.CONSUMER_REGISTERS, hopper_bwd.PRODUCER_REGISTERS = consumer, producer
-        hopper_bwd.ONE_PASS_REGISTERS = (consumer, producer)
+    if args.bwd_registers:
+        impls.set_hopper_bwd_registers(args.bwd_registers)
     hopper_configs = parse_hopper_configs(args.hopper)
     bwd_variants = parse_bwd_overrides(args.bwd)
     if args.bwd is not None and (args.one_pass or args.dq_ordered or args.two_pass):

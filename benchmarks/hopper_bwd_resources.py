@@ -5,6 +5,7 @@ are set (names read from jaxlib's CUDA plugin; they go to the process's stdout f
 process here).
 
     PYTHONPATH=. python benchmarks/hopper_bwd_resources.py --head-dim 128 --variant one-pass [--ptx] [--sass DIR]
+        [--registers 240,24]
 
 Variants: two-pass (dK/dV and dQ kernels), two-pass-overlap (its dQ kernel pipelined: dq_overlap),
 two-pass-both-overlap (both kernels pipelined: dq_overlap, dkv_overlap), one-pass
@@ -36,11 +37,14 @@ VARIANTS = {  # HopperBwdConfig fields over the head_dim's default
 }
 
 
-def compile_once(head_dim: int, variant: str, is_causal: bool) -> None:
+def compile_once(head_dim: int, variant: str, is_causal: bool, registers: str | None) -> None:
     import jax
     import jax.numpy as jnp
     from pallas_flash.config import HopperBwdConfig
     from pallas_flash.kernels import hopper_bwd
+    if registers:
+        from benchmarks import impls
+        impls.set_hopper_bwd_registers(registers)
     config = dataclasses.replace(HopperBwdConfig.default(head_dim), **VARIANTS[variant])
     x = jnp.zeros((1, 1024, 2, head_dim), jnp.bfloat16)
     lse = jnp.zeros((1, 2, 1024), jnp.float32)
@@ -55,10 +59,12 @@ def main() -> None:
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--ptx", action="store_true", help="also count wgmma instructions in the PTX")
     parser.add_argument("--sass", metavar="DIR", help="dump PTX to DIR, assemble and disassemble it to SASS there")
+    parser.add_argument("--registers", metavar="CONSUMER,PRODUCER",
+                        help="setmaxnreg budgets of the kernels instead of theirs (bar.py's --bwd-registers)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        compile_once(args.head_dim, args.variant, args.causal)
+        compile_once(args.head_dim, args.variant, args.causal, args.registers)
         return
     env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1", **({"MOSAIC_GPU_DUMP_PTX": "1"} if args.ptx else {}))
     dump = tempfile.mkdtemp() if args.sass else None  # Mosaic GPU dumps every pass's IR there too (~40 MB)
@@ -67,7 +73,8 @@ def main() -> None:
     out = subprocess.run([sys.executable, __file__, "--child", *sys.argv[1:]], env=env, capture_output=True,
                          text=True, check=True)
     text = out.stdout + out.stderr
-    print(f"head_dim={args.head_dim} variant={args.variant} causal={args.causal}")
+    print(f"head_dim={args.head_dim} variant={args.variant} causal={args.causal}"
+          + (f" registers={args.registers}" if args.registers else ""))
     for line in text.splitlines():
         if re.search(r"spill|Used \d+ registers|injected", line):
             print(" ", line.strip())

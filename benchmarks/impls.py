@@ -146,3 +146,11 @@ def tokamax_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def set_hopper_bwd_registers(spec: str) -> None:
+    """Experiment knob: "CONSUMER,PRODUCER" setmaxnreg budgets for every Hopper backward kernel instead of
+    `hopper_bwd.REGISTERS` (read when a kernel is traced, so set it before the first call)."""
+    from pallas_flash.kernels import hopper_bwd
+
+    hopper_bwd.REGISTERS = tuple(int(x) for x in spec.split(","))

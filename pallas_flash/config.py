@@ -204,18 +204,20 @@ class HopperBwdConfig:
         against the ordered one pass's 1.002x at 2k (equal at 4k). head_dim 128: the two passes either way
         (0.91-1.10x cuDNN; the one pass measured 0.82-0.91x free-order and 0.79-0.85x ordered), their dQ
         kernel pipelined (dq_overlap) over a 4-stage K/V ring: 1.01-1.13x at 2k keys and causal, 0.93-0.94x
-        non-causal at 8k and 16k, against 0.92-1.11x without; without a causal band also their dK/dV kernel
-        (dkv_overlap, 4-stage Q/dO ring): 1.05 / 0.98 / 0.97x at 2k / 8k / 16k against 1.02 / 0.93 / 0.94x,
-        while under a causal band it spills and lost 2-8% (session 9 of 2026-11-24). Windows and segment ids
-        count as not causal here (their masked steps with dkv_overlap are unmeasured)."""
+        non-causal at 8k and 16k, against 0.92-1.11x without; and their dK/dV kernel (dkv_overlap, 4-stage Q/dO
+        ring): non-causal 1.05 / 0.98 / 0.97x at 2k / 8k / 16k against 1.02 / 0.93 / 0.94x (session 9 of
+        2026-11-24), and since the backward kernels take 240/24 registers (`hopper_bwd.REGISTERS`)
+        1.10 / 1.03 / 1.03x against 1.05 / 0.98 / 0.97x with 232/40; causal 1.12 / 1.03 / 1.06x against the
+        plain dK/dV kernel's 1.12-1.13 / 1.03-1.04 / 1.00-1.02x (session 10 of 2026-11-25; at 232/40 the
+        causal dkv_overlap spilled 384 B and lost 2-8%)."""
         if head_dim <= 64:
             ordered_pays = not (is_causal and kv_len is not None and kv_len <= 2048)
             return cls(block_q_dkv=128, block_kv_dkv=64, num_stages_dkv=2, block_q_dq=64, block_kv_dq=128,
                        num_stages_dq=2, dq_atomic=not deterministic or ordered_pays,
                        dq_ordered=deterministic and ordered_pays)
         if head_dim <= 128:
-            return cls(block_q_dkv=64, block_kv_dkv=64, num_stages_dkv=2 if is_causal else 4, block_q_dq=64,
-                       block_kv_dq=64, num_stages_dq=4, dq_overlap=True, dkv_overlap=not is_causal)
+            return cls(block_q_dkv=64, block_kv_dkv=64, num_stages_dkv=4, block_q_dq=64, block_kv_dq=64,
+                       num_stages_dq=4, dq_overlap=True, dkv_overlap=True)
         # head_dim 256: K and V of 128 keys alone take 128 KiB of the dK/dV kernel's shared memory.
         raise ValueError(f"the Hopper backward takes head_dim <= 128, got {head_dim}")
 

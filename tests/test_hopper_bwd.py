@@ -127,7 +127,7 @@ def test_dq_ordered_config():
     """dq_ordered is a bool, only with dq_atomic (the two-pass backward is deterministic already). The
     defaults are deterministic unless asked not to be: head_dim 64 runs the one pass, ordered by default,
     except deterministic causal rows up to 2k keys (the two passes); head_dim 128 the two passes either way,
-    their dQ kernel pipelined, and their dK/dV kernel too unless causal."""
+    both kernels pipelined, causal or not."""
     assert HopperBwdConfig(dq_atomic=True, dq_ordered=True).dq_ordered
     for bad in (dict(dq_ordered=True), dict(dq_ordered=1, dq_atomic=True), dict(dq_ordered=None)):
         with pytest.raises(ValueError, match="dq_ordered"):
@@ -136,8 +136,7 @@ def test_dq_ordered_config():
         at_64, at_128 = HopperBwdConfig.default(64, deterministic), HopperBwdConfig.default(128, deterministic)
         assert at_64.dq_atomic and at_64.dq_ordered == deterministic
         assert not at_128.dq_atomic and not at_128.dq_ordered and at_128.dq_overlap and at_128.dkv_overlap
-        causal_128 = HopperBwdConfig.default(128, deterministic, is_causal=True)
-        assert not causal_128.dkv_overlap and causal_128.num_stages_dkv == 2 and causal_128.dq_overlap
+        assert HopperBwdConfig.default(128, deterministic, is_causal=True) == at_128
         for kv_len, is_causal in ((2048, False), (2049, True), (None, True)):
             assert HopperBwdConfig.default(64, deterministic, kv_len, is_causal) == at_64
     short_causal = HopperBwdConfig.default(64, True, kv_len=2048, is_causal=True)

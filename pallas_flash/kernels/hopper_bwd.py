@@ -45,18 +45,21 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_flash import _compat, masks
 from pallas_flash.config import H100_SHARED_MEMORY, NUM_CONSUMERS, HopperBwdConfig
 from pallas_flash.kernels import tiles
-from pallas_flash.kernels.hopper_fwd import (CONSUMER_REGISTERS, HEAD_DIM_TILE, LOG2E, PRODUCER_REGISTERS,
-                                             _pad_axis, _round_up, dot_t, drain_ring, fill_ring, load_own_ids,
-                                             padded_head_dim, query_tile_schedule, register_ops,
-                                             segment_block_ranges, stream_kv_blocks, tile_visible,
+from pallas_flash.kernels.hopper_fwd import (HEAD_DIM_TILE, LOG2E, _pad_axis, _round_up, dot_t, drain_ring,
+                                             fill_ring, load_own_ids, padded_head_dim, query_tile_schedule,
+                                             register_ops, segment_block_ranges, stream_kv_blocks, tile_visible,
                                              unmasked_blocks, masked_edge_loops)
 
 MAX_HEAD_DIM = 128  # at 256, K and V of a 128-key CTA alone take 128 KiB of shared memory
-# setmaxnreg budgets (consumer, producer) of the one-pass (dq_atomic) dK/dV kernel: its consumers hold dK and dV
-# and the dQ slice's operands at once. With FA3's 240/24, fwd+bwd measured 3-9% nearer cuDNN than with the
-# forward's 232/40 at head_dim 64 and 128 (H100); the two-pass kernels keep 232/40 (240/24 put them 0-3% further
-# from cuDNN at head_dim 128). benchmarks/results/2026-11-23-h100/README.md, sixth session.
-ONE_PASS_REGISTERS = (240, 24)
+# setmaxnreg budgets (consumer, producer) of every backward kernel: FA3's 240/24 rather than the forward's 232/40,
+# as the consumers hold dK and dV (or dQ) through the step plus, in the one pass, the dQ slice's operands and, in
+# the pipelined kernels, the previous step's dS. On the H100, fwd+bwd x cuDNN with 240/24 against 232/40: the
+# one pass 3-9% nearer (sixth session of 2026-11-23); the pipelined two passes at head_dim 128 without a causal
+# band 2.5-5% nearer, their dK/dV kernel's spills 8 B -> 0 (188 -> 112 B causal); the plain two passes at head_dim
+# 64, causal 2k, 2% nearer (session 10 of 2026-11-25). Only the plain two passes at head_dim 128, the default of
+# none, measured 0-3% further (sixth session). benchmarks/results/2026-11-23-h100/README.md,
+# benchmarks/results/2026-11-25-h100/session10/README.md.
+REGISTERS = (240, 24)
 
 def _transforms():
     # 128-byte swizzle over (8, 64)-element tiles: the layout wgmma reads without bank conflicts.
@@ -205,8 +208,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
     total_steps = group * q_steps
     wg = lax.axis_index("wg")
     iota, zeros, load_vector = register_ops(interpreting)
-    consumer_registers, producer_registers = (
-        ONE_PASS_REGISTERS if config.dq_atomic else (CONSUMER_REGISTERS, PRODUCER_REGISTERS))
+    consumer_registers, producer_registers = REGISTERS
 
     @pl.when(wg < NUM_CONSUMERS)
     def _consumer():
@@ -572,10 +574,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv_i
                                                          segment_ranges=kv_ranges_ref)
     wg = lax.axis_index("wg")
     iota, zeros, load_vector = register_ops(interpreting)
+    consumer_registers, producer_registers = REGISTERS
 
     @pl.when(wg < NUM_CONSUMERS)
     def _consumer():
-        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+        plgpu.set_max_registers(consumer_registers, action="increase")
         q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
         q_start = tile_start + wg * block_q
         rows = (batch, pl.ds(q_start, block_q), head)
@@ -708,7 +711,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv_i
 
     @pl.when(wg == NUM_CONSUMERS)
     def _producer():
-        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+        plgpu.set_max_registers(producer_registers, action="decrease")
         ids = None if not has_segments else (kv_ids_ref, segments[1], segments[3])
         stream_kv_blocks((k_ref, v_ref), (k_smem, v_smem), (k_ready, v_ready), (k_free, v_free), batch=batch,
                          kv_head=lax.div(head, group), block_kv=block_kv, num_stages=num_stages, kv_lo=kv_lo,
