@@ -144,7 +144,8 @@ class HopperBwdConfig:
       dkv_overlap: the same pipelining in the two-pass dK/dV kernel: step t issues S^T_t, then
         dK += dS^T_{t-1} Q_{t-1}, and computes P^T_t while that product runs (`hopper_bwd._dkdv_kernel`). Each
         consumer holds two Q/dO blocks of the ring (so num_stages_dkv >= 3) and dS^T_{t-1} on top of dK, dV,
-        P^T and dP^T. Does nothing under dq_atomic (the one pass has its own step).
+        P^T and dP^T. The default at head_dim 128, causal or not (with 4 stages). Does nothing under dq_atomic
+        (the one pass has its own step).
     """
 
     block_q_dkv: int = 64
