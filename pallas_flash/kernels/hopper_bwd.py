@@ -260,16 +260,22 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
                     p = jnp.where(visible, p, 0.0)
             return p
 
+        def wait_q(slot):  # the step's Q block and its lse2 have landed
+            plgpu.barrier_wait(q_ready.at[slot])
+            plgpu.barrier_wait(lse_ready.at[slot])
+
+        def wait_do(slot):  # and its dO block and delta
+            plgpu.barrier_wait(do_ready.at[slot])
+            plgpu.barrier_wait(delta_ready.at[slot])
+
         def step(q_block, carry, *, g, masked: bool):
             dk, dv = carry
             t = g * q_steps + q_block - q_lo  # this warpgroup's step number (`step_block` inverted)
             slot = lax.rem(t, num_stages)
             q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
-            plgpu.barrier_wait(q_ready.at[slot])
-            plgpu.barrier_wait(lse_ready.at[slot])
+            wait_q(slot)
             if fused:
-                plgpu.barrier_wait(do_ready.at[slot])
-                plgpu.barrier_wait(delta_ready.at[slot])
+                wait_do(slot)
 
             def s_t(s_ref):
                 plgpu.wgmma(s_ref, k_smem, q_tile.transpose((1, 0)))
@@ -289,8 +295,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
                 s = pl.run_scoped(s_t, tile)
             p = probabilities(s, q_block, slot, masked=masked)
             if not fused:
-                plgpu.barrier_wait(do_ready.at[slot])
-                plgpu.barrier_wait(delta_ready.at[slot])
+                wait_do(slot)
 
                 def dv_dp_t(refs):  # one wgmma group: a single wait for both
                     dv_ref, dp_ref = refs
@@ -386,18 +391,13 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
             slot = lax.rem(t, num_stages)
             prev = jnp.where(t > 0, lax.rem(t + num_stages - 1, num_stages), slot)
             q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
-            plgpu.barrier_wait(q_ready.at[slot])
-            plgpu.barrier_wait(lse_ready.at[slot])
-
-            def wait_do():
-                plgpu.barrier_wait(do_ready.at[slot])
-                plgpu.barrier_wait(delta_ready.at[slot])
+            wait_q(slot)
 
             if interpreting:  # the same steps, one product at a time
                 s = dot_t(k_smem[...], q_tile[...])
                 dk = dk + jnp.dot(ds_prev, q_smem.at[prev][...], preferred_element_type=jnp.float32)
                 p = probabilities(s, q_block, slot, masked=masked)
-                wait_do()
+                wait_do(slot)
                 dv = dv + jnp.dot(p.astype(dtype), do_tile[...], preferred_element_type=jnp.float32)
                 dp = dot_t(v_smem[...], do_tile[...])
             else:
@@ -408,7 +408,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
                     plgpu.wgmma(dk_ref, ds_prev, q_smem.at[prev])
                     s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S^T_t done; dK may run on
                     p = probabilities(s, q_block, slot, masked=masked)
-                    wait_do()
+                    wait_do(slot)
                     plgpu.wgmma(dv_ref, p.astype(dtype), do_tile)
                     plgpu.wgmma(dp_ref, v_smem, do_tile.transpose((1, 0)))
                     dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=None)
