@@ -176,7 +176,8 @@ def _brute_force_ranks(batch, num_tiles, tile_keys, num_q_blocks, block_q, band,
     (False, None, True), (True, (300, None), True)])
 def test_dq_order_ranks(is_causal, window, segments):
     """The rank table the dq_ordered kernel waits on: per (example, key tile, query block), how many higher key
-    tiles visit that block, against a brute-force count (queries and keys of unequal lengths, padding)."""
+    tiles visit that block, against a brute-force count (queries and keys of unequal lengths, padding); and the
+    rows of the blocks some tile visits (the kernel writes no others of its dQ buffer)."""
     batch, block_q, tile_keys, num_q_blocks, num_tiles = 2, 64, 128, 9, 7
     band = masks.Band.of(is_causal, window)
     q_ids = kv_ids = q_ranges = None
@@ -185,12 +186,15 @@ def test_dq_order_ranks(is_causal, window, segments):
                                               _segment_ids(batch, 800, [[150, 500], [40]]),
                                               num_q_blocks * block_q, num_tiles * tile_keys)
         q_ranges = hopper_fwd.segment_block_ranges(kv_ids, q_ids, rows_per_tile=tile_keys, cols_per_block=block_q)
-    ranks = hopper_bwd.dq_order_ranks(q_ranges, batch=batch, num_tiles=num_tiles, block_q=block_q,
-                                      tile_keys=tile_keys, num_q_blocks=num_q_blocks,
-                                      kv_pad=num_tiles * tile_keys, band=band)
+    common = dict(batch=batch, num_tiles=num_tiles, block_q=block_q, tile_keys=tile_keys,
+                  num_q_blocks=num_q_blocks, kv_pad=num_tiles * tile_keys, band=band)
+    ranks = hopper_bwd.dq_order_ranks(q_ranges, **common)
     want, visits = _brute_force_ranks(batch, num_tiles, tile_keys, num_q_blocks, block_q, band, q_ids, kv_ids)
     assert ranks.dtype == jnp.int32 and ranks.shape == want.shape
     np.testing.assert_array_equal(ranks, want)
+    rows = hopper_bwd.dq_visited_rows(q_ranges, **common)
+    np.testing.assert_array_equal(rows, np.repeat(visits.any(axis=1), block_q, axis=1))
+    assert rows.all() != (is_causal and segments)  # the last point leaves a block unvisited
     assert 0 < visits.sum() and (visits.sum() < visits.size) == (not band.is_full or segments)  # masks skip some
 
 
@@ -307,7 +311,8 @@ def test_dq_ordered_lowers_for_gpu(head_dim, is_causal, window, segments):
     """The deterministic one-pass kernel (dq_ordered) goes through Mosaic GPU's lowering: one kernel, its TMA
     reduce-adds into the dQ buffer, a GPU-scope acquire wait and release signal on global semaphores, which
     XLA passes in as a zeroed int32 buffer of one counter per (batch, query head, query block), aliased to an
-    output; ragged lengths, GQA, bands and segment ids. The one-pass kernel without dq_ordered has none."""
+    output; ragged lengths, GQA, bands and segment ids. The one-pass kernel without dq_ordered has none.
+    The ordered kernel's float32 dQ buffer is an output (its first visitors store), not a zeroed input."""
     batch, q_len, kv_len, heads = 2, 300, 333, 4
     q = jax.ShapeDtypeStruct((batch, q_len, heads, head_dim), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((batch, kv_len, 2, head_dim), jnp.bfloat16)
@@ -328,8 +333,12 @@ def test_dq_ordered_lowers_for_gpu(head_dim, is_causal, window, segments):
             lowering_platforms=("cuda",)).as_text()
     granule = math.lcm(one_pass.block_q_dkv, 2 * one_pass.block_q_dq)  # of the padded query length
     counters = f"tensor<{batch * heads * (-(-q_len // granule) * granule // one_pass.block_q_dkv)}xi32>"
+    dq_buffer = f"tensor<{batch}x{granule * -(-q_len // granule)}x{heads}x{head_dim}xf32>"
     for ordered, text in texts.items():
         assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+        call = next(line for line in text.splitlines() if "stablehlo.custom_call @mosaic_gpu" in line)
+        operand_types, result_types = call[call.rindex(": ("):].split("->")
+        assert (dq_buffer in operand_types) != ordered and dq_buffer in result_types
         assert "cp.reduce.async.bulk.tensor" in text
         for ptx in ("red.release.gpu.global.add", "ld.relaxed.gpu.global", "fence.acquire.gpu"):
             assert (ptx in text) == ordered, ptx

@@ -111,20 +111,33 @@ def visited_q_blocks(kv_tile, read_range, *, block_q: int, tile_keys: int, num_q
     return q_lo, q_hi, (read_range(2), read_range(3))
 
 
-def dq_order_ranks(q_ranges, *, batch: int, num_tiles: int, block_q: int, tile_keys: int, num_q_blocks: int,
-                   kv_pad: int, band: masks.Band):
-    """int32 [batch, num_tiles, num_q_blocks]: for `HopperBwdConfig.dq_ordered`, entry (b, t, j) counts the key
-    tiles t' > t of example b that visit query block j (`visited_q_blocks`, the kernel's own rule; the same
-    for every query head). The CTA of tile t adds its dQ of block j once that many tiles have added theirs:
-    descending tile order, in which a causal band's higher tiles, which start at later query blocks, reach
-    each block first anyway."""
+def _tile_visits(q_ranges, *, batch: int, num_tiles: int, block_q: int, tile_keys: int, num_q_blocks: int,
+                 kv_pad: int, band: masks.Band):
+    """int32 [batch, num_tiles, num_q_blocks]: 1 where key tile t of example b visits query block j
+    (`visited_q_blocks`, the kernel's own rule; the same for every query head)."""
     read = None if q_ranges is None else (lambda i: q_ranges[:, :, i])
     lo, hi, _ = visited_q_blocks(jnp.arange(num_tiles, dtype=jnp.int32)[None, :], read, block_q=block_q,
                                  tile_keys=tile_keys, num_q_blocks=num_q_blocks, kv_pad=kv_pad, band=band)
     lo, hi = (jnp.broadcast_to(jnp.asarray(x, jnp.int32), (batch, num_tiles)) for x in (lo, hi))
     blocks = jnp.arange(num_q_blocks, dtype=jnp.int32)
-    visits = ((blocks >= lo[:, :, None]) & (blocks < hi[:, :, None])).astype(jnp.int32)
+    return ((blocks >= lo[:, :, None]) & (blocks < hi[:, :, None])).astype(jnp.int32)
+
+
+def dq_order_ranks(q_ranges, **visits):
+    """int32 [batch, num_tiles, num_q_blocks]: for `HopperBwdConfig.dq_ordered`, entry (b, t, j) counts the key
+    tiles t' > t of example b that visit query block j (`_tile_visits`'s keyword arguments). The CTA of tile t
+    adds its dQ of block j once that many tiles have added theirs: descending tile order, in which a causal
+    band's higher tiles, which start at later query blocks, reach each block first anyway. Rank 0 (the first
+    visitor) stores its dQ instead of adding it, so the float32 buffer needs no zero fill."""
+    visits = _tile_visits(q_ranges, **visits)
     return (jnp.sum(visits, axis=1, keepdims=True) - jnp.cumsum(visits, axis=1)).astype(jnp.int32)
+
+
+def dq_visited_rows(q_ranges, **visits):
+    """bool [batch, num_q_blocks * block_q]: query rows in a block that some key tile visits. The dq_ordered
+    kernel writes the other rows of its float32 dQ buffer nowhere (their dQ is 0)."""
+    visited = jnp.any(_tile_visits(q_ranges, **visits) > 0, axis=1)
+    return jnp.repeat(visited, visits["block_q"], axis=1)
 
 
 # dq_ordered launch: (batch, kv head) pairs in groups; within a group, key tiles in descending order, each tile
@@ -530,7 +543,8 @@ def store_dq_in_order(order: _DqOrder, staging, dq_acc_ref, *, batch, kv_head, k
                       block_q: int):
     """The dq_ordered kernel's store warp: for each step t of the CTA (query head g, query block j), once both
     consumers have staged their dQ halves in slot t % 2 and the semaphore of (batch, head, block) counts every
-    higher key tile that visits the block (`dq_order_ranks`), reduce-add both halves into dq_acc_ref by TMA;
+    higher key tile that visits the block (`dq_order_ranks`), reduce-add both halves into dq_acc_ref by TMA
+    (store them, if no higher tile visits the block);
     once they have landed, free the slot and add 1 to the semaphore. So each block's float32 sums run in one
     order whatever the timing, and the consumers wait on nothing but a free slot (two slots: they stage step
     t+1 while this warp waits). Signalling step t-1 after issuing step t instead measured the same."""
@@ -548,8 +562,10 @@ def store_dq_in_order(order: _DqOrder, staging, dq_acc_ref, *, batch, kv_head, k
         for wg in range(NUM_CONSUMERS):
             rows, cols = _dq_share(head_dim, block_q, wg)
             q_rows = pl.ds(q_block * block_q + rows.start, rows.size)
-            plgpu.copy_smem_to_gmem(staging.at[slot, wg], dq_acc_ref.at[batch, q_rows, kv_head * group + g, cols],
-                                    reduction_op="add", commit_group=False)
+            share, block = staging.at[slot, wg], dq_acc_ref.at[batch, q_rows, kv_head * group + g, cols]
+            # The block's first visitor stores (the buffer starts unwritten), the later ones add.
+            plgpu.copy_smem_to_gmem(share, block, rank == 0, commit_group=False)
+            plgpu.copy_smem_to_gmem(share, block, rank > 0, reduction_op="add", commit_group=False)
         plgpu.commit_smem_to_gmem_group()
         plgpu.wait_smem_to_gmem(0)
         plgpu.barrier_arrive(order.free.at[slot])
@@ -803,19 +819,24 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_ids, kv_ids, *, scale: float, band: mas
     out_type = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
     grid = dict(grid=(batch, kv_heads, num_tiles),
                 grid_names=("batch", "kv_heads", "kv_tiles"), num_threads=NUM_CONSUMERS + 1, thread_name="wg")
-    if config.dq_ordered:
-        operands += (dq_order_ranks(q_ranges, batch=batch, num_tiles=num_tiles, block_q=block_q,
-                                    tile_keys=NUM_CONSUMERS * block_kv, num_q_blocks=num_q_blocks, kv_pad=kv_pad,
-                                    band=band),)
-        grid.update(zip(("grid", "grid_names"), ordered_launch(batch, kv_heads, num_tiles, launch_group)))
     compiler_params = plgpu.CompilerParams(approx_math=True)
     interpreter = {} if interpret is None else dict(interpret=interpret)
+    if config.dq_ordered:
+        visits = dict(batch=batch, num_tiles=num_tiles, block_q=block_q, tile_keys=NUM_CONSUMERS * block_kv,
+                      num_q_blocks=num_q_blocks, kv_pad=kv_pad, band=band)
+        grid.update(zip(("grid", "grid_names"), ordered_launch(batch, kv_heads, num_tiles, launch_group)))
+        # Each block's first visitor stores its dQ, so the float32 buffer is a plain output (no zero fill: 134 MB
+        # of writes at 8k and 16k keys, head_dim 64); rows that no tile visits stay unwritten and are zeroed here.
+        dq, dk, dv = plgpu.kernel(entry, out_type=(jax.ShapeDtypeStruct(q.shape, jnp.float32), *out_type),
+                                  compiler_params=compiler_params, **grid)(
+            *operands, dq_order_ranks(q_ranges, **visits))
+        return dk, dv, jnp.where(dq_visited_rows(q_ranges, **visits)[:, :, None, None], dq, 0.0)
     if not config.dq_atomic:
         return plgpu.kernel(entry, out_type=out_type, compiler_params=compiler_params, **grid, **interpreter)(
             *operands)
-    # The dQ accumulator must start at zero and be written in place: a mutable array handed to the kernel
-    # (plgpu.kernel's batching wrapper cannot carry one, so the mesh kernel is called directly). It lives in a
-    # run_state, whose outside is pure: `_fold_vmap`'s custom_vmap cannot hold a bare `jax.new_ref` (state
+    # Free order: the dQ accumulator must start at zero and be written in place: a mutable array handed to the
+    # kernel (plgpu.kernel's batching wrapper cannot carry one, so the mesh kernel is called directly). It lives
+    # in a run_state, whose outside is pure: `_fold_vmap`'s custom_vmap cannot hold a bare `jax.new_ref` (state
     # discharge has no rule for custom_vmap_call).
     def accumulate(refs):
         dq_acc, dk_ref, dv_ref = refs
