@@ -192,8 +192,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
     [batch, heads, q_pad] float32, q_ids_ref/kv_ids_ref None or int32 [batch, q_pad] / [batch, kv_pad],
     q_ranges_ref None or with them the query blocks each key tile's ids may meet (`segment_block_ranges`),
     dk_ref/dv_ref like k_ref (summed over the group's query heads).
-    dq_acc_ref: None, or (config.dq_atomic) a float32 [batch, q_pad, heads, d] buffer of zeros that each
-    query block's dS K is reduce-added into by TMA (unscaled).
+    dq_acc_ref: None, or (config.dq_atomic) a float32 [batch, q_pad, heads, d] buffer that each query block's
+    dS K is reduce-added into by TMA (unscaled): zeros in free order; unwritten with dq_ordered, whose first
+    visitor of a block stores instead.
     dq_order: None, or (config.dq_ordered) a `_DqOrder`."""
     ((k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, *dq_staging), (k_ready, v_ready),
      (q_ready, do_ready, lse_ready, delta_ready), free, segments, *ds_barriers) = scoped
