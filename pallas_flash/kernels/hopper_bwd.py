@@ -826,8 +826,8 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_ids, kv_ids, *, scale: float, band: mas
         visits = dict(batch=batch, num_tiles=num_tiles, block_q=block_q, tile_keys=NUM_CONSUMERS * block_kv,
                       num_q_blocks=num_q_blocks, kv_pad=kv_pad, band=band)
         grid.update(zip(("grid", "grid_names"), ordered_launch(batch, kv_heads, num_tiles, launch_group)))
-        # Each block's first visitor stores its dQ, so the float32 buffer is a plain output (no zero fill: 134 MB
-        # of writes at 8k and 16k keys, head_dim 64); rows that no tile visits stay unwritten and are zeroed here.
+        # Each block's first visitor stores its dQ, so the float32 buffer is a plain output (no zero fill: 0.04 of
+        # 4.6 ms per fwd+bwd call at the bar's head_dim 64, 8k keys); rows no tile visits stay unwritten: zeroed here.
         dq, dk, dv = plgpu.kernel(entry, out_type=(jax.ShapeDtypeStruct(q.shape, jnp.float32), *out_type),
                                   compiler_params=compiler_params, **grid)(
             *operands, dq_order_ranks(q_ranges, **visits))
