@@ -188,11 +188,12 @@ def test_dq_order_ranks(is_causal, window, segments):
         q_ranges = hopper_fwd.segment_block_ranges(kv_ids, q_ids, rows_per_tile=tile_keys, cols_per_block=block_q)
     common = dict(batch=batch, num_tiles=num_tiles, block_q=block_q, tile_keys=tile_keys,
                   num_q_blocks=num_q_blocks, kv_pad=num_tiles * tile_keys, band=band)
-    ranks = hopper_bwd.dq_order_ranks(q_ranges, **common)
+    visits_table = hopper_bwd.tile_visits(q_ranges, **common)
+    ranks = hopper_bwd.dq_order_ranks(visits_table)
     want, visits = _brute_force_ranks(batch, num_tiles, tile_keys, num_q_blocks, block_q, band, q_ids, kv_ids)
     assert ranks.dtype == jnp.int32 and ranks.shape == want.shape
     np.testing.assert_array_equal(ranks, want)
-    rows = hopper_bwd.dq_visited_rows(q_ranges, **common)
+    rows = hopper_bwd.dq_visited_rows(visits_table, block_q)
     np.testing.assert_array_equal(rows, np.repeat(visits.any(axis=1), block_q, axis=1))
     assert rows.all() != (is_causal and segments)  # the last point leaves a block unvisited
     assert 0 < visits.sum() and (visits.sum() < visits.size) == (not band.is_full or segments)  # masks skip some
@@ -288,7 +289,8 @@ def test_dq_order_protocol_is_deadlock_free_and_fixed(is_causal, window, monkeyp
     band = masks.Band.of(is_causal, window)
     common = dict(block_q=block_q, tile_keys=tile_keys, num_q_blocks=num_q_blocks, kv_pad=num_tiles * tile_keys,
                   band=band)
-    ranks = np.asarray(hopper_bwd.dq_order_ranks(None, batch=batch, num_tiles=num_tiles, **common))
+    ranks = np.asarray(hopper_bwd.dq_order_ranks(hopper_bwd.tile_visits(None, batch=batch, num_tiles=num_tiles,
+                                                                         **common)))
     visited = [[tuple(int(x) for x in hopper_bwd.visited_q_blocks(t, None, **common)[:2]) for t in range(num_tiles)]
                for _ in range(batch)]
     orders = []

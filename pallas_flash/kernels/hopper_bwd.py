@@ -101,7 +101,7 @@ def visited_q_blocks(kv_tile, read_range, *, block_q: int, tile_keys: int, num_q
     visits per query head: those its keys' band reaches, intersected with its segment ids' blocks; `same` the
     run of blocks in the tile's one segment (None without ids). `read_range(i)`: entry i of the tile's row of
     `segment_block_ranges`, or None without segment ids. Elementwise: the kernel calls it on its scalars,
-    `dq_order_ranks` on every tile at once."""
+    `tile_visits` on every tile at once."""
     q_lo, _, _, q_hi = tiles.q_block_range(kv_tile, block_q=block_q, block_kv=tile_keys, num_q_blocks=num_q_blocks,
                                            kv_len=kv_pad, band=band, always_mask=True)
     if read_range is None:
@@ -111,8 +111,8 @@ def visited_q_blocks(kv_tile, read_range, *, block_q: int, tile_keys: int, num_q
     return q_lo, q_hi, (read_range(2), read_range(3))
 
 
-def _tile_visits(q_ranges, *, batch: int, num_tiles: int, block_q: int, tile_keys: int, num_q_blocks: int,
-                 kv_pad: int, band: masks.Band):
+def tile_visits(q_ranges, *, batch: int, num_tiles: int, block_q: int, tile_keys: int, num_q_blocks: int,
+                kv_pad: int, band: masks.Band):
     """int32 [batch, num_tiles, num_q_blocks]: 1 where key tile t of example b visits query block j
     (`visited_q_blocks`, the kernel's own rule; the same for every query head)."""
     read = None if q_ranges is None else (lambda i: q_ranges[:, :, i])
@@ -123,21 +123,20 @@ def _tile_visits(q_ranges, *, batch: int, num_tiles: int, block_q: int, tile_key
     return ((blocks >= lo[:, :, None]) & (blocks < hi[:, :, None])).astype(jnp.int32)
 
 
-def dq_order_ranks(q_ranges, **visits):
+def dq_order_ranks(visits):
     """int32 [batch, num_tiles, num_q_blocks]: for `HopperBwdConfig.dq_ordered`, entry (b, t, j) counts the key
-    tiles t' > t of example b that visit query block j (`_tile_visits`'s keyword arguments). The CTA of tile t
-    adds its dQ of block j once that many tiles have added theirs: descending tile order, in which a causal
-    band's higher tiles, which start at later query blocks, reach each block first anyway. Rank 0 (the first
+    tiles t' > t of example b that visit query block j (`visits`: `tile_visits`). The CTA of tile t adds its
+    dQ of block j once that many tiles have added theirs: descending tile order, in which a causal band's
+    higher tiles, which start at later query blocks, reach each block first anyway. Rank 0 (the first
     visitor) stores its dQ instead of adding it, so the float32 buffer needs no zero fill."""
-    visits = _tile_visits(q_ranges, **visits)
     return (jnp.sum(visits, axis=1, keepdims=True) - jnp.cumsum(visits, axis=1)).astype(jnp.int32)
 
 
-def dq_visited_rows(q_ranges, **visits):
-    """bool [batch, num_q_blocks * block_q]: query rows in a block that some key tile visits. The dq_ordered
-    kernel writes the other rows of its float32 dQ buffer nowhere (their dQ is 0)."""
-    visited = jnp.any(_tile_visits(q_ranges, **visits) > 0, axis=1)
-    return jnp.repeat(visited, visits["block_q"], axis=1)
+def dq_visited_rows(visits, block_q: int):
+    """bool [batch, num_q_blocks * block_q]: query rows in a block that some key tile visits (`visits`:
+    `tile_visits`). The dq_ordered kernel writes the other rows of its float32 dQ buffer nowhere (their dQ
+    is 0)."""
+    return jnp.repeat(jnp.any(visits > 0, axis=1), block_q, axis=1)
 
 
 # dq_ordered launch: (batch, kv head) pairs in groups; within a group, key tiles in descending order, each tile
@@ -823,15 +822,15 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_ids, kv_ids, *, scale: float, band: mas
     compiler_params = plgpu.CompilerParams(approx_math=True)
     interpreter = {} if interpret is None else dict(interpret=interpret)
     if config.dq_ordered:
-        visits = dict(batch=batch, num_tiles=num_tiles, block_q=block_q, tile_keys=NUM_CONSUMERS * block_kv,
-                      num_q_blocks=num_q_blocks, kv_pad=kv_pad, band=band)
+        visits = tile_visits(q_ranges, batch=batch, num_tiles=num_tiles, block_q=block_q,
+                             tile_keys=NUM_CONSUMERS * block_kv, num_q_blocks=num_q_blocks, kv_pad=kv_pad, band=band)
         grid.update(zip(("grid", "grid_names"), ordered_launch(batch, kv_heads, num_tiles, launch_group)))
         # Each block's first visitor stores its dQ, so the float32 buffer is a plain output (no zero fill: 0.04 of
         # 4.6 ms per fwd+bwd call at the bar's head_dim 64, 8k keys); rows no tile visits stay unwritten: zeroed here.
         dq, dk, dv = plgpu.kernel(entry, out_type=(jax.ShapeDtypeStruct(q.shape, jnp.float32), *out_type),
                                   compiler_params=compiler_params, **grid)(
-            *operands, dq_order_ranks(q_ranges, **visits))
-        return dk, dv, jnp.where(dq_visited_rows(q_ranges, **visits)[:, :, None, None], dq, 0.0)
+            *operands, dq_order_ranks(visits))
+        return dk, dv, jnp.where(dq_visited_rows(visits, block_q)[:, :, None, None], dq, 0.0)
     if not config.dq_atomic:
         return plgpu.kernel(entry, out_type=out_type, compiler_params=compiler_params, **grid, **interpreter)(
             *operands)
