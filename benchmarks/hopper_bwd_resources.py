@@ -13,7 +13,7 @@ two-pass-both-overlap (both kernels pipelined: dq_overlap, dkv_overlap), one-pas
 --sass DIR: the kernels' SASS, for what ptxas's counts do not say (which values spill, which waits and fences
 a step holds). Mosaic GPU's own MOSAIC_GPU_DUMP_SASS could not start nvdisasm on the device (2026-11-24), so the
 PTX it dumps to DIR is assembled here with the CUDA toolkit's ptxas (-arch=sm_90a -O3) and disassembled with
-cuobjdump (both from /usr/local/cuda/bin or PATH); per kernel (entry_N) DIR gets .ptx, .cubin and .sass, and a
+cuobjdump (both from /usr/local/cuda/bin or PATH); per kernel DIR gets .ptx, .cubin and .sass, and a
 summary of its instruction counts is printed (its IR dumps are left out).
 Needs an sm90 GPU."""
 import argparse

@@ -5,7 +5,8 @@
 
 For each point, traces `--calls` queued calls of the jitted pass (after a warm-up) with `jax.profiler` and
 prints, per call, the device's busy time and the kernels that take it (`train_step_breakdown.
-gpu_kernel_summary`): the Mosaic GPU kernels by name, and the XLA fusions around them (the backward's
+gpu_kernel_summary`): the Mosaic GPU kernels by name (`flash_forward_sm90`, `flash_backward_dkdv_sm90`,
+`flash_backward_dq_sm90`), and the XLA fusions around them (the backward's
 delta = rowsum(dO * O), the float32 dQ buffer's zero fill and its conversion). The shapes are `bar.py`'s
 (B * N = 16k tokens, H * D = 2048, bf16); the timings come from a profiler and are not the bar's paired ratios.
 """

@@ -250,7 +250,8 @@ def test_overlapped_hopper_forward_in_mosaic_gpu_interpreter(case):
                                                              (False, True, False)])
 def test_overlapped_hopper_forward_lowers_for_gpu(head_dim, block_kv, is_causal, segments, persistent):
     """`HopperConfig.overlap` goes through Mosaic GPU's lowering (wgmma on a register operand while another
-    group is in flight, the partial wait), ragged and GQA, with the masked/unmasked loop split."""
+    group is in flight, the partial wait), ragged and GQA, with the masked/unmasked loop split; the kernel
+    carries the name a profile shows."""
     from pallas_flash.config import HopperConfig
     from pallas_flash.kernels import hopper_fwd
     q = jax.ShapeDtypeStruct((2, 300, 4, head_dim), jnp.bfloat16)
@@ -265,6 +266,7 @@ def test_overlapped_hopper_forward_lowers_for_gpu(head_dim, block_kv, is_causal,
 
     text = jax.jit(forward).trace(q, k, k, *ids).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+    assert "flash_forward_sm90" in text
 
 
 def packed_ids(length: int, *starts: int):

@@ -90,7 +90,7 @@ BACKWARD_VARIANTS = {  # HopperBwdConfig fields over the default's, per backward
                                          ((1, 200, 333, 2, 1, 96), jnp.float16)])
 def test_lowers_for_gpu(shape, dtype, is_causal, variant):
     """Both kernels (or, with dq_atomic, the one-pass kernel and its TMA reduce-adds into a dQ buffer) go
-    through Mosaic GPU's lowering (ragged lengths, GQA, padded head_dim)."""
+    through Mosaic GPU's lowering (ragged lengths, GQA, padded head_dim), under the names a profile shows."""
     q, k, v, d_out, d_lse = (jax.ShapeDtypeStruct(x.shape, x.dtype) for x in _inputs(shape, dtype))
     lse = d_lse
     config = dataclasses.replace(HopperBwdConfig.default(128 if shape[-1] > 64 else 64), **BACKWARD_VARIANTS[variant])
@@ -102,6 +102,7 @@ def test_lowers_for_gpu(shape, dtype, is_causal, variant):
     text = jax.jit(backward).trace(q, k, v, q, lse, d_out, d_lse).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("stablehlo.custom_call @mosaic_gpu") == (1 if dq_atomic else 2)
     assert ("cp.reduce.async.bulk.tensor" in text) == dq_atomic
+    assert "flash_backward_dkdv_sm90" in text and ("flash_backward_dq_sm90" in text) != dq_atomic
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])

@@ -783,7 +783,7 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_ids, kv_ids, *, scale: float, band: mas
     # dq_ordered: a pair's float32 dQ covers its kv head's group of query heads
     launch_group = pairs_per_group(batch * kv_heads, q.shape[1] * q.shape[2] // kv_heads * head_dim * 4)
 
-    def entry(*refs):
+    def flash_backward_dkdv_sm90(*refs):  # the kernel's name in profiles
         inputs, rest = refs[:6], refs[6:]
         segment_refs, rest = (rest[:3], rest[3:]) if has_segments else ((None, None, None), rest)
         ranks = semaphores = None
@@ -827,21 +827,23 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_ids, kv_ids, *, scale: float, band: mas
         grid.update(zip(("grid", "grid_names"), ordered_launch(batch, kv_heads, num_tiles, launch_group)))
         # Each block's first visitor stores its dQ, so the float32 buffer is a plain output (no zero fill: 0.04 of
         # 4.6 ms per fwd+bwd call at the bar's head_dim 64, 8k keys); rows no tile visits stay unwritten: zeroed here.
-        dq, dk, dv = plgpu.kernel(entry, out_type=(jax.ShapeDtypeStruct(q.shape, jnp.float32), *out_type),
+        dq, dk, dv = plgpu.kernel(flash_backward_dkdv_sm90,
+                                  out_type=(jax.ShapeDtypeStruct(q.shape, jnp.float32), *out_type),
                                   compiler_params=compiler_params, **grid)(
             *operands, dq_order_ranks(visits))
         return dk, dv, jnp.where(dq_visited_rows(visits, block_q)[:, :, None, None], dq, 0.0)
     if not config.dq_atomic:
-        return plgpu.kernel(entry, out_type=out_type, compiler_params=compiler_params, **grid, **interpreter)(
-            *operands)
+        return plgpu.kernel(flash_backward_dkdv_sm90, out_type=out_type, compiler_params=compiler_params, **grid,
+                            **interpreter)(*operands)
     # Free order: the dQ accumulator must start at zero and be written in place: a mutable array handed to the
     # kernel (plgpu.kernel's batching wrapper cannot carry one, so the mesh kernel is called directly). It lives
     # in a run_state, whose outside is pure: `_fold_vmap`'s custom_vmap cannot hold a bare `jax.new_ref` (state
     # discharge has no rule for custom_vmap_call).
     def accumulate(refs):
         dq_acc, dk_ref, dv_ref = refs
-        dk_ref[...], dv_ref[...] = pl.kernel(entry, out_type=out_type, mesh=plgpu.Mesh(**grid),
-                                             compiler_params=compiler_params, **interpreter)(*operands, dq_acc)
+        dk_ref[...], dv_ref[...] = pl.kernel(flash_backward_dkdv_sm90, out_type=out_type,
+                                             mesh=plgpu.Mesh(**grid), compiler_params=compiler_params,
+                                             **interpreter)(*operands, dq_acc)
 
     dq, dk, dv = pl.run_state(accumulate)((jnp.zeros(q.shape, jnp.float32), jnp.empty(k.shape, k.dtype),
                                            jnp.empty(v.shape, v.dtype)))
@@ -856,7 +858,7 @@ def _dq(q, k, v, d_out, lse2, delta, q_ids, kv_ids, *, scale: float, band: masks
     has_segments = q_ids is not None
     transforms = _transforms()
 
-    def entry(*refs):
+    def flash_backward_dq_sm90(*refs):  # the kernel's name in profiles
         inputs, rest = refs[:6], refs[6:]
         segment_refs, (dq_ref,) = (rest[:3], rest[3:]) if has_segments else ((None, None, None), rest)
         smem = (
@@ -884,7 +886,7 @@ def _dq(q, k, v, d_out, lse2, delta, q_ids, kv_ids, *, scale: float, band: masks
         operands += (q_ids, kv_ids, segment_block_ranges(q_ids, kv_ids, rows_per_tile=NUM_CONSUMERS * block_q,
                                                          cols_per_block=block_kv))
     return plgpu.kernel(
-        entry,
+        flash_backward_dq_sm90,
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
         grid=(batch, heads, num_q_tiles),
         grid_names=("batch", "heads", "q_tiles"),
