@@ -494,19 +494,24 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
     def _producer():
         plgpu.set_max_registers(producer_registers, action="decrease")
 
-        def load(step, slot, wait_free: bool):
+        def load(step, slot, wait_free: bool, copies=("q", "do")):
+            """Step `step`'s copies into ring slot `slot`: "q" its Q block and lse2 (and the ids), "do" its dO
+            block and delta."""
             g, q_block = step_block(step, q_lo=q_lo, q_steps=q_steps)
             head = kv_head * group + g
             queries = pl.ds(q_block * block_q, block_q)
             if wait_free:
                 plgpu.barrier_wait(free.at[slot])
             rows = (batch, queries, head)
-            plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_ready.at[slot])
-            plgpu.copy_gmem_to_smem(lse2_ref.at[batch, head, queries], lse_smem.at[slot], lse_ready.at[slot])
-            plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_ready.at[slot])
-            plgpu.copy_gmem_to_smem(delta_ref.at[batch, head, queries], delta_smem.at[slot], delta_ready.at[slot])
-            if has_segments:  # ids of the block's queries (read in masked steps, which all steps are then)
-                plgpu.copy_gmem_to_smem(q_ids_ref.at[batch, queries], segments[0].at[slot], segments[2].at[slot])
+            if "q" in copies:
+                plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_ready.at[slot])
+                plgpu.copy_gmem_to_smem(lse2_ref.at[batch, head, queries], lse_smem.at[slot], lse_ready.at[slot])
+                if has_segments:  # ids of the block's queries (read in masked steps, which all steps are then)
+                    plgpu.copy_gmem_to_smem(q_ids_ref.at[batch, queries], segments[0].at[slot],
+                                            segments[2].at[slot])
+            if "do" in copies:
+                plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_ready.at[slot])
+                plgpu.copy_gmem_to_smem(delta_ref.at[batch, head, queries], delta_smem.at[slot], delta_ready.at[slot])
 
         if dq_order is None:
             fill_ring(load, num_stages=num_stages, steps=total_steps)
@@ -514,12 +519,23 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
                 drain_ring((free,), num_stages=num_stages, steps=total_steps)
             return
 
-        # Waiting on other CTAs must not hold up the loads or the matmuls: one warp loads, another adds dQ.
+        # Waiting on other CTAs must not hold up the loads or the matmuls: one warp loads, another adds dQ. Under
+        # a band (the split step order) a third warp issues the dO copies, so that a step's copies leave from two
+        # warps at once: +0.4-0.6% at head_dim 64 causal 8k/16k (session 14's c1, three interleaved pairs;
+        # session 11's c10: +0.3-1.2%). On a full band it cost 4-7% (session 11), so not there.
+        split_loads = not band.is_full
+
         @plgpu.warp_map
         def _per_warp(warp):
             @pl.when(warp == 0)
             def _():
-                fill_ring(load, num_stages=num_stages, steps=total_steps)
+                fill_ring(functools.partial(load, copies=("q",) if split_loads else ("q", "do")),
+                          num_stages=num_stages, steps=total_steps)
+
+            if split_loads:
+                @pl.when(warp == 2)
+                def _():
+                    fill_ring(functools.partial(load, copies=("do",)), num_stages=num_stages, steps=total_steps)
 
             @pl.when(warp == 1)
             def _():
