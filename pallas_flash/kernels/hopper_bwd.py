@@ -60,6 +60,13 @@ MAX_HEAD_DIM = 128  # at 256, K and V of a 128-key CTA alone take 128 KiB of sha
 # none, measured 0-3% further (sixth session). benchmarks/results/2026-11-23-h100/README.md,
 # benchmarks/results/2026-11-25-h100/session10/README.md.
 REGISTERS = (240, 24)
+# The ordered one pass's producer warp by warp: warp 1 adds dQ in order, the others issue a step's copies ("q": Q
+# and the segment ids; "lse2", "do", "delta"). On a full band one warp issues them all: two cost 4-7% there
+# (session 11's c13). Under a band (the split step order) dO and delta from a second warp gained 0.5% at 8k and
+# 0.7% at 16k (head_dim 64 causal; session 14's c1, three interleaved pairs; session 11's c10: +0.3-1.2%);
+# three warps (lse2 and/or delta from warp 3) tied with two (session 14's c2).
+ALL_COPIES = ("q", "lse2", "do", "delta")
+BANDED_LOAD_WARPS = {0: ("q", "lse2"), 2: ("do", "delta")}
 
 def _transforms():
     # 128-byte swizzle over (8, 64)-element tiles: the layout wgmma reads without bank conflicts.
@@ -494,9 +501,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
     def _producer():
         plgpu.set_max_registers(producer_registers, action="decrease")
 
-        def load(step, slot, wait_free: bool, copies=("q", "do")):
-            """Step `step`'s copies into ring slot `slot`: "q" its Q block and lse2 (and the ids), "do" its dO
-            block and delta."""
+        def load(step, slot, wait_free: bool, copies=ALL_COPIES):
+            """Step `step`'s copies into ring slot `slot`, those named in `copies` (`ALL_COPIES`)."""
             g, q_block = step_block(step, q_lo=q_lo, q_steps=q_steps)
             head = kv_head * group + g
             queries = pl.ds(q_block * block_q, block_q)
@@ -505,12 +511,14 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
             rows = (batch, queries, head)
             if "q" in copies:
                 plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_ready.at[slot])
-                plgpu.copy_gmem_to_smem(lse2_ref.at[batch, head, queries], lse_smem.at[slot], lse_ready.at[slot])
                 if has_segments:  # ids of the block's queries (read in masked steps, which all steps are then)
                     plgpu.copy_gmem_to_smem(q_ids_ref.at[batch, queries], segments[0].at[slot],
                                             segments[2].at[slot])
+            if "lse2" in copies:
+                plgpu.copy_gmem_to_smem(lse2_ref.at[batch, head, queries], lse_smem.at[slot], lse_ready.at[slot])
             if "do" in copies:
                 plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_ready.at[slot])
+            if "delta" in copies:
                 plgpu.copy_gmem_to_smem(delta_ref.at[batch, head, queries], delta_smem.at[slot], delta_ready.at[slot])
 
         if dq_order is None:
@@ -520,22 +528,15 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
             return
 
         # Waiting on other CTAs must not hold up the loads or the matmuls: one warp loads, another adds dQ. Under
-        # a band (the split step order) a third warp issues the dO copies, so that a step's copies leave from two
-        # warps at once: +0.4-0.6% at head_dim 64 causal 8k/16k (session 14's c1, three interleaved pairs;
-        # session 11's c10: +0.3-1.2%). On a full band it cost 4-7% (session 11), so not there.
-        split_loads = not band.is_full
+        # a band (the split step order) the copies leave from several warps at once (`BANDED_LOAD_WARPS`).
+        load_warps = {0: ALL_COPIES} if band.is_full else BANDED_LOAD_WARPS
 
         @plgpu.warp_map
         def _per_warp(warp):
-            @pl.when(warp == 0)
-            def _():
-                fill_ring(functools.partial(load, copies=("q",) if split_loads else ("q", "do")),
-                          num_stages=num_stages, steps=total_steps)
-
-            if split_loads:
-                @pl.when(warp == 2)
-                def _():
-                    fill_ring(functools.partial(load, copies=("do",)), num_stages=num_stages, steps=total_steps)
+            for load_warp, copies in load_warps.items():
+                @pl.when(warp == load_warp)
+                def _(copies=copies):
+                    fill_ring(functools.partial(load, copies=copies), num_stages=num_stages, steps=total_steps)
 
             @pl.when(warp == 1)
             def _():
