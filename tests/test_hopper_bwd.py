@@ -34,7 +34,8 @@ def _inputs(shape, dtype, seed=0):
 def test_config_validation():
     assert HopperBwdConfig() == HopperBwdConfig(64, 64, 2, 64, 64, 2)
     for bad in (dict(block_q_dkv=32), dict(block_kv_dq=100), dict(block_kv_dkv=320), dict(num_stages_dq=1),
-                dict(block_q_dq=64.0), dict(num_stages_dkv=True), dict(dq_atomic=1), dict(dq_overlap=1)):
+                dict(block_q_dq=64.0), dict(num_stages_dkv=True), dict(dq_atomic=1), dict(dq_overlap=1),
+                dict(dq_convert=1), dict(dq_atomic=True, dq_convert=True)):
         with pytest.raises(ValueError):
             HopperBwdConfig(**bad)
     with pytest.raises(TypeError):
@@ -307,6 +308,20 @@ def test_dq_order_protocol_is_deadlock_free_and_fixed(is_causal, window, monkeyp
     assert len(orders[0]) == batch * kv_heads * group * len({j for lo, hi in visited[0] for j in range(lo, hi)})
 
 
+LOWERING_SHAPE = (2, 300, 333, 4, 2)  # batch, q_len, kv_len, heads, kv_heads: ragged, GQA
+
+
+def _lowering_specs(head_dim: int, segments: bool):
+    """(q, k, lse, (q_ids, kv_ids)) shapes for the lowering tests at `LOWERING_SHAPE`; ids None without segments."""
+    batch, q_len, kv_len, heads, kv_heads = LOWERING_SHAPE
+    q = jax.ShapeDtypeStruct((batch, q_len, heads, head_dim), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((batch, kv_len, kv_heads, head_dim), jnp.bfloat16)
+    lse = jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)
+    ids = ((jax.ShapeDtypeStruct((batch, q_len), jnp.int32), jax.ShapeDtypeStruct((batch, kv_len), jnp.int32))
+           if segments else (None, None))
+    return q, k, lse, ids
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("is_causal, window, segments", [(False, None, False), (True, None, False),
                                                          ((False), (40, 10), True), (True, None, True)])
@@ -316,12 +331,8 @@ def test_dq_ordered_lowers_for_gpu(head_dim, is_causal, window, segments):
     XLA passes in as a zeroed int32 buffer of one counter per (batch, query head, query block), aliased to an
     output; ragged lengths, GQA, bands and segment ids. The one-pass kernel without dq_ordered has none.
     The ordered kernel's float32 dQ buffer is an output (its first visitors store), not a zeroed input."""
-    batch, q_len, kv_len, heads = 2, 300, 333, 4
-    q = jax.ShapeDtypeStruct((batch, q_len, heads, head_dim), jnp.bfloat16)
-    k = jax.ShapeDtypeStruct((batch, kv_len, 2, head_dim), jnp.bfloat16)
-    lse = jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)
-    ids = ((jax.ShapeDtypeStruct((batch, q_len), jnp.int32), jax.ShapeDtypeStruct((batch, kv_len), jnp.int32))
-           if segments else (None, None))
+    batch, q_len, heads = LOWERING_SHAPE[0], LOWERING_SHAPE[1], LOWERING_SHAPE[3]
+    q, k, lse, ids = _lowering_specs(head_dim, segments)
     one_pass = dataclasses.replace(HopperBwdConfig.default(head_dim), dq_atomic=True, num_stages_dkv=2)
     texts = {}
     for ordered in (False, True):
@@ -347,6 +358,35 @@ def test_dq_ordered_lowers_for_gpu(head_dim, is_causal, window, segments):
             assert (ptx in text) == ordered, ptx
         assert (counters in text) == ordered
 
+
+
+@pytest.mark.parametrize("head_dim, is_causal, window, segments, in_kernel", [
+    (64, False, None, False, True), (64, True, None, False, True), (64, False, (40, 10), False, True),
+    (64, True, None, True, False),    # segment ids: blocks may go unvisited, and XLA zeroes their rows
+    (128, True, None, False, False),  # dQ split by columns between the consumers: not converted in the kernel
+])
+def test_dq_converted_in_kernel_lowers_for_gpu(head_dim, is_causal, window, segments, in_kernel):
+    """With `dq_convert`, the ordered kernel returns dQ in the inputs' dtype (its conversion CTAs
+    scale and convert the float32 sums) and XLA has no float32 -> bf16 pass over dQ left; where it does not
+    apply, the kernel's outputs and that pass are as before. Ragged lengths and GQA."""
+    batch, q_len, heads = LOWERING_SHAPE[0], LOWERING_SHAPE[1], LOWERING_SHAPE[3]
+    q, k, lse, ids = _lowering_specs(head_dim, segments)
+    config = dataclasses.replace(HopperBwdConfig.default(head_dim), dq_atomic=True, dq_ordered=True,
+                                 dq_convert=True, num_stages_dkv=2)
+
+    def backward(q, k, v, out, lse, d_out, d_lse, q_ids, kv_ids):
+        return hopper_bwd.hopper_backward(q, k, v, out, lse, d_out, d_lse, q_segment_ids=q_ids,
+                                          kv_segment_ids=kv_ids, scale=0.125, is_causal=is_causal,
+                                          local_window_size=window, config=config)
+
+    text = jax.jit(backward).trace(q, k, k, q, lse, q, lse, *ids).lower(lowering_platforms=("cuda",)).as_text()
+    granule = math.lcm(config.block_q_dkv, 2 * config.block_q_dq)  # of the padded query length
+    padded = f"{batch}x{granule * -(-q_len // granule)}x{heads}x{head_dim}"
+    call = next(line for line in text.splitlines() if "stablehlo.custom_call @mosaic_gpu" in line)
+    results = call[call.rindex("->"):]
+    assert f"tensor<{padded}xf32>" in results  # the float32 sums, in both cases
+    assert (f"tensor<{padded}xbf16>" in results) == in_kernel
+    assert (f"(tensor<{padded}xf32>) -> tensor<{padded}xbf16>" in text) != in_kernel
 
 def _largest_wgmma_group(jaxpr_text: str) -> int:
     """The most wgmmas issued in one innermost `{ lambda ... }` block of a printed jaxpr: a wgmma group
@@ -555,9 +595,11 @@ def test_dq_ordered_gpu_grid_has_a_partial_launch_group():
 @pytest.mark.gpu
 @pytest.mark.parametrize("mask", ["full", "causal", "window", "segments"])
 @pytest.mark.parametrize("shape", DQ_ORDERED_GPU_SHAPES)
-def test_dq_ordered_gradients_match_reference_and_repeat(shape, mask):
+@pytest.mark.parametrize("dq_convert", [False, True])
+def test_dq_ordered_gradients_match_reference_and_repeat(shape, mask, dq_convert):
     """The deterministic one-pass backward (dq_atomic + dq_ordered) against the reference, and 5 calls on one
-    input set give bitwise the same dq (and dk, dv)."""
+    input set give bitwise the same dq (and dk, dv). With dq_convert (dQ converted in the kernel, where it
+    applies), bitwise the gradients of the kernel without it: the same float32 sums, scaled and rounded alike."""
     if not hopper_fwd.on_hopper():
         pytest.skip("needs an sm90 GPU")
     q, k, v, d_out, d_lse = _inputs(shape, jnp.bfloat16, seed=4)
@@ -571,10 +613,15 @@ def test_dq_ordered_gradients_match_reference_and_repeat(shape, mask):
     band = dict(is_causal=is_causal, local_window_size=window)
     out, lse = hopper_fwd.hopper_forward(q, k, v, scale=scale, **band, **ids)
     config = dataclasses.replace(HopperBwdConfig.default(hopper_fwd.padded_head_dim(shape[-1])), dq_atomic=True,
-                                 dq_ordered=True, num_stages_dkv=2)
+                                 dq_ordered=True, dq_convert=dq_convert, num_stages_dkv=2)
     call = functools.partial(hopper_bwd.hopper_backward, q, k, v, out, lse, d_out, d_lse, scale=scale,
                              config=config, **band, **ids)
     grads = jax.block_until_ready(call())
+    if dq_convert:
+        unconverted = hopper_bwd.hopper_backward(q, k, v, out, lse, d_out, d_lse, scale=scale, **band, **ids,
+                                                 config=dataclasses.replace(config, dq_convert=False))
+        for name, a, b in zip(("dq", "dk", "dv"), grads, unconverted):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{name}: dq_convert changed it")
     _, vjp = jax.vjp(lambda *x: reference.attention_reference(*x, scale=scale, band=masks.Band.of(is_causal, window),
                                                               **ids),
                      *(x.astype(jnp.float32) for x in (q, k, v)))
