@@ -202,7 +202,7 @@ def test_dq_order_ranks(is_causal, window, segments):
 
 
 def _simulate_dq_order(ranks, visited, *, heads_per_kv: int, kv_heads: int, resident: int, seed: int,
-                       monkeypatch):
+                       monkeypatch, visitors=None):
     """The dq_ordered protocol on the CPU: CTAs dispatched in `hopper_bwd.ordered_launch`'s order (decoded by
     `ordered_cta`; 3 pairs per launch group, so that the last group is partial), at most `resident` at once;
     each move is one random resident CTA's store warp's next action. A CTA's steps are (g, block) for each
@@ -210,24 +210,40 @@ def _simulate_dq_order(ranks, visited, *, heads_per_kv: int, kv_heads: int, resi
     reaches its rank and adds, and its next move signals that semaphore (the add has landed: this needs
     nothing from other CTAs); after its last signal it exits. Inactive CTAs (past the last pair) exit at once.
     Step numbers decode by `hopper_bwd.step_block`, as in the kernel. Returns the tiles in the order they added
-    into each (batch, head, block) and the semaphores' final values; raises on a deadlock."""
+    into each (batch, head, block) and the semaphores' final values; raises on a deadlock.
+    With `visitors` ([batch, blocks]: how many tiles visit each block), also the conversion CTAs of
+    `HopperBwdConfig.dq_convert` (`conversion_cta`, `conversion_unit`): each converts its units in turn, a unit
+    once its semaphore reaches the block's visitors; returns as well, per (batch, head, block), the semaphore's
+    value at each conversion of it, and raises if a tile adds to a block already converted."""
     rng = np.random.default_rng(seed)
-    batch, num_tiles, _ = ranks.shape
-    grid, names = hopper_bwd.ordered_launch(batch, kv_heads, num_tiles, group=3)
-    pending = []  # (batch, kv head, tile) or None (inactive), in launch order: CUDA's x (the last axis) fastest
-    for index in np.ndindex(*grid):
+    batch, num_tiles, num_q_blocks = ranks.shape
+    heads, converting = kv_heads * heads_per_kv, visitors is not None
+    grid, names = hopper_bwd.ordered_launch(batch, kv_heads, num_tiles, group=3, convert_dq=converting)
+    ctas, units = num_tiles * 3, batch * heads * num_q_blocks
+    pending = []  # (batch, kv head, tile), ("convert", units), or None (inactive), in launch order: CUDA's x
+    for index in np.ndindex(*grid):  # (the last axis) fastest
         axes = dict(zip(names, (np.int32(i) for i in index)))
         monkeypatch.setattr(hopper_bwd.lax, "axis_index", lambda name: axes[name])
         b, h, t, active = (int(x) for x in hopper_bwd.ordered_cta(batch, kv_heads, num_tiles, group=3))
-        pending.append((b, h, t) if active else None)
+        cta, conversion = hopper_bwd.conversion_cta(batch, kv_heads, num_tiles, group=3)
+        if active:
+            pending.append((b, h, t))
+        elif converting and conversion:
+            unit = functools.partial(hopper_bwd.conversion_unit, cta=cta, ctas=ctas, heads=heads,
+                                     num_q_blocks=num_q_blocks)
+            pending.append(("convert", [tuple(int(x) for x in unit(np.int32(i))[1:])
+                                        for i in range(int(hopper_bwd.conversion_units(cta, ctas, units)))]))
+        else:
+            pending.append(None)
     monkeypatch.undo()
-    assert sorted(cta for cta in pending if cta) == [(b, h, t) for b in range(batch) for h in range(kv_heads)
-                                                     for t in range(num_tiles)]
+    assert sorted(cta for cta in pending if cta and cta[0] != "convert") == [
+        (b, h, t) for b in range(batch) for h in range(kv_heads) for t in range(num_tiles)]
+    converted = {}
     def cta_steps(lo, hi):  # the kernel's own decode of step numbers (its loader's and store warp's order)
         decode = functools.partial(hopper_bwd.step_block, q_lo=np.int32(lo), q_steps=np.int32(hi - lo))
         return [tuple(int(x) for x in decode(np.int32(i))) for i in range(heads_per_kv * (hi - lo))]
 
-    steps = {cta: cta_steps(*visited[cta[0]][cta[2]]) for cta in pending if cta}
+    steps = {cta: cta_steps(*visited[cta[0]][cta[2]]) for cta in pending if cta and cta[0] != "convert"}
     assert all(sorted(s) == [(g, j) for g in range(heads_per_kv) for j in range(*visited[cta[0]][cta[2]])]
                for cta, s in steps.items())
     semaphores, order, running = {}, {}, {}  # running: slot -> [cta, next step, whether step - 1 is signalled]
@@ -238,6 +254,8 @@ def _simulate_dq_order(ranks, visited, *, heads_per_kv: int, kv_heads: int, resi
 
     def ready(slot):
         cta, i, signalled = running[slot]
+        if cta is not None and cta[0] == "convert":  # to exit, or to convert the next unit
+            return i == len(cta[1]) or semaphores.get(cta[1][i], 0) >= visitors[cta[1][i][0], cta[1][i][2]]
         if cta is None or i > 0 and not signalled or i == len(steps[cta]):
             return True  # to exit, to signal, or to exit after the last signal
         b, _, t = cta
@@ -252,17 +270,21 @@ def _simulate_dq_order(ranks, visited, *, heads_per_kv: int, kv_heads: int, resi
             raise AssertionError(f"deadlock with {resident} resident CTAs: {running}")
         slot = movable[rng.integers(len(movable))]
         cta, i, signalled = running[slot]
-        if cta is None:
+        if cta is None or cta[0] == "convert" and i == len(cta[1]):
             del running[slot]
+        elif cta[0] == "convert":
+            converted.setdefault(cta[1][i], []).append(semaphores.get(cta[1][i], 0))
+            running[slot][1] = i + 1
         elif i > 0 and not signalled:
             semaphores[counter(cta, i - 1)] = semaphores.get(counter(cta, i - 1), 0) + 1
             running[slot][2] = True
         elif i == len(steps[cta]):
             del running[slot]
         else:
+            assert counter(cta, i) not in converted, f"{cta} adds to {counter(cta, i)} after its conversion"
             order.setdefault(counter(cta, i), []).append(cta[2])
             running[slot] = [cta, i + 1, False]
-    return order, semaphores
+    return (order, semaphores, converted) if converting else (order, semaphores)
 
 
 @pytest.mark.parametrize("pairs, dq_bytes, want", [
@@ -307,6 +329,29 @@ def test_dq_order_protocol_is_deadlock_free_and_fixed(is_causal, window, monkeyp
     assert all(order == orders[0] for order in orders)
     assert len(orders[0]) == batch * kv_heads * group * len({j for lo, hi in visited[0] for j in range(lo, hi)})
 
+
+
+@pytest.mark.parametrize("is_causal, window", [(False, None), (True, None), (False, (300, 100))])
+def test_dq_convert_protocol_converts_each_block_once_after_its_adds(is_causal, window, monkeypatch):
+    """`HopperBwdConfig.dq_convert`'s conversion CTAs in the simulated protocol (launched behind the tiles,
+    1 to 5 CTAs resident, random interleaving): no deadlock, every (batch, head, block) converted exactly once,
+    after all its tiles have added (the semaphore then holds its visitor count, and no tile adds later)."""
+    batch, kv_heads, group, block_q, tile_keys, num_q_blocks, num_tiles = 2, 2, 2, 64, 128, 9, 7
+    common = dict(block_q=block_q, tile_keys=tile_keys, num_q_blocks=num_q_blocks, kv_pad=num_tiles * tile_keys,
+                  band=masks.Band.of(is_causal, window))
+    assert hopper_bwd._every_block_visited(batch=batch, num_tiles=num_tiles, **common)  # where dq_convert applies
+    visits = hopper_bwd.tile_visits(None, batch=batch, num_tiles=num_tiles, **common)
+    ranks, visitors = np.asarray(hopper_bwd.dq_order_ranks(visits)), np.asarray(visits.sum(axis=1))
+    visited = [[tuple(int(x) for x in hopper_bwd.visited_q_blocks(t, None, **common)[:2]) for t in range(num_tiles)]
+               for _ in range(batch)]
+    blocks = {(b, head, j) for b in range(batch) for head in range(kv_heads * group) for j in range(num_q_blocks)}
+    for resident, seed in ((1, 0), (2, 1), (5, 2), (5, 3)):
+        _, semaphores, converted = _simulate_dq_order(ranks, visited, heads_per_kv=group, kv_heads=kv_heads,
+                                                      resident=resident, seed=seed, monkeypatch=monkeypatch,
+                                                      visitors=visitors)
+        assert set(converted) == blocks
+        for (b, head, j), values in converted.items():
+            assert values == [visitors[b, j]] == [semaphores[(b, head, j)]]
 
 LOWERING_SHAPE = (2, 300, 333, 4, 2)  # batch, q_len, kv_len, heads, kv_heads: ragged, GQA
 

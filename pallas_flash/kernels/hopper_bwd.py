@@ -169,10 +169,12 @@ def pairs_per_group(pairs: int, dq_bytes_per_pair: int) -> int:
     return max(1, min(pairs, MAX_PAIRS_PER_GROUP, DQ_L2_BYTES // dq_bytes_per_pair))
 
 
-def ordered_launch(batch: int, kv_heads: int, num_tiles: int, group: int):
+def ordered_launch(batch: int, kv_heads: int, num_tiles: int, group: int, convert_dq: bool = False):
     """(grid, grid_names) of the dq_ordered dK/dV kernel with `group` pairs per group: (pair groups, key tiles,
-    pairs in a group), the last CUDA's x (fastest in launch order). `ordered_cta` decodes a CTA's coordinates."""
-    return (pl.cdiv(batch * kv_heads, group), num_tiles, group), ("pair_groups", "kv_tiles", "pairs")
+    pairs in a group), the last CUDA's x (fastest in launch order); with `convert_dq` one more pair group, of
+    conversion CTAs (`HopperBwdConfig.dq_convert`). `ordered_cta` and `conversion_cta` decode a CTA."""
+    return ((pl.cdiv(batch * kv_heads, group) + convert_dq, num_tiles, group),
+            ("pair_groups", "kv_tiles", "pairs"))
 
 
 def ordered_cta(batch: int, kv_heads: int, num_tiles: int, group: int):
@@ -181,6 +183,27 @@ def ordered_cta(batch: int, kv_heads: int, num_tiles: int, group: int):
     pair = lax.axis_index("pair_groups") * group + lax.axis_index("pairs")
     kv_tile = num_tiles - 1 - lax.axis_index("kv_tiles")
     return lax.div(pair, kv_heads), lax.rem(pair, kv_heads), kv_tile, pair < batch * kv_heads
+
+
+def conversion_cta(batch: int, kv_heads: int, num_tiles: int, group: int):
+    """(index among the conversion CTAs, whether this CTA is one) under `ordered_launch(..., convert_dq=True)`:
+    the CTAs of the extra, last pair group; num_tiles * group of them."""
+    index = lax.axis_index("kv_tiles") * group + lax.axis_index("pairs")
+    return index, lax.axis_index("pair_groups") == pl.cdiv(batch * kv_heads, group)
+
+
+def conversion_units(cta, ctas: int, units: int):
+    """How many of the flattened (batch, query head, query block) units conversion CTA `cta` of `ctas` takes:
+    units cta, cta + ctas, ... below `units`."""
+    return lax.div(units - cta + ctas - 1, ctas)
+
+
+def conversion_unit(i, *, cta, ctas: int, heads: int, num_q_blocks: int):
+    """(unit, batch, query head, query block) of conversion CTA `cta`'s i-th unit (`conversion_units`); the
+    unit is also the index of the block's dQ semaphore (`store_dq_in_order`'s)."""
+    u = cta + i * ctas
+    batch, rest = lax.div(u, heads * num_q_blocks), lax.rem(u, heads * num_q_blocks)
+    return u, batch, lax.div(rest, num_q_blocks), lax.rem(rest, num_q_blocks)
 
 
 def step_block(step, *, q_lo, q_steps):
@@ -610,13 +633,8 @@ def convert_dq_in_order(order: _DqOrder, visitors_ref, dq_acc_ref, dq_ref, stagi
     units = dq_acc_ref.shape[0] * heads * num_q_blocks
     rows, cols = _dq_share(head_dim, block_q, wg)
     out_rows = pl.ds(0, rows.size)  # the share at the top of this warpgroup's block-sized buffer
-    mine = lax.div(units - cta + ctas - 1, ctas)  # this CTA's blocks
-
-    def block_of(i):
-        u = cta + i * ctas
-        batch, rest = lax.div(u, heads * num_q_blocks), lax.rem(u, heads * num_q_blocks)
-        head, q_block = lax.div(rest, num_q_blocks), lax.rem(rest, num_q_blocks)
-        return u, batch, head, q_block
+    mine = conversion_units(cta, ctas, units)
+    block_of = functools.partial(conversion_unit, cta=cta, ctas=ctas, heads=heads, num_q_blocks=num_q_blocks)
 
     def fetch(i):
         u, batch, head, q_block = block_of(i)
@@ -860,7 +878,6 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_ids, kv_ids, *, scale: float, band: mas
     num_tiles = kv_pad // (NUM_CONSUMERS * block_kv)
     # dq_ordered: a pair's float32 dQ covers its kv head's group of query heads
     launch_group = pairs_per_group(batch * kv_heads, q.shape[1] * q.shape[2] // kv_heads * head_dim * 4)
-    launch_groups = pl.cdiv(batch * kv_heads, launch_group)
     # dQ in its dtype straight from the ordered kernel (its conversion CTAs take its float32 sums: 0.067 ms of
     # 4.6 / 8.6 ms per fwd+bwd call in XLA at head_dim 64, 8k / 16k keys, session 12's c5), where every query
     # block is visited (else XLA zeroes the others' rows, as well in its conversion) and dQ is split by rows.
@@ -890,14 +907,12 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_ids, kv_ids, *, scale: float, band: mas
             if not convert_dq:
                 return
             (_, _, q_smem, do_smem, _, _, _, staging), _, (q_ready, do_ready, *_), *_ = scoped
-            wg = lax.axis_index("wg")
+            cta, converting = conversion_cta(batch, kv_heads, num_tiles, launch_group)
             for consumer, out_smem, ready in ((0, q_smem, q_ready), (1, do_smem, do_ready)):
-                @pl.when((lax.axis_index("pair_groups") == launch_groups) & (wg == consumer))
+                @pl.when(converting & (lax.axis_index("wg") == consumer))
                 def _(consumer=consumer, out_smem=out_smem, ready=ready):
-                    convert_dq_in_order(
-                        order, visitors, dq_acc, dq_out, staging, out_smem, ready, wg=consumer,
-                        cta=lax.axis_index("kv_tiles") * launch_group + lax.axis_index("pairs"),
-                        ctas=num_tiles * launch_group, scale=scale, block_q=block_q)
+                    convert_dq_in_order(order, visitors, dq_acc, dq_out, staging, out_smem, ready, wg=consumer,
+                                        cta=cta, ctas=num_tiles * launch_group, scale=scale, block_q=block_q)
 
         pl.run_scoped(
             run,
@@ -923,8 +938,8 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_ids, kv_ids, *, scale: float, band: mas
     if config.dq_ordered:
         visits = tile_visits(q_ranges, batch=batch, num_tiles=num_tiles, block_q=block_q,
                              tile_keys=NUM_CONSUMERS * block_kv, num_q_blocks=num_q_blocks, kv_pad=kv_pad, band=band)
-        (groups, *rest_of_grid), grid["grid_names"] = ordered_launch(batch, kv_heads, num_tiles, launch_group)
-        grid["grid"] = (groups + convert_dq, *rest_of_grid)  # with convert_dq, one more group: the conversion CTAs
+        grid.update(zip(("grid", "grid_names"),
+                        ordered_launch(batch, kv_heads, num_tiles, launch_group, convert_dq=convert_dq)))
         # Each block's first visitor stores its dQ, so the float32 buffer is a plain output (no zero fill: 0.04 of
         # 4.6 ms per fwd+bwd call at the bar's head_dim 64, 8k keys); rows no tile visits stay unwritten: zeroed here.
         order_tables = (dq_order_ranks(visits),) + ((jnp.sum(visits, axis=1, dtype=jnp.int32),) if convert_dq else ())
