@@ -330,7 +330,6 @@ def test_dq_order_protocol_is_deadlock_free_and_fixed(is_causal, window, monkeyp
     assert len(orders[0]) == batch * kv_heads * group * len({j for lo, hi in visited[0] for j in range(lo, hi)})
 
 
-
 @pytest.mark.parametrize("is_causal, window", [(False, None), (True, None), (False, (300, 100))])
 def test_dq_convert_protocol_converts_each_block_once_after_its_adds(is_causal, window, monkeypatch):
     """`HopperBwdConfig.dq_convert`'s conversion CTAs in the simulated protocol (launched behind the tiles,
@@ -352,6 +351,7 @@ def test_dq_convert_protocol_converts_each_block_once_after_its_adds(is_causal, 
         assert set(converted) == blocks
         for (b, head, j), values in converted.items():
             assert values == [visitors[b, j]] == [semaphores[(b, head, j)]]
+
 
 LOWERING_SHAPE = (2, 300, 333, 4, 2)  # batch, q_len, kv_len, heads, kv_heads: ragged, GQA
 
@@ -376,7 +376,7 @@ def test_dq_ordered_lowers_for_gpu(head_dim, is_causal, window, segments):
     XLA passes in as a zeroed int32 buffer of one counter per (batch, query head, query block), aliased to an
     output; ragged lengths, GQA, bands and segment ids. The one-pass kernel without dq_ordered has none.
     The ordered kernel's float32 dQ buffer is an output (its first visitors store), not a zeroed input."""
-    batch, q_len, heads = LOWERING_SHAPE[0], LOWERING_SHAPE[1], LOWERING_SHAPE[3]
+    batch, q_len, _, heads, _ = LOWERING_SHAPE
     q, k, lse, ids = _lowering_specs(head_dim, segments)
     one_pass = dataclasses.replace(HopperBwdConfig.default(head_dim), dq_atomic=True, num_stages_dkv=2)
     texts = {}
@@ -404,7 +404,6 @@ def test_dq_ordered_lowers_for_gpu(head_dim, is_causal, window, segments):
         assert (counters in text) == ordered
 
 
-
 @pytest.mark.parametrize("head_dim, is_causal, window, segments, in_kernel", [
     (64, False, None, False, True), (64, True, None, False, True), (64, False, (40, 10), False, True),
     (64, True, None, True, False),    # segment ids: blocks may go unvisited, and XLA zeroes their rows
@@ -414,7 +413,7 @@ def test_dq_converted_in_kernel_lowers_for_gpu(head_dim, is_causal, window, segm
     """With `dq_convert`, the ordered kernel returns dQ in the inputs' dtype (its conversion CTAs
     scale and convert the float32 sums) and XLA has no float32 -> bf16 pass over dQ left; where it does not
     apply, the kernel's outputs and that pass are as before. Ragged lengths and GQA."""
-    batch, q_len, heads = LOWERING_SHAPE[0], LOWERING_SHAPE[1], LOWERING_SHAPE[3]
+    batch, q_len, _, heads, _ = LOWERING_SHAPE
     q, k, lse, ids = _lowering_specs(head_dim, segments)
     config = dataclasses.replace(HopperBwdConfig.default(head_dim), dq_atomic=True, dq_ordered=True,
                                  dq_convert=True, num_stages_dkv=2)
@@ -432,6 +431,7 @@ def test_dq_converted_in_kernel_lowers_for_gpu(head_dim, is_causal, window, segm
     assert f"tensor<{padded}xf32>" in results  # the float32 sums, in both cases
     assert (f"tensor<{padded}xbf16>" in results) == in_kernel
     assert (f"(tensor<{padded}xf32>) -> tensor<{padded}xbf16>" in text) != in_kernel
+
 
 def _largest_wgmma_group(jaxpr_text: str) -> int:
     """The most wgmmas issued in one innermost `{ lambda ... }` block of a printed jaxpr: a wgmma group

@@ -942,15 +942,14 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_ids, kv_ids, *, scale: float, band: mas
                         ordered_launch(batch, kv_heads, num_tiles, launch_group, convert_dq=convert_dq)))
         # Each block's first visitor stores its dQ, so the float32 buffer is a plain output (no zero fill: 0.04 of
         # 4.6 ms per fwd+bwd call at the bar's head_dim 64, 8k keys); rows no tile visits stay unwritten: zeroed here.
+        # With convert_dq: also each block's count of visiting tiles in, and dQ itself (scaled, q's dtype) out.
         order_tables = (dq_order_ranks(visits),) + ((jnp.sum(visits, axis=1, dtype=jnp.int32),) if convert_dq else ())
-        dq_types = (jax.ShapeDtypeStruct(q.shape, jnp.float32),)  # the sums; with convert_dq also dQ itself, last
-        outs = plgpu.kernel(flash_backward_dkdv_sm90,
-                            out_type=(*dq_types, *out_type) + ((jax.ShapeDtypeStruct(q.shape, q.dtype),)
-                                                               if convert_dq else ()),
-                            compiler_params=compiler_params, **grid)(*operands, *order_tables)
+        converted_type = (jax.ShapeDtypeStruct(q.shape, q.dtype),) if convert_dq else ()
+        dq, dk, dv, *converted = plgpu.kernel(
+            flash_backward_dkdv_sm90, out_type=(jax.ShapeDtypeStruct(q.shape, jnp.float32), *out_type, *converted_type),
+            compiler_params=compiler_params, **grid)(*operands, *order_tables)
         if convert_dq:
-            return outs[1], outs[2], outs[3]
-        dq, dk, dv = outs
+            return dk, dv, converted[0]
         return dk, dv, jnp.where(dq_visited_rows(visits, block_q)[:, :, None, None], dq, 0.0)
     if not config.dq_atomic:
         return plgpu.kernel(flash_backward_dkdv_sm90, out_type=out_type, compiler_params=compiler_params, **grid,
