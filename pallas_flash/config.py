@@ -98,7 +98,7 @@ class HopperConfig:
         return cls(block_q=64, block_kv=64, num_stages=2)
 
 
-_BWD_FLAGS = ("dq_atomic", "dq_ordered", "dq_convert", "dq_overlap", "dkv_overlap")  # HopperBwdConfig's bool fields
+_BWD_FLAGS = ("dq_atomic", "dq_ordered", "dq_overlap", "dkv_overlap")  # HopperBwdConfig's bool fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,12 +135,6 @@ class HopperBwdConfig:
         dq_atomic alone, ahead of the two passes except at causal 2k (pallas_flash/kernels/NOTES.md,
         "Deterministic one-pass on the H100", "Order of the wgmmas"); the default for deterministic gradients
         at head_dim 64. False leaves dq_atomic's order free.
-      dq_convert: with dq_ordered only (ValueError otherwise): dQ's float32 sums scaled and converted to the
-        inputs' dtype inside the ordered kernel, by extra CTAs launched behind the key tiles into the SMs its
-        last tiles leave idle (`hopper_bwd.convert_dq_in_order`), instead of by an XLA pass over dQ after it.
-        Where dQ is split by columns between the consumers (head_dim 128) or some query block may go unvisited
-        (segment ids; bands that miss whole blocks), XLA's pass stays, as with False. Unmeasured on the GPU
-        (pallas_flash/kernels/NOTES.md, "dQ converted inside the ordered kernel"), hence off by default.
       dq_overlap: the two-pass dQ kernel's intra-warpgroup pipelining: step j issues S_j and dP_j, then
         dQ += dS_{j-1} K_{j-1}, and computes dS_j while that last product runs (`hopper_bwd._dq_kernel`). Holds
         dQ, S_j, dP_j and dS_{j-1} in registers at once, and each consumer two key blocks of the ring, which
@@ -162,7 +156,6 @@ class HopperBwdConfig:
     num_stages_dq: int = 2
     dq_atomic: bool = False
     dq_ordered: bool = False
-    dq_convert: bool = False
     dq_overlap: bool = False
     dkv_overlap: bool = False
 
@@ -173,9 +166,6 @@ class HopperBwdConfig:
         if self.dq_ordered and not self.dq_atomic:
             raise ValueError("HopperBwdConfig.dq_ordered orders the one-pass backward's dQ reduce-adds: it needs "
                              "dq_atomic=True (the two-pass backward is deterministic already)")
-        if self.dq_convert and not self.dq_ordered:
-            raise ValueError("HopperBwdConfig.dq_convert converts dQ inside the ordered one-pass kernel: it needs "
-                             "dq_atomic=True and dq_ordered=True")
         for field in dataclasses.fields(self):
             if field.name in _BWD_FLAGS:
                 continue

@@ -34,8 +34,7 @@ def _inputs(shape, dtype, seed=0):
 def test_config_validation():
     assert HopperBwdConfig() == HopperBwdConfig(64, 64, 2, 64, 64, 2)
     for bad in (dict(block_q_dkv=32), dict(block_kv_dq=100), dict(block_kv_dkv=320), dict(num_stages_dq=1),
-                dict(block_q_dq=64.0), dict(num_stages_dkv=True), dict(dq_atomic=1), dict(dq_overlap=1),
-                dict(dq_convert=1), dict(dq_atomic=True, dq_convert=True)):
+                dict(block_q_dq=64.0), dict(num_stages_dkv=True), dict(dq_atomic=1), dict(dq_overlap=1)):
         with pytest.raises(ValueError):
             HopperBwdConfig(**bad)
     with pytest.raises(TypeError):
@@ -202,7 +201,7 @@ def test_dq_order_ranks(is_causal, window, segments):
 
 
 def _simulate_dq_order(ranks, visited, *, heads_per_kv: int, kv_heads: int, resident: int, seed: int,
-                       monkeypatch, visitors=None):
+                       monkeypatch):
     """The dq_ordered protocol on the CPU: CTAs dispatched in `hopper_bwd.ordered_launch`'s order (decoded by
     `ordered_cta`; 3 pairs per launch group, so that the last group is partial), at most `resident` at once;
     each move is one random resident CTA's store warp's next action. A CTA's steps are (g, block) for each
@@ -210,40 +209,24 @@ def _simulate_dq_order(ranks, visited, *, heads_per_kv: int, kv_heads: int, resi
     reaches its rank and adds, and its next move signals that semaphore (the add has landed: this needs
     nothing from other CTAs); after its last signal it exits. Inactive CTAs (past the last pair) exit at once.
     Step numbers decode by `hopper_bwd.step_block`, as in the kernel. Returns the tiles in the order they added
-    into each (batch, head, block) and the semaphores' final values; raises on a deadlock.
-    With `visitors` ([batch, blocks]: how many tiles visit each block), also the conversion CTAs of
-    `HopperBwdConfig.dq_convert` (`conversion_cta`, `conversion_unit`): each converts its units in turn, a unit
-    once its semaphore reaches the block's visitors; returns as well, per (batch, head, block), the semaphore's
-    value at each conversion of it, and raises if a tile adds to a block already converted."""
+    into each (batch, head, block) and the semaphores' final values; raises on a deadlock."""
     rng = np.random.default_rng(seed)
-    batch, num_tiles, num_q_blocks = ranks.shape
-    heads, converting = kv_heads * heads_per_kv, visitors is not None
-    grid, names = hopper_bwd.ordered_launch(batch, kv_heads, num_tiles, group=3, convert_dq=converting)
-    ctas, units = num_tiles * 3, batch * heads * num_q_blocks
-    pending = []  # (batch, kv head, tile), ("convert", units), or None (inactive), in launch order: CUDA's x
-    for index in np.ndindex(*grid):  # (the last axis) fastest
+    batch, num_tiles, _ = ranks.shape
+    grid, names = hopper_bwd.ordered_launch(batch, kv_heads, num_tiles, group=3)
+    pending = []  # (batch, kv head, tile) or None (inactive), in launch order: CUDA's x (the last axis) fastest
+    for index in np.ndindex(*grid):
         axes = dict(zip(names, (np.int32(i) for i in index)))
         monkeypatch.setattr(hopper_bwd.lax, "axis_index", lambda name: axes[name])
         b, h, t, active = (int(x) for x in hopper_bwd.ordered_cta(batch, kv_heads, num_tiles, group=3))
-        cta, conversion = hopper_bwd.conversion_cta(batch, kv_heads, num_tiles, group=3)
-        if active:
-            pending.append((b, h, t))
-        elif converting and conversion:
-            unit = functools.partial(hopper_bwd.conversion_unit, cta=cta, ctas=ctas, heads=heads,
-                                     num_q_blocks=num_q_blocks)
-            pending.append(("convert", [tuple(int(x) for x in unit(np.int32(i))[1:])
-                                        for i in range(int(hopper_bwd.conversion_units(cta, ctas, units)))]))
-        else:
-            pending.append(None)
+        pending.append((b, h, t) if active else None)
     monkeypatch.undo()
-    assert sorted(cta for cta in pending if cta and cta[0] != "convert") == [
-        (b, h, t) for b in range(batch) for h in range(kv_heads) for t in range(num_tiles)]
-    converted = {}
+    assert sorted(cta for cta in pending if cta) == [(b, h, t) for b in range(batch) for h in range(kv_heads)
+                                                     for t in range(num_tiles)]
     def cta_steps(lo, hi):  # the kernel's own decode of step numbers (its loader's and store warp's order)
         decode = functools.partial(hopper_bwd.step_block, q_lo=np.int32(lo), q_steps=np.int32(hi - lo))
         return [tuple(int(x) for x in decode(np.int32(i))) for i in range(heads_per_kv * (hi - lo))]
 
-    steps = {cta: cta_steps(*visited[cta[0]][cta[2]]) for cta in pending if cta and cta[0] != "convert"}
+    steps = {cta: cta_steps(*visited[cta[0]][cta[2]]) for cta in pending if cta}
     assert all(sorted(s) == [(g, j) for g in range(heads_per_kv) for j in range(*visited[cta[0]][cta[2]])]
                for cta, s in steps.items())
     semaphores, order, running = {}, {}, {}  # running: slot -> [cta, next step, whether step - 1 is signalled]
@@ -254,8 +237,6 @@ def _simulate_dq_order(ranks, visited, *, heads_per_kv: int, kv_heads: int, resi
 
     def ready(slot):
         cta, i, signalled = running[slot]
-        if cta is not None and cta[0] == "convert":  # to exit, or to convert the next unit
-            return i == len(cta[1]) or semaphores.get(cta[1][i], 0) >= visitors[cta[1][i][0], cta[1][i][2]]
         if cta is None or i > 0 and not signalled or i == len(steps[cta]):
             return True  # to exit, to signal, or to exit after the last signal
         b, _, t = cta
@@ -270,21 +251,17 @@ def _simulate_dq_order(ranks, visited, *, heads_per_kv: int, kv_heads: int, resi
             raise AssertionError(f"deadlock with {resident} resident CTAs: {running}")
         slot = movable[rng.integers(len(movable))]
         cta, i, signalled = running[slot]
-        if cta is None or cta[0] == "convert" and i == len(cta[1]):
+        if cta is None:
             del running[slot]
-        elif cta[0] == "convert":
-            converted.setdefault(cta[1][i], []).append(semaphores.get(cta[1][i], 0))
-            running[slot][1] = i + 1
         elif i > 0 and not signalled:
             semaphores[counter(cta, i - 1)] = semaphores.get(counter(cta, i - 1), 0) + 1
             running[slot][2] = True
         elif i == len(steps[cta]):
             del running[slot]
         else:
-            assert counter(cta, i) not in converted, f"{cta} adds to {counter(cta, i)} after its conversion"
             order.setdefault(counter(cta, i), []).append(cta[2])
             running[slot] = [cta, i + 1, False]
-    return (order, semaphores, converted) if converting else (order, semaphores)
+    return order, semaphores
 
 
 @pytest.mark.parametrize("pairs, dq_bytes, want", [
@@ -330,43 +307,6 @@ def test_dq_order_protocol_is_deadlock_free_and_fixed(is_causal, window, monkeyp
     assert len(orders[0]) == batch * kv_heads * group * len({j for lo, hi in visited[0] for j in range(lo, hi)})
 
 
-@pytest.mark.parametrize("is_causal, window", [(False, None), (True, None), (False, (300, 100))])
-def test_dq_convert_protocol_converts_each_block_once_after_its_adds(is_causal, window, monkeypatch):
-    """`HopperBwdConfig.dq_convert`'s conversion CTAs in the simulated protocol (launched behind the tiles,
-    1 to 5 CTAs resident, random interleaving): no deadlock, every (batch, head, block) converted exactly once,
-    after all its tiles have added (the semaphore then holds its visitor count, and no tile adds later)."""
-    batch, kv_heads, group, block_q, tile_keys, num_q_blocks, num_tiles = 2, 2, 2, 64, 128, 9, 7
-    common = dict(block_q=block_q, tile_keys=tile_keys, num_q_blocks=num_q_blocks, kv_pad=num_tiles * tile_keys,
-                  band=masks.Band.of(is_causal, window))
-    assert hopper_bwd._every_block_visited(batch=batch, num_tiles=num_tiles, **common)  # where dq_convert applies
-    visits = hopper_bwd.tile_visits(None, batch=batch, num_tiles=num_tiles, **common)
-    ranks, visitors = np.asarray(hopper_bwd.dq_order_ranks(visits)), np.asarray(visits.sum(axis=1))
-    visited = [[tuple(int(x) for x in hopper_bwd.visited_q_blocks(t, None, **common)[:2]) for t in range(num_tiles)]
-               for _ in range(batch)]
-    blocks = {(b, head, j) for b in range(batch) for head in range(kv_heads * group) for j in range(num_q_blocks)}
-    for resident, seed in ((1, 0), (2, 1), (5, 2), (5, 3)):
-        _, semaphores, converted = _simulate_dq_order(ranks, visited, heads_per_kv=group, kv_heads=kv_heads,
-                                                      resident=resident, seed=seed, monkeypatch=monkeypatch,
-                                                      visitors=visitors)
-        assert set(converted) == blocks
-        for (b, head, j), values in converted.items():
-            assert values == [visitors[b, j]] == [semaphores[(b, head, j)]]
-
-
-LOWERING_SHAPE = (2, 300, 333, 4, 2)  # batch, q_len, kv_len, heads, kv_heads: ragged, GQA
-
-
-def _lowering_specs(head_dim: int, segments: bool):
-    """(q, k, lse, (q_ids, kv_ids)) shapes for the lowering tests at `LOWERING_SHAPE`; ids None without segments."""
-    batch, q_len, kv_len, heads, kv_heads = LOWERING_SHAPE
-    q = jax.ShapeDtypeStruct((batch, q_len, heads, head_dim), jnp.bfloat16)
-    k = jax.ShapeDtypeStruct((batch, kv_len, kv_heads, head_dim), jnp.bfloat16)
-    lse = jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)
-    ids = ((jax.ShapeDtypeStruct((batch, q_len), jnp.int32), jax.ShapeDtypeStruct((batch, kv_len), jnp.int32))
-           if segments else (None, None))
-    return q, k, lse, ids
-
-
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("is_causal, window, segments", [(False, None, False), (True, None, False),
                                                          ((False), (40, 10), True), (True, None, True)])
@@ -376,8 +316,12 @@ def test_dq_ordered_lowers_for_gpu(head_dim, is_causal, window, segments):
     XLA passes in as a zeroed int32 buffer of one counter per (batch, query head, query block), aliased to an
     output; ragged lengths, GQA, bands and segment ids. The one-pass kernel without dq_ordered has none.
     The ordered kernel's float32 dQ buffer is an output (its first visitors store), not a zeroed input."""
-    batch, q_len, _, heads, _ = LOWERING_SHAPE
-    q, k, lse, ids = _lowering_specs(head_dim, segments)
+    batch, q_len, kv_len, heads = 2, 300, 333, 4
+    q = jax.ShapeDtypeStruct((batch, q_len, heads, head_dim), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((batch, kv_len, 2, head_dim), jnp.bfloat16)
+    lse = jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)
+    ids = ((jax.ShapeDtypeStruct((batch, q_len), jnp.int32), jax.ShapeDtypeStruct((batch, kv_len), jnp.int32))
+           if segments else (None, None))
     one_pass = dataclasses.replace(HopperBwdConfig.default(head_dim), dq_atomic=True, num_stages_dkv=2)
     texts = {}
     for ordered in (False, True):
@@ -402,35 +346,6 @@ def test_dq_ordered_lowers_for_gpu(head_dim, is_causal, window, segments):
         for ptx in ("red.release.gpu.global.add", "ld.relaxed.gpu.global", "fence.acquire.gpu"):
             assert (ptx in text) == ordered, ptx
         assert (counters in text) == ordered
-
-
-@pytest.mark.parametrize("head_dim, is_causal, window, segments, in_kernel", [
-    (64, False, None, False, True), (64, True, None, False, True), (64, False, (40, 10), False, True),
-    (64, True, None, True, False),    # segment ids: blocks may go unvisited, and XLA zeroes their rows
-    (128, True, None, False, False),  # dQ split by columns between the consumers: not converted in the kernel
-])
-def test_dq_converted_in_kernel_lowers_for_gpu(head_dim, is_causal, window, segments, in_kernel):
-    """With `dq_convert`, the ordered kernel returns dQ in the inputs' dtype (its conversion CTAs
-    scale and convert the float32 sums) and XLA has no float32 -> bf16 pass over dQ left; where it does not
-    apply, the kernel's outputs and that pass are as before. Ragged lengths and GQA."""
-    batch, q_len, _, heads, _ = LOWERING_SHAPE
-    q, k, lse, ids = _lowering_specs(head_dim, segments)
-    config = dataclasses.replace(HopperBwdConfig.default(head_dim), dq_atomic=True, dq_ordered=True,
-                                 dq_convert=True, num_stages_dkv=2)
-
-    def backward(q, k, v, out, lse, d_out, d_lse, q_ids, kv_ids):
-        return hopper_bwd.hopper_backward(q, k, v, out, lse, d_out, d_lse, q_segment_ids=q_ids,
-                                          kv_segment_ids=kv_ids, scale=0.125, is_causal=is_causal,
-                                          local_window_size=window, config=config)
-
-    text = jax.jit(backward).trace(q, k, k, q, lse, q, lse, *ids).lower(lowering_platforms=("cuda",)).as_text()
-    granule = math.lcm(config.block_q_dkv, 2 * config.block_q_dq)  # of the padded query length
-    padded = f"{batch}x{granule * -(-q_len // granule)}x{heads}x{head_dim}"
-    call = next(line for line in text.splitlines() if "stablehlo.custom_call @mosaic_gpu" in line)
-    results = call[call.rindex("->"):]
-    assert f"tensor<{padded}xf32>" in results  # the float32 sums, in both cases
-    assert (f"tensor<{padded}xbf16>" in results) == in_kernel
-    assert (f"(tensor<{padded}xf32>) -> tensor<{padded}xbf16>" in text) != in_kernel
 
 
 def _largest_wgmma_group(jaxpr_text: str) -> int:
@@ -640,11 +555,9 @@ def test_dq_ordered_gpu_grid_has_a_partial_launch_group():
 @pytest.mark.gpu
 @pytest.mark.parametrize("mask", ["full", "causal", "window", "segments"])
 @pytest.mark.parametrize("shape", DQ_ORDERED_GPU_SHAPES)
-@pytest.mark.parametrize("dq_convert", [False, True])
-def test_dq_ordered_gradients_match_reference_and_repeat(shape, mask, dq_convert):
+def test_dq_ordered_gradients_match_reference_and_repeat(shape, mask):
     """The deterministic one-pass backward (dq_atomic + dq_ordered) against the reference, and 5 calls on one
-    input set give bitwise the same dq (and dk, dv). With dq_convert (dQ converted in the kernel, where it
-    applies), bitwise the gradients of the kernel without it: the same float32 sums, scaled and rounded alike."""
+    input set give bitwise the same dq (and dk, dv)."""
     if not hopper_fwd.on_hopper():
         pytest.skip("needs an sm90 GPU")
     q, k, v, d_out, d_lse = _inputs(shape, jnp.bfloat16, seed=4)
@@ -658,15 +571,10 @@ def test_dq_ordered_gradients_match_reference_and_repeat(shape, mask, dq_convert
     band = dict(is_causal=is_causal, local_window_size=window)
     out, lse = hopper_fwd.hopper_forward(q, k, v, scale=scale, **band, **ids)
     config = dataclasses.replace(HopperBwdConfig.default(hopper_fwd.padded_head_dim(shape[-1])), dq_atomic=True,
-                                 dq_ordered=True, dq_convert=dq_convert, num_stages_dkv=2)
+                                 dq_ordered=True, num_stages_dkv=2)
     call = functools.partial(hopper_bwd.hopper_backward, q, k, v, out, lse, d_out, d_lse, scale=scale,
                              config=config, **band, **ids)
     grads = jax.block_until_ready(call())
-    if dq_convert:
-        unconverted = hopper_bwd.hopper_backward(q, k, v, out, lse, d_out, d_lse, scale=scale, **band, **ids,
-                                                 config=dataclasses.replace(config, dq_convert=False))
-        for name, a, b in zip(("dq", "dk", "dv"), grads, unconverted):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{name}: dq_convert changed it")
     _, vjp = jax.vjp(lambda *x: reference.attention_reference(*x, scale=scale, band=masks.Band.of(is_causal, window),
                                                               **ids),
                      *(x.astype(jnp.float32) for x in (q, k, v)))

@@ -139,12 +139,6 @@ def dq_order_ranks(visits):
     return (jnp.sum(visits, axis=1, keepdims=True) - jnp.cumsum(visits, axis=1)).astype(jnp.int32)
 
 
-def _every_block_visited(**visits_args) -> bool:
-    """Whether some key tile visits every query block (`tile_visits` without segment ids), at trace time."""
-    with jax.ensure_compile_time_eval():
-        return bool(jnp.all(jnp.any(tile_visits(None, **visits_args) > 0, axis=1)))
-
-
 def dq_visited_rows(visits, block_q: int):
     """bool [batch, num_q_blocks * block_q]: query rows in a block that some key tile visits (`visits`:
     `tile_visits`). The dq_ordered kernel writes the other rows of its float32 dQ buffer nowhere (their dQ
@@ -169,12 +163,10 @@ def pairs_per_group(pairs: int, dq_bytes_per_pair: int) -> int:
     return max(1, min(pairs, MAX_PAIRS_PER_GROUP, DQ_L2_BYTES // dq_bytes_per_pair))
 
 
-def ordered_launch(batch: int, kv_heads: int, num_tiles: int, group: int, convert_dq: bool = False):
+def ordered_launch(batch: int, kv_heads: int, num_tiles: int, group: int):
     """(grid, grid_names) of the dq_ordered dK/dV kernel with `group` pairs per group: (pair groups, key tiles,
-    pairs in a group), the last CUDA's x (fastest in launch order); with `convert_dq` one more pair group, of
-    conversion CTAs (`HopperBwdConfig.dq_convert`). `ordered_cta` and `conversion_cta` decode a CTA."""
-    return ((pl.cdiv(batch * kv_heads, group) + convert_dq, num_tiles, group),
-            ("pair_groups", "kv_tiles", "pairs"))
+    pairs in a group), the last CUDA's x (fastest in launch order). `ordered_cta` decodes a CTA's coordinates."""
+    return (pl.cdiv(batch * kv_heads, group), num_tiles, group), ("pair_groups", "kv_tiles", "pairs")
 
 
 def ordered_cta(batch: int, kv_heads: int, num_tiles: int, group: int):
@@ -183,27 +175,6 @@ def ordered_cta(batch: int, kv_heads: int, num_tiles: int, group: int):
     pair = lax.axis_index("pair_groups") * group + lax.axis_index("pairs")
     kv_tile = num_tiles - 1 - lax.axis_index("kv_tiles")
     return lax.div(pair, kv_heads), lax.rem(pair, kv_heads), kv_tile, pair < batch * kv_heads
-
-
-def conversion_cta(batch: int, kv_heads: int, num_tiles: int, group: int):
-    """(index among the conversion CTAs, whether this CTA is one) under `ordered_launch(..., convert_dq=True)`:
-    the CTAs of the extra, last pair group; num_tiles * group of them."""
-    index = lax.axis_index("kv_tiles") * group + lax.axis_index("pairs")
-    return index, lax.axis_index("pair_groups") == pl.cdiv(batch * kv_heads, group)
-
-
-def conversion_units(cta, ctas: int, units: int):
-    """How many of the flattened (batch, query head, query block) units conversion CTA `cta` of `ctas` takes:
-    units cta, cta + ctas, ... below `units`."""
-    return lax.div(units - cta + ctas - 1, ctas)
-
-
-def conversion_unit(i, *, cta, ctas: int, heads: int, num_q_blocks: int):
-    """(unit, batch, query head, query block) of conversion CTA `cta`'s i-th unit (`conversion_units`); the
-    unit is also the index of the block's dQ semaphore (`store_dq_in_order`'s)."""
-    u = cta + i * ctas
-    batch, rest = lax.div(u, heads * num_q_blocks), lax.rem(u, heads * num_q_blocks)
-    return u, batch, lax.div(rest, num_q_blocks), lax.rem(rest, num_q_blocks)
 
 
 def step_block(step, *, q_lo, q_steps):
@@ -618,56 +589,6 @@ def store_dq_in_order(order: _DqOrder, staging, dq_acc_ref, *, batch, kv_head, k
         _compat.semaphore_signal_gpu(semaphore)
 
 
-def convert_dq_in_order(order: _DqOrder, visitors_ref, dq_acc_ref, dq_ref, staging, out_smem, ready, *, wg: int, cta,
-                        ctas: int, scale: float, block_q: int):
-    """A conversion CTA of the dq_ordered kernel (`HopperBwdConfig.dq_convert`): dQ's float32 sums into dq_ref, scaled
-    and in its dtype, for query blocks u = cta, cta + ctas, ... of the flattened (batch, query head, query
-    block), each once its semaphore counts all `visitors_ref[batch, block]` key tiles that add to it (at least
-    one: only for calls in which some tile visits every block, `_every_block_visited`). Consumer warpgroup `wg`
-    converts its share of each block (`_dq_share`): TMA load into `staging` [2, consumers, rows, cols] float32
-    (arriving on `ready` [2]), registers, `out_smem` [2, block_q, head_dim] in dq_ref's dtype, TMA store; the
-    load of the next block is issued before this one is converted. Launched after every key tile (an extra
-    pair group behind `ordered_launch`'s), so it waits only on CTAs that launched before it."""
-    _, q_pad, heads, head_dim = dq_acc_ref.shape
-    num_q_blocks = q_pad // block_q
-    units = dq_acc_ref.shape[0] * heads * num_q_blocks
-    rows, cols = _dq_share(head_dim, block_q, wg)
-    out_rows = pl.ds(0, rows.size)  # the share at the top of this warpgroup's block-sized buffer
-    mine = conversion_units(cta, ctas, units)
-    block_of = functools.partial(conversion_unit, cta=cta, ctas=ctas, heads=heads, num_q_blocks=num_q_blocks)
-
-    def fetch(i):
-        u, batch, head, q_block = block_of(i)
-        _compat.semaphore_wait_at_least(order.semaphores.at[u], visitors_ref[batch, q_block])
-        q_rows = pl.ds(q_block * block_q + rows.start, rows.size)
-        plgpu.copy_gmem_to_smem(dq_acc_ref.at[batch, q_rows, head, cols], staging.at[lax.rem(i, 2), wg],
-                                ready.at[lax.rem(i, 2)])
-
-    @pl.when(mine > 0)
-    def _():
-        fetch(0)
-
-    @pl.loop(0, mine)
-    def _convert(i):
-        slot = lax.rem(i, 2)
-
-        @pl.when(i + 1 < mine)
-        def _():
-            fetch(i + 1)
-
-        _, batch, head, q_block = block_of(i)
-        plgpu.barrier_wait(ready.at[slot])
-        dq = _compat.smem_vector_load(staging.at[slot, wg], plgpu.Layout.WGMMA)
-        plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store of block i-2 has read this slot
-        out = out_smem.at[slot, out_rows, cols]
-        out[...] = (dq * scale).astype(out.dtype)
-        plgpu.commit_smem()
-        q_rows = pl.ds(q_block * block_q + rows.start, rows.size)
-        plgpu.copy_smem_to_gmem(out, dq_ref.at[batch, q_rows, head, cols])
-
-    plgpu.wait_smem_to_gmem(0)
-
-
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, dq_ref,
                scoped, *, scale: float, band: masks.Band, kv_len: int, num_q_tiles: int, group: int,
                config: HopperBwdConfig, interpreting: bool):
@@ -878,23 +799,14 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_ids, kv_ids, *, scale: float, band: mas
     num_tiles = kv_pad // (NUM_CONSUMERS * block_kv)
     # dq_ordered: a pair's float32 dQ covers its kv head's group of query heads
     launch_group = pairs_per_group(batch * kv_heads, q.shape[1] * q.shape[2] // kv_heads * head_dim * 4)
-    # dQ in its dtype straight from the ordered kernel (its conversion CTAs take its float32 sums: 0.067 ms of
-    # 4.6 / 8.6 ms per fwd+bwd call in XLA at head_dim 64, 8k / 16k keys, session 12's c5), where every query
-    # block is visited (else XLA zeroes the others' rows, as well in its conversion) and dQ is split by rows.
-    convert_dq = (config.dq_convert and not has_segments
-                  and dq_split(head_dim, block_q) == "rows" and _every_block_visited(
-                      batch=batch, num_tiles=num_tiles, block_q=block_q, tile_keys=NUM_CONSUMERS * block_kv,
-                      num_q_blocks=num_q_blocks, kv_pad=kv_pad, band=band))
 
     def flash_backward_dkdv_sm90(*refs):  # the kernel's name in profiles
         inputs, rest = refs[:6], refs[6:]
         segment_refs, rest = (rest[:3], rest[3:]) if has_segments else ((None, None, None), rest)
-        ranks = semaphores = visitors = dq_out = None
+        ranks = semaphores = None
         if config.dq_ordered:  # the rank table rides behind the inputs; the counters are global semaphores
             ranks, rest = rest[0], rest[1:]
             semaphores = pl.get_global(plgpu.SemaphoreType.REGULAR((batch * q.shape[2] * num_q_blocks,)))
-        if convert_dq:  # each query block's count of visiting tiles, after the ranks; dQ itself, last
-            (visitors, *rest), dq_out = rest[:-1], rest[-1]
         dq_acc, outputs = (rest[0], rest[1:]) if config.dq_atomic else (None, rest)
 
         def run(*scoped):
@@ -904,15 +816,6 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_ids, kv_ids, *, scale: float, band: mas
             *cta, active = ordered_cta(batch, kv_heads, num_tiles, launch_group)
             order = _DqOrder(ranks, semaphores, tuple(cta), staged, free)
             pl.when(active)(lambda: body(*inputs, *segment_refs, dq_acc, *outputs, tuple(scoped), dq_order=order))
-            if not convert_dq:
-                return
-            (_, _, q_smem, do_smem, _, _, _, staging), _, (q_ready, do_ready, *_), *_ = scoped
-            cta, converting = conversion_cta(batch, kv_heads, num_tiles, launch_group)
-            for consumer, out_smem, ready in ((0, q_smem, q_ready), (1, do_smem, do_ready)):
-                @pl.when(converting & (lax.axis_index("wg") == consumer))
-                def _(consumer=consumer, out_smem=out_smem, ready=ready):
-                    convert_dq_in_order(order, visitors, dq_acc, dq_out, staging, out_smem, ready, wg=consumer,
-                                        cta=cta, ctas=num_tiles * launch_group, scale=scale, block_q=block_q)
 
         pl.run_scoped(
             run,
@@ -938,18 +841,13 @@ def _dkdv(q, k, v, d_out, lse2, delta, q_ids, kv_ids, *, scale: float, band: mas
     if config.dq_ordered:
         visits = tile_visits(q_ranges, batch=batch, num_tiles=num_tiles, block_q=block_q,
                              tile_keys=NUM_CONSUMERS * block_kv, num_q_blocks=num_q_blocks, kv_pad=kv_pad, band=band)
-        grid.update(zip(("grid", "grid_names"),
-                        ordered_launch(batch, kv_heads, num_tiles, launch_group, convert_dq=convert_dq)))
+        grid.update(zip(("grid", "grid_names"), ordered_launch(batch, kv_heads, num_tiles, launch_group)))
         # Each block's first visitor stores its dQ, so the float32 buffer is a plain output (no zero fill: 0.04 of
         # 4.6 ms per fwd+bwd call at the bar's head_dim 64, 8k keys); rows no tile visits stay unwritten: zeroed here.
-        # With convert_dq: also each block's count of visiting tiles in, and dQ itself (scaled, q's dtype) out.
-        order_tables = (dq_order_ranks(visits),) + ((jnp.sum(visits, axis=1, dtype=jnp.int32),) if convert_dq else ())
-        converted_type = (jax.ShapeDtypeStruct(q.shape, q.dtype),) if convert_dq else ()
-        dq, dk, dv, *converted = plgpu.kernel(
-            flash_backward_dkdv_sm90, out_type=(jax.ShapeDtypeStruct(q.shape, jnp.float32), *out_type, *converted_type),
-            compiler_params=compiler_params, **grid)(*operands, *order_tables)
-        if convert_dq:
-            return dk, dv, converted[0]
+        dq, dk, dv = plgpu.kernel(flash_backward_dkdv_sm90,
+                                  out_type=(jax.ShapeDtypeStruct(q.shape, jnp.float32), *out_type),
+                                  compiler_params=compiler_params, **grid)(
+            *operands, dq_order_ranks(visits))
         return dk, dv, jnp.where(dq_visited_rows(visits, block_q)[:, :, None, None], dq, 0.0)
     if not config.dq_atomic:
         return plgpu.kernel(flash_backward_dkdv_sm90, out_type=out_type, compiler_params=compiler_params, **grid,
@@ -1110,8 +1008,7 @@ def hopper_backward(q, k, v, out, lse, d_out, d_lse, *, scale: float, is_causal:
     common = dict(scale=scale, band=band, kv_len=kv_len, config=config, interpret=interpret)
     if config.dq_atomic:
         dk, dv, dq = _fold_vmap(functools.partial(_dkdv, **common))(qp, kp, vp, dop, lse2, delta, *ids)
-        if dq.dtype == jnp.float32:  # not converted in the kernel (`HopperBwdConfig.dq_convert`)
-            dq = (dq * scale).astype(q.dtype)
+        dq = (dq * scale).astype(q.dtype)
     else:
         dk, dv = _dkdv(qp, kp, vp, dop, lse2, delta, *ids, **common)
         dq = _dq(qp, kp, vp, dop, lse2, delta, *ids, **common)
