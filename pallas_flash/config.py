@@ -98,7 +98,7 @@ class HopperConfig:
         return cls(block_q=64, block_kv=64, num_stages=2)
 
 
-_BWD_FLAGS = ("dq_atomic", "dq_ordered", "dq_overlap", "dkv_overlap")  # HopperBwdConfig's bool fields
+_BWD_FLAGS = ("dq_atomic", "dq_ordered", "delta_in_dp", "dq_overlap", "dkv_overlap")  # HopperBwdConfig's bool fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +135,14 @@ class HopperBwdConfig:
         dq_atomic alone, ahead of the two passes except at causal 2k (pallas_flash/kernels/NOTES.md,
         "Deterministic one-pass on the H100", "Order of the wgmmas"); the default for deterministic gradients
         at head_dim 64. False leaves dq_atomic's order free.
+      delta_in_dp: the dK/dV kernel's dP^T accumulator starts at -delta (broadcast over the key rows) instead
+        of zeros, so its wgmma yields dP^T - delta and dS^T = P^T * that: the per-query delta vector is no
+        longer live beside P^T, dP^T, dK and dV when dS^T is formed, which trims the consumers' register
+        spills. Applies to the plain step (`hopper_bwd._dkdv_kernel`'s `step` with the split wgmma order), not
+        to the fused order (the ordered one pass on a full band) nor to dkv_overlap's step. On the H100 at
+        head_dim 64, causal, the ordered one pass fwd+bwd 1.029 / 1.014x cuDNN at 8k / 16k keys against 1.008
+        / 0.998x without (one paired run, pallas_flash/kernels/NOTES.md "delta in dP's accumulator"); the
+        default with the one pass at head_dim 64.
       dq_overlap: the two-pass dQ kernel's intra-warpgroup pipelining: step j issues S_j and dP_j, then
         dQ += dS_{j-1} K_{j-1}, and computes dS_j while that last product runs (`hopper_bwd._dq_kernel`). Holds
         dQ, S_j, dP_j and dS_{j-1} in registers at once, and each consumer two key blocks of the ring, which
@@ -156,6 +164,7 @@ class HopperBwdConfig:
     num_stages_dq: int = 2
     dq_atomic: bool = False
     dq_ordered: bool = False
+    delta_in_dp: bool = False
     dq_overlap: bool = False
     dkv_overlap: bool = False
 
@@ -200,7 +209,8 @@ class HopperBwdConfig:
         registers for them.
         head_dim 64: the one pass (dq_atomic), with its dQ adds ordered (dq_ordered, bitwise deterministic)
         unless deterministic=False; on the H100 fwd+bwd 1.06-1.10x cuDNN free-order and 1.02-1.04x ordered
-        non-causal, 0.99-1.00x causal at 8k and 16k keys, against the two passes' 0.93-1.03x. Except
+        non-causal, 0.99-1.00x causal at 8k and 16k keys (1.03 / 1.01x with delta_in_dp, on with the one
+        pass), against the two passes' 0.93-1.03x. Except
         deterministic causal rows up to 2k keys (`kv_len`, `is_causal`: the call's): the two passes, 1.048x
         against the ordered one pass's 1.002x at 2k (equal at 4k). head_dim 128: the two passes either way
         (0.91-1.10x cuDNN; the one pass measured 0.82-0.91x free-order and 0.79-0.85x ordered), their dQ
@@ -213,9 +223,10 @@ class HopperBwdConfig:
         causal dkv_overlap spilled 384 B and lost 2-8%)."""
         if head_dim <= 64:
             ordered_pays = not (is_causal and kv_len is not None and kv_len <= 2048)
+            one_pass = not deterministic or ordered_pays
             return cls(block_q_dkv=128, block_kv_dkv=64, num_stages_dkv=2, block_q_dq=64, block_kv_dq=128,
-                       num_stages_dq=2, dq_atomic=not deterministic or ordered_pays,
-                       dq_ordered=deterministic and ordered_pays)
+                       num_stages_dq=2, dq_atomic=one_pass, dq_ordered=deterministic and ordered_pays,
+                       delta_in_dp=one_pass)
         if head_dim <= 128:
             return cls(block_q_dkv=64, block_kv_dkv=64, num_stages_dkv=4, block_q_dq=64, block_kv_dq=64,
                        num_stages_dq=4, dq_overlap=True, dkv_overlap=True)

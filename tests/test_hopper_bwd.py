@@ -147,6 +147,19 @@ def test_dq_ordered_config():
     assert dataclasses.replace(config, dq_ordered=True).smem_bytes_dkv(64) == config.smem_bytes_dkv(64)
 
 
+def test_delta_in_dp_config():
+    """delta_in_dp (dP^T's accumulator starting at -delta) is a bool, on by default where the one pass runs
+    (head_dim 64, ordered or free), off for the two passes (head_dim 128; causal head_dim 64 up to 2k keys)."""
+    for deterministic in (True, False):
+        assert HopperBwdConfig.default(64, deterministic).delta_in_dp
+        assert HopperBwdConfig.default(64, deterministic, kv_len=16384, is_causal=True).delta_in_dp
+        assert not HopperBwdConfig.default(128, deterministic).delta_in_dp
+    assert not HopperBwdConfig.default(64, True, kv_len=2048, is_causal=True).delta_in_dp
+    assert not HopperBwdConfig().delta_in_dp
+    with pytest.raises(ValueError, match="delta_in_dp"):
+        HopperBwdConfig(delta_in_dp=1)
+
+
 def _brute_force_ranks(batch, num_tiles, tile_keys, num_q_blocks, block_q, band, q_ids=None, kv_ids=None):
     """`hopper_bwd.dq_order_ranks` from first principles: key tile t visits query block j if some (query, key)
     pair of theirs is in the band and (with ids, sorted here) their valid id intervals overlap; entry (b, t, j)

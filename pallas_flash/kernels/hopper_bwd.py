@@ -326,9 +326,16 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
                     dv = dv + jnp.dot(p.astype(dtype), do_tile[...], preferred_element_type=jnp.float32)
                     dp = dot_t(v_smem[...], do_tile[...])
                 else:
-                    dv, dp = pl.run_state(dv_dp_t)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros(s.shape))))
-            delta = load_vector(delta_smem.at[slot], column)
-            ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [1]))
+                    # With delta_in_dp the accumulator starts at -delta, so the wgmma yields dP^T - delta and
+                    # delta is not live beside P^T, dP^T, dK and dV below (fewer spills: NOTES.md).
+                    dp_init = (-lax.broadcast_in_dim(load_vector(delta_smem.at[slot], column), s.shape, [1])
+                               if config.delta_in_dp else zeros(s.shape))
+                    dv, dp = pl.run_state(dv_dp_t)((plgpu.ACC.init(dv), plgpu.ACC.init(dp_init)))
+            if config.delta_in_dp and not fused and not interpreting:
+                ds = p * dp
+            else:
+                delta = load_vector(delta_smem.at[slot], column)
+                ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [1]))
             if fused:  # the wgmma operands now: float32 P^T dies here
                 ds, p = ds.astype(dtype), p.astype(dtype)
             if dq_acc_ref is None:
