@@ -1,7 +1,7 @@
 """Where forward+backward attention spends its GPU time, kernel by kernel: ours against cuDNN (bar shapes).
 
   PYTHONPATH=. python benchmarks/kernel_breakdown.py [--head-dim 64] [--seqs 8192,16384] [--causal true]
-      [--pass fwdbwd] [--nondeterministic] [--calls 5] [--bwd ";dq_chains=2"] --trace-dir DIR
+      [--pass fwdbwd] [--nondeterministic] [--calls 5] [--bwd ";delta_in_dp=0"] --trace-dir DIR
 
 For each point, traces `--calls` queued calls of the jitted pass (after a warm-up) with `jax.profiler` and
 prints, per call, the device's busy time and the kernels that take it (`train_step_breakdown.

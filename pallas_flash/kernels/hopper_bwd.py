@@ -262,6 +262,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
         # further on a full band, and the two passes no nearer. So: fused for the ordered one pass on a full
         # band only.
         fused = dq_order is not None and band.is_full
+        # `config.delta_in_dp`: where the split order's dP^T wgmma runs (not fused, not interpreting), its
+        # accumulator starts at -delta, so it yields dP^T - delta and delta is not live beside P^T, dP^T, dK and
+        # dV when dS^T is formed (fewer spills: NOTES.md "delta in dP's accumulator").
+        delta_in_dp = config.delta_in_dp and not fused and not interpreting
 
         def probabilities(s, q_block, slot, *, masked: bool):
             """P^T = exp2(c S^T - lse2) of the step's query block (float32), masked if `masked`."""
@@ -279,6 +283,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
                 if visible is not None:  # None: traced for a loop that runs no iterations
                     p = jnp.where(visible, p, 0.0)
             return p
+
+        def delta_columns(slot, shape):
+            """The step's delta (per query) broadcast over the key rows of a [block_kv, block_q] tile."""
+            return lax.broadcast_in_dim(load_vector(delta_smem.at[slot], column), shape, [1])
 
         def wait_q(slot):  # the step's Q block and its lse2 have landed
             plgpu.barrier_wait(q_ready.at[slot])
@@ -326,16 +334,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
                     dv = dv + jnp.dot(p.astype(dtype), do_tile[...], preferred_element_type=jnp.float32)
                     dp = dot_t(v_smem[...], do_tile[...])
                 else:
-                    # With delta_in_dp the accumulator starts at -delta, so the wgmma yields dP^T - delta and
-                    # delta is not live beside P^T, dP^T, dK and dV below (fewer spills: NOTES.md).
-                    dp_init = (-lax.broadcast_in_dim(load_vector(delta_smem.at[slot], column), s.shape, [1])
-                               if config.delta_in_dp else zeros(s.shape))
+                    dp_init = -delta_columns(slot, s.shape) if delta_in_dp else zeros(s.shape)
                     dv, dp = pl.run_state(dv_dp_t)((plgpu.ACC.init(dv), plgpu.ACC.init(dp_init)))
-            if config.delta_in_dp and not fused and not interpreting:
-                ds = p * dp
-            else:
-                delta = load_vector(delta_smem.at[slot], column)
-                ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [1]))
+            ds = p * dp if delta_in_dp else p * (dp - delta_columns(slot, s.shape))
             if fused:  # the wgmma operands now: float32 P^T dies here
                 ds, p = ds.astype(dtype), p.astype(dtype)
             if dq_acc_ref is None:
@@ -448,8 +449,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
             def _():
                 plgpu.barrier_arrive(free.at[prev])
 
-            delta = load_vector(delta_smem.at[slot], column)
-            ds = p * (dp - lax.broadcast_in_dim(delta, p.shape, [1]))
+            ds = p * (dp - delta_columns(slot, p.shape))
             return dk, dv, ds.astype(dtype)
 
         # Query blocks that see every key of this warpgroup (in its band and, with segment ids, in the tile's
