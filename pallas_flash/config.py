@@ -208,9 +208,10 @@ class HopperBwdConfig:
         head_dim 128, 1-2% at 64); 128-query Q/dO blocks in the dK/dV kernel only where head_dim 64 leaves the
         registers for them.
         head_dim 64: the one pass (dq_atomic), with its dQ adds ordered (dq_ordered, bitwise deterministic)
-        unless deterministic=False; on the H100 fwd+bwd 1.06-1.10x cuDNN free-order and 1.02-1.04x ordered
-        non-causal, 0.99-1.00x causal at 8k and 16k keys (1.03 / 1.01x with delta_in_dp, on with the one
-        pass), against the two passes' 0.93-1.03x. Except
+        unless deterministic=False; on the H100 fwd+bwd 1.06-1.10x cuDNN free-order; ordered, with delta_in_dp
+        (on with the one pass), 1.04 / 1.05x non-causal and 1.03 / 1.02x causal at 8k / 16k keys (the full bar
+        of session 16, 2026-11-25; 0.99-1.00x causal without delta_in_dp), against the two passes'
+        0.93-1.03x. Except
         deterministic causal rows up to 2k keys (`kv_len`, `is_causal`: the call's): the two passes, 1.048x
         against the ordered one pass's 1.002x at 2k (equal at 4k). head_dim 128: the two passes either way
         (0.91-1.10x cuDNN; the one pass measured 0.82-0.91x free-order and 0.79-0.85x ordered), their dQ
