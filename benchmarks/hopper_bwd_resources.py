@@ -5,7 +5,7 @@ are set (names read from jaxlib's CUDA plugin; they go to the process's stdout f
 process here).
 
     PYTHONPATH=. python benchmarks/hopper_bwd_resources.py --head-dim 128 --variant one-pass [--ptx] [--sass DIR]
-        [--registers 240,24]
+        [--registers 240,24] [--set delta_in_dp=1]
 
 Variants: two-pass (dK/dV and dQ kernels), two-pass-overlap (its dQ kernel pipelined: dq_overlap),
 two-pass-both-overlap (both kernels pipelined: dq_overlap, dkv_overlap), one-pass
@@ -37,7 +37,7 @@ VARIANTS = {  # HopperBwdConfig fields over the head_dim's default
 }
 
 
-def compile_once(head_dim: int, variant: str, is_causal: bool, registers: str | None) -> None:
+def compile_once(head_dim: int, variant: str, is_causal: bool, registers: str | None, overrides: str | None) -> None:
     import jax
     import jax.numpy as jnp
     from pallas_flash.config import HopperBwdConfig
@@ -45,7 +45,9 @@ def compile_once(head_dim: int, variant: str, is_causal: bool, registers: str | 
     if registers:
         from benchmarks import impls
         impls.set_hopper_bwd_registers(registers)
-    config = dataclasses.replace(HopperBwdConfig.default(head_dim), **VARIANTS[variant])
+    from benchmarks.bar import parse_bwd_overrides
+    extra = parse_bwd_overrides(overrides)[0] or {}
+    config = dataclasses.replace(HopperBwdConfig.default(head_dim), **{**VARIANTS[variant], **extra})
     x = jnp.zeros((1, 1024, 2, head_dim), jnp.bfloat16)
     lse = jnp.zeros((1, 2, 1024), jnp.float32)
     jax.block_until_ready(hopper_bwd.hopper_backward(x, x, x, x, lse, x, None, scale=head_dim ** -0.5,
@@ -61,10 +63,12 @@ def main() -> None:
     parser.add_argument("--sass", metavar="DIR", help="dump PTX to DIR, assemble and disassemble it to SASS there")
     parser.add_argument("--registers", metavar="CONSUMER,PRODUCER",
                         help="setmaxnreg budgets of the kernels instead of theirs (bar.py's --bwd-registers)")
+    parser.add_argument("--set", metavar="FIELD=INT,...",
+                        help="HopperBwdConfig fields over the variant's (one item of bar.py's --bwd)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        compile_once(args.head_dim, args.variant, args.causal, args.registers)
+        compile_once(args.head_dim, args.variant, args.causal, args.registers, args.set)
         return
     env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1", **({"MOSAIC_GPU_DUMP_PTX": "1"} if args.ptx else {}))
     dump = tempfile.mkdtemp() if args.sass else None  # Mosaic GPU dumps every pass's IR there too (~40 MB)
@@ -74,7 +78,7 @@ def main() -> None:
                          text=True, check=True)
     text = out.stdout + out.stderr
     print(f"head_dim={args.head_dim} variant={args.variant} causal={args.causal}"
-          + (f" registers={args.registers}" if args.registers else ""))
+          + (f" registers={args.registers}" if args.registers else "") + (f" set={args.set}" if args.set else ""))
     for line in text.splitlines():
         if re.search(r"spill|Used \d+ registers|injected", line):
             print(" ", line.strip())

@@ -138,11 +138,13 @@ class HopperBwdConfig:
       delta_in_dp: the dK/dV kernel's dP^T accumulator starts at -delta (broadcast over the key rows) instead
         of zeros, so its wgmma yields dP^T - delta and dS^T = P^T * that: the per-query delta vector is no
         longer live beside P^T, dP^T, dK and dV when dS^T is formed, which trims the consumers' register
-        spills. Applies to the plain step (`hopper_bwd._dkdv_kernel`'s `step` with the split wgmma order), not
-        to the fused order (the ordered one pass on a full band) nor to dkv_overlap's step. On the H100 at
+        spills. Applies to the plain step (`hopper_bwd._dkdv_kernel`'s `step` with the split wgmma order) and to
+        dkv_overlap's step, not to the fused order (the ordered one pass on a full band). On the H100 at
         head_dim 64, causal, the ordered one pass fwd+bwd 1.029 / 1.014x cuDNN at 8k / 16k keys against 1.008
         / 0.998x without (one paired run, pallas_flash/kernels/NOTES.md "delta in dP's accumulator"); the
-        default with the one pass at head_dim 64.
+        default with the one pass at head_dim 64. At head_dim 128 (dkv_overlap's step), three paired runs:
+        causal +3% at 2k and +4% at 8k keys, -0.5% at 16k, non-causal -0.5-1.4% ("delta in dP's accumulator
+        at head_dim 128"); the default there for causal rows up to 8k keys.
       dq_overlap: the two-pass dQ kernel's intra-warpgroup pipelining: step j issues S_j and dP_j, then
         dQ += dS_{j-1} K_{j-1}, and computes dS_j while that last product runs (`hopper_bwd._dq_kernel`). Holds
         dQ, S_j, dP_j and dS_{j-1} in registers at once, and each consumer two key blocks of the ring, which
@@ -221,7 +223,8 @@ class HopperBwdConfig:
         2026-11-24), and since the backward kernels take 240/24 registers (`hopper_bwd.REGISTERS`)
         1.10 / 1.03 / 1.03x against 1.05 / 0.98 / 0.97x with 232/40; causal 1.12 / 1.03 / 1.06x against the
         plain dK/dV kernel's 1.12-1.13 / 1.03-1.04 / 1.00-1.02x (session 10 of 2026-11-25; at 232/40 the
-        causal dkv_overlap spilled 384 B and lost 2-8%)."""
+        causal dkv_overlap spilled 384 B and lost 2-8%); with delta_in_dp for causal rows up to 8k keys
+        (`kv_len`, `is_causal`: the call's) 1.15 / 1.06x at 2k / 8k against 1.12 / 1.02x (session 16)."""
         if head_dim <= 64:
             ordered_pays = not (is_causal and kv_len is not None and kv_len <= 2048)
             one_pass = not deterministic or ordered_pays
@@ -229,8 +232,9 @@ class HopperBwdConfig:
                        num_stages_dq=2, dq_atomic=one_pass, dq_ordered=deterministic and ordered_pays,
                        delta_in_dp=one_pass)
         if head_dim <= 128:
+            causal_up_to_8k = is_causal and kv_len is not None and kv_len <= 8192
             return cls(block_q_dkv=64, block_kv_dkv=64, num_stages_dkv=4, block_q_dq=64, block_kv_dq=64,
-                       num_stages_dq=4, dq_overlap=True, dkv_overlap=True)
+                       num_stages_dq=4, dq_overlap=True, dkv_overlap=True, delta_in_dp=causal_up_to_8k)
         # head_dim 256: K and V of 128 keys alone take 128 KiB of the dK/dV kernel's shared memory.
         raise ValueError(f"the Hopper backward takes head_dim <= 128, got {head_dim}")
 

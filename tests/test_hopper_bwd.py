@@ -79,7 +79,10 @@ BACKWARD_VARIANTS = {  # HopperBwdConfig fields over the default's, per backward
                      num_stages_dkv=2),
     "two_pass_dq_overlap": dict(dq_atomic=False, dq_ordered=False, dq_overlap=True, num_stages_dq=4,
                                 dkv_overlap=False, num_stages_dkv=2),
-    "two_pass_dkv_overlap": dict(dq_atomic=False, dq_ordered=False, dkv_overlap=True, num_stages_dkv=4),
+    "two_pass_dkv_overlap": dict(dq_atomic=False, dq_ordered=False, dkv_overlap=True, num_stages_dkv=4,
+                                 delta_in_dp=False),
+    "two_pass_dkv_overlap_delta_in_dp": dict(dq_atomic=False, dq_ordered=False, dkv_overlap=True, num_stages_dkv=4,
+                                             delta_in_dp=True),
     "one_pass": dict(dq_atomic=True, dq_ordered=False, num_stages_dkv=2),
 }
 
@@ -149,11 +152,16 @@ def test_dq_ordered_config():
 
 def test_delta_in_dp_config():
     """delta_in_dp (dP^T's accumulator starting at -delta) is a bool, on by default where the one pass runs
-    (head_dim 64, ordered or free), off for the two passes (head_dim 128; causal head_dim 64 up to 2k keys)."""
+    (head_dim 64, ordered or free) and for head_dim 128's causal rows up to 8k keys; off for the rest of the two
+    passes (head_dim 128 otherwise; causal head_dim 64 up to 2k keys)."""
     for deterministic in (True, False):
         assert HopperBwdConfig.default(64, deterministic).delta_in_dp
         assert HopperBwdConfig.default(64, deterministic, kv_len=16384, is_causal=True).delta_in_dp
         assert not HopperBwdConfig.default(128, deterministic).delta_in_dp
+        assert not HopperBwdConfig.default(128, deterministic, kv_len=2048, is_causal=False).delta_in_dp
+        assert not HopperBwdConfig.default(128, deterministic, kv_len=16384, is_causal=True).delta_in_dp
+        for kv_len in (1, 2048, 8192):
+            assert HopperBwdConfig.default(128, deterministic, kv_len=kv_len, is_causal=True).delta_in_dp
     assert not HopperBwdConfig.default(64, True, kv_len=2048, is_causal=True).delta_in_dp
     assert not HopperBwdConfig().delta_in_dp
     with pytest.raises(ValueError, match="delta_in_dp"):

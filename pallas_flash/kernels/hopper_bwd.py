@@ -262,9 +262,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
         # further on a full band, and the two passes no nearer. So: fused for the ordered one pass on a full
         # band only.
         fused = dq_order is not None and band.is_full
-        # `config.delta_in_dp`: where the split order's dP^T wgmma runs (not fused, not interpreting), its
-        # accumulator starts at -delta, so it yields dP^T - delta and delta is not live beside P^T, dP^T, dK and
-        # dV when dS^T is formed (fewer spills: NOTES.md "delta in dP's accumulator").
+        # `config.delta_in_dp`: where the split order's or dkv_overlap's dP^T wgmma runs (not fused, not
+        # interpreting), its accumulator starts at -delta, so it yields dP^T - delta and delta is not live beside
+        # P^T, dP^T, dK and dV when dS^T is formed (fewer spills: NOTES.md "delta in dP's accumulator").
         delta_in_dp = config.delta_in_dp and not fused and not interpreting
 
         def probabilities(s, q_block, slot, *, masked: bool):
@@ -437,6 +437,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
                     s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S^T_t done; dK may run on
                     p = probabilities(s, q_block, slot, masked=masked)
                     wait_do(slot)
+                    if delta_in_dp:
+                        dp_ref[...] = -delta_columns(slot, p.shape)
                     plgpu.wgmma(dv_ref, p.astype(dtype), do_tile)
                     plgpu.wgmma(dp_ref, v_smem, do_tile.transpose((1, 0)))
                     dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=None)
@@ -449,7 +451,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
             def _():
                 plgpu.barrier_arrive(free.at[prev])
 
-            ds = p * (dp - delta_columns(slot, p.shape))
+            ds = p * dp if delta_in_dp else p * (dp - delta_columns(slot, p.shape))
             return dk, dv, ds.astype(dtype)
 
         # Query blocks that see every key of this warpgroup (in its band and, with segment ids, in the tile's
