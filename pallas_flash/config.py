@@ -141,8 +141,9 @@ class HopperBwdConfig:
         spills. Applies to the plain step (`hopper_bwd._dkdv_kernel`'s `step` with the split wgmma order) and to
         dkv_overlap's step, not to the fused order (the ordered one pass on a full band). On the H100 at
         head_dim 64, causal, the ordered one pass fwd+bwd 1.029 / 1.014x cuDNN at 8k / 16k keys against 1.008
-        / 0.998x without (one paired run, pallas_flash/kernels/NOTES.md "delta in dP's accumulator"); the
-        default with the one pass at head_dim 64. At head_dim 128 (dkv_overlap's step), three paired runs:
+        / 0.998x without (one paired run, pallas_flash/kernels/NOTES.md "delta in dP's accumulator"), and the
+        two passes' causal 2k 1.085-1.088x against 1.066-1.067x (two paired runs); the default at head_dim 64.
+        At head_dim 128 (dkv_overlap's step), three paired runs:
         causal +3% at 2k and +4% at 8k keys, -0.5% at 16k, non-causal -0.5-1.4% ("delta in dP's accumulator
         at head_dim 128"); the default there for causal rows up to 8k keys.
       dq_overlap: the two-pass dQ kernel's intra-warpgroup pipelining: step j issues S_j and dP_j, then
@@ -210,12 +211,12 @@ class HopperBwdConfig:
         head_dim 128, 1-2% at 64); 128-query Q/dO blocks in the dK/dV kernel only where head_dim 64 leaves the
         registers for them.
         head_dim 64: the one pass (dq_atomic), with its dQ adds ordered (dq_ordered, bitwise deterministic)
-        unless deterministic=False; on the H100 fwd+bwd 1.06-1.10x cuDNN free-order; ordered, with delta_in_dp
-        (on with the one pass), 1.04 / 1.05x non-causal and 1.03 / 1.02x causal at 8k / 16k keys (the full bar
-        of session 16, 2026-11-25; 0.99-1.00x causal without delta_in_dp), against the two passes'
-        0.93-1.03x. Except
+        unless deterministic=False; delta_in_dp throughout. On the H100 fwd+bwd 1.05-1.08x cuDNN free-order;
+        ordered 1.04 / 1.05x non-causal and 1.03 / 1.02x causal at 8k / 16k keys (the full bar of session 16,
+        2026-11-25; 0.99-1.00x causal without delta_in_dp), against the two passes' 0.93-1.03x. Except
         deterministic causal rows up to 2k keys (`kv_len`, `is_causal`: the call's): the two passes, 1.048x
-        against the ordered one pass's 1.002x at 2k (equal at 4k). head_dim 128: the two passes either way
+        against the ordered one pass's 1.002x at 2k (equal at 4k), 1.085-1.088x with delta_in_dp (session 16).
+        head_dim 128: the two passes either way
         (0.91-1.10x cuDNN; the one pass measured 0.82-0.91x free-order and 0.79-0.85x ordered), their dQ
         kernel pipelined (dq_overlap) over a 4-stage K/V ring: 1.01-1.13x at 2k keys and causal, 0.93-0.94x
         non-causal at 8k and 16k, against 0.92-1.11x without; and their dK/dV kernel (dkv_overlap, 4-stage Q/dO
@@ -230,7 +231,7 @@ class HopperBwdConfig:
             one_pass = not deterministic or ordered_pays
             return cls(block_q_dkv=128, block_kv_dkv=64, num_stages_dkv=2, block_q_dq=64, block_kv_dq=128,
                        num_stages_dq=2, dq_atomic=one_pass, dq_ordered=deterministic and ordered_pays,
-                       delta_in_dp=one_pass)
+                       delta_in_dp=True)
         if head_dim <= 128:
             causal_up_to_8k = is_causal and kv_len is not None and kv_len <= 8192
             return cls(block_q_dkv=64, block_kv_dkv=64, num_stages_dkv=4, block_q_dq=64, block_kv_dq=64,

@@ -151,18 +151,19 @@ def test_dq_ordered_config():
 
 
 def test_delta_in_dp_config():
-    """delta_in_dp (dP^T's accumulator starting at -delta) is a bool, on by default where the one pass runs
-    (head_dim 64, ordered or free) and for head_dim 128's causal rows up to 8k keys; off for the rest of the two
-    passes (head_dim 128 otherwise; causal head_dim 64 up to 2k keys)."""
+    """delta_in_dp (dP^T's accumulator starting at -delta) is a bool, on by default at head_dim 64 (the one pass,
+    ordered or free, and the two passes of causal rows up to 2k keys) and for head_dim 128's causal rows up to 8k
+    keys; off for head_dim 128's other rows."""
     for deterministic in (True, False):
-        assert HopperBwdConfig.default(64, deterministic).delta_in_dp
-        assert HopperBwdConfig.default(64, deterministic, kv_len=16384, is_causal=True).delta_in_dp
+        for kv_len, is_causal in ((None, False), (2048, True), (16384, True), (2048, False)):
+            assert HopperBwdConfig.default(64, deterministic, kv_len=kv_len, is_causal=is_causal).delta_in_dp
         assert not HopperBwdConfig.default(128, deterministic).delta_in_dp
         assert not HopperBwdConfig.default(128, deterministic, kv_len=2048, is_causal=False).delta_in_dp
         assert not HopperBwdConfig.default(128, deterministic, kv_len=16384, is_causal=True).delta_in_dp
         for kv_len in (1, 2048, 8192):
             assert HopperBwdConfig.default(128, deterministic, kv_len=kv_len, is_causal=True).delta_in_dp
-    assert not HopperBwdConfig.default(64, True, kv_len=2048, is_causal=True).delta_in_dp
+    two_passes = HopperBwdConfig.default(64, True, kv_len=2048, is_causal=True)
+    assert not two_passes.dq_atomic and two_passes.delta_in_dp
     assert not HopperBwdConfig().delta_in_dp
     with pytest.raises(ValueError, match="delta_in_dp"):
         HopperBwdConfig(delta_in_dp=1)
