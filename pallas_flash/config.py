@@ -143,9 +143,9 @@ class HopperBwdConfig:
         head_dim 64, causal, the ordered one pass fwd+bwd 1.029 / 1.014x cuDNN at 8k / 16k keys against 1.008
         / 0.998x without (one paired run, pallas_flash/kernels/NOTES.md "delta in dP's accumulator"), and the
         two passes' causal 2k 1.085-1.088x against 1.066-1.067x (two paired runs); the default at head_dim 64.
-        At head_dim 128 (dkv_overlap's step), three paired runs:
-        causal +3% at 2k and +4% at 8k keys, -0.5% at 16k, non-causal -0.5-1.4% ("delta in dP's accumulator
-        at head_dim 128"); the default there for causal rows up to 8k keys.
+        At head_dim 128 (dkv_overlap's step), three paired runs: causal +3% at 2k and +4% at 8k keys, -0.5% at
+        16k, non-causal -0.5-1.4% ("delta in dP's accumulator at head_dim 128"); the default there for causal
+        rows up to 8k keys.
       dq_overlap: the two-pass dQ kernel's intra-warpgroup pipelining: step j issues S_j and dP_j, then
         dQ += dS_{j-1} K_{j-1}, and computes dS_j while that last product runs (`hopper_bwd._dq_kernel`). Holds
         dQ, S_j, dP_j and dS_{j-1} in registers at once, and each consumer two key blocks of the ring, which
