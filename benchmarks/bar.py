@@ -92,6 +92,13 @@ def parse_bwd_overrides(text: str | None) -> list[dict | None]:
     return items
 
 
+def overridden_bwd_config(head_dim: int, deterministic: bool, seq: int, causal: bool, overrides: dict) -> HopperBwdConfig:
+    """The backward this call would take by default (`HopperBwdConfig.default` for its head_dim, key length and
+    mask) with one `--bwd` item's field overrides."""
+    return dataclasses.replace(HopperBwdConfig.default(head_dim, deterministic, kv_len=seq, is_causal=causal),
+                               **overrides)
+
+
 def describe_bwd(overrides: dict | None) -> str:
     return "" if not overrides else " bwd:" + ",".join(f"{k}={int(v)}" for k, v in overrides.items())
 
@@ -179,9 +186,8 @@ def main(argv=None) -> None:
                                                                     dq_ordered=args.dq_ordered,
                                                                     num_stages_dkv=2)
                         elif bwd:
-                            hopper_bwd_config = dataclasses.replace(
-                                HopperBwdConfig.default(head_dim, not args.nondeterministic, kv_len=seq,
-                                                        is_causal=causal), **bwd)
+                            hopper_bwd_config = overridden_bwd_config(head_dim, not args.nondeterministic, seq,
+                                                                      causal, bwd)
                         if hopper is not None or hopper_bwd_config is not None:
                             config = dataclasses.replace(pf.KernelConfig.default(head_dim), hopper=hopper,
                                                          hopper_bwd=hopper_bwd_config)

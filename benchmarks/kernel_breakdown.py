@@ -18,10 +18,9 @@ import dataclasses
 import jax
 
 import pallas_flash as pf
-from pallas_flash.config import HopperBwdConfig
 
 from benchmarks.attention import DTYPES, SWEEP_TOKENS, SWEEP_WIDTH, Point, _random_inputs
-from benchmarks.bar import attend, compile_pass, describe_bwd, parse_bwd_overrides
+from benchmarks.bar import attend, compile_pass, describe_bwd, overridden_bwd_config, parse_bwd_overrides
 from benchmarks.train_step_breakdown import gpu_kernel_summary
 
 
@@ -47,8 +46,8 @@ def main(argv=None) -> None:
         for overrides in parse_bwd_overrides(args.bwd):
             config = None
             if overrides:
-                config = dataclasses.replace(pf.KernelConfig.default(args.head_dim), hopper_bwd=dataclasses.replace(
-                    HopperBwdConfig.default(args.head_dim, deterministic, kv_len=seq, is_causal=causal), **overrides))
+                config = dataclasses.replace(pf.KernelConfig.default(args.head_dim), hopper_bwd=overridden_bwd_config(
+                    args.head_dim, deterministic, seq, causal, overrides))
             rows.append(("ours" + describe_bwd(overrides).replace(" bwd:", "_").replace(",", "_"),
                          attend(None, causal, deterministic, config)))
         for name, attention in (*rows, ("cudnn", attend("cudnn", causal, deterministic))):

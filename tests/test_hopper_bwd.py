@@ -329,6 +329,18 @@ def test_dq_order_protocol_is_deadlock_free_and_fixed(is_causal, window, monkeyp
     assert len(orders[0]) == batch * kv_heads * group * len({j for lo, hi in visited[0] for j in range(lo, hi)})
 
 
+def _abstract_inputs(shape, segments: bool):
+    """(q, k, lse, (q_ids, kv_ids)) as bf16 / float32 / int32 shapes for the lowering tests; `shape`: (batch,
+    q_len, kv_len, heads, kv_heads, head_dim); ids None without segments."""
+    batch, q_len, kv_len, heads, kv_heads, head_dim = shape
+    q = jax.ShapeDtypeStruct((batch, q_len, heads, head_dim), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((batch, kv_len, kv_heads, head_dim), jnp.bfloat16)
+    lse = jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)
+    ids = ((jax.ShapeDtypeStruct((batch, q_len), jnp.int32), jax.ShapeDtypeStruct((batch, kv_len), jnp.int32))
+           if segments else (None, None))
+    return q, k, lse, ids
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("is_causal, window, segments", [(False, None, False), (True, None, False),
                                                          ((False), (40, 10), True), (True, None, True)])
@@ -338,12 +350,8 @@ def test_dq_ordered_lowers_for_gpu(head_dim, is_causal, window, segments):
     XLA passes in as a zeroed int32 buffer of one counter per (batch, query head, query block), aliased to an
     output; ragged lengths, GQA, bands and segment ids. The one-pass kernel without dq_ordered has none.
     The ordered kernel's float32 dQ buffer is an output (its first visitors store), not a zeroed input."""
-    batch, q_len, kv_len, heads = 2, 300, 333, 4
-    q = jax.ShapeDtypeStruct((batch, q_len, heads, head_dim), jnp.bfloat16)
-    k = jax.ShapeDtypeStruct((batch, kv_len, 2, head_dim), jnp.bfloat16)
-    lse = jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)
-    ids = ((jax.ShapeDtypeStruct((batch, q_len), jnp.int32), jax.ShapeDtypeStruct((batch, kv_len), jnp.int32))
-           if segments else (None, None))
+    batch, q_len, heads = 2, 300, 4
+    q, k, lse, ids = _abstract_inputs((batch, q_len, 333, heads, 2, head_dim), segments)
     one_pass = dataclasses.replace(HopperBwdConfig.default(head_dim), dq_atomic=True, num_stages_dkv=2)
     texts = {}
     for ordered in (False, True):
@@ -455,12 +463,7 @@ def test_fold_vmap_matches_per_example_calls(in_axes):
 def test_masked_kernels_lower_for_gpu(window, segments, variant):
     """The forward and both backward kernels with a local window and/or segment ids (their ids streamed
     beside K or Q) go through Mosaic GPU's lowering, causal or not."""
-    batch, q_len, kv_len = 2, 300, 200
-    q = jax.ShapeDtypeStruct((batch, q_len, 4, 64), jnp.bfloat16)
-    k = jax.ShapeDtypeStruct((batch, kv_len, 2, 64), jnp.bfloat16)
-    lse = jax.ShapeDtypeStruct((batch, 4, q_len), jnp.float32)
-    ids = ((jax.ShapeDtypeStruct((batch, q_len), jnp.int32), jax.ShapeDtypeStruct((batch, kv_len), jnp.int32))
-           if segments else (None, None))
+    q, k, lse, ids = _abstract_inputs((2, 300, 200, 4, 2, 64), segments)
     config = dataclasses.replace(HopperBwdConfig.default(64), **BACKWARD_VARIANTS[variant])
     dq_atomic = config.dq_atomic
     for is_causal in (False, True):
