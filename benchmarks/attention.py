@@ -6,7 +6,8 @@
     python -m benchmarks.attention --render DIR [DIR ...] --out DIR   # merge results, redraw tables and plots
 
 Writes `results.json` (one record per point, implementation and pass), `results.md` and one PNG per suite
-to `benchmarks/results/<date>-<device>/` (or `--out`), and prints the Markdown last.
+to `runs/benchmarks/<date>-<device>/` (ignored by git; or `--out`), and prints the Markdown last. Published
+tables are copied from there into their curated folder under `benchmarks/results/`.
 
 Method, for every implementation, point and pass:
   1. compile the jitted function; its memory analysis gives `temp_bytes` (XLA's scratch, which holds
@@ -531,7 +532,7 @@ def parse_args(argv):
     parser.add_argument("--seqs", help="sequence lengths for sweep and memory, e.g. 512,1024")
     parser.add_argument("--head-dims", help="head dims for sweep and memory, e.g. 64,128")
     parser.add_argument("--passes", help="comma list of fwd, bwd, fwdbwd")
-    parser.add_argument("--out", help="output folder (default benchmarks/results/<date>-<device>)")
+    parser.add_argument("--out", help="output folder (default runs/benchmarks/<date>-<device>, ignored by git)")
     parser.add_argument("--reps", type=int, help="timed samples per measurement (default 15; 1 in --smoke)")
     parser.add_argument("--min-sample-ms", type=float, default=10.0, help="host-clock length of one sample")
     parser.add_argument("--rotate", type=int, default=3, help="input sets to rotate over while timing")
@@ -594,8 +595,12 @@ def main(argv=None):
                               smoke=args.smoke, time_budget=args.time_budget, workdir=workdir)
     if not records:
         raise SystemExit("no records: nothing was measured")
-    out = args.out or os.path.join("benchmarks", "results", f"{date}-{report.slug(records[0]['device'])}")
-    return _write(attach_ratios(records), out)
+    return _write(attach_ratios(records), args.out or default_out(date, records[0]["device"]))
+
+
+def default_out(date: str, device: str) -> str:
+    """Where a run writes without --out: under the git-ignored runs/, never into the source tree."""
+    return os.path.join("runs", "benchmarks", f"{date}-{report.slug(device)}")
 
 
 def _write(records, out):

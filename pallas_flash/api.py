@@ -1,11 +1,14 @@
 """The public entry point: argument checking, layout, and dispatch over implementations."""
 from __future__ import annotations
 
+import functools
 import logging
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_flash import masks, reference, xla_chunked
 from pallas_flash.block_sparse import BlockMask
@@ -17,6 +20,9 @@ logger = logging.getLogger("pallas_flash")
 IMPLEMENTATIONS = ("mosaic", "pallas", "xla_chunked", "xla")
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+# flash_attention's arguments that pick the computation rather than feed it: static under jit.
+STATIC_ARGNAMES = ("is_causal", "local_window_size", "block_mask", "logits_soft_cap", "dropout_rate",
+                   "broadcast_dropout", "return_lse", "implementation", "config", "deterministic")
 
 _logged: set = set()
 
@@ -83,16 +89,18 @@ def _check_inputs(query, key, value):
 
 def _choose_implementation(implementation, hopper_unsupported):
     """The implementation that runs a call. `hopper_unsupported()` is why the Hopper kernel cannot serve
-    it (None if it can)."""
+    it (None if it can). Without a GPU the chunked scan runs at every size: compiled, it was as fast as or
+    faster than dense XLA (ours and `jax.nn`'s) from 2 KiB to 512 MiB of logits on a 2-core CPU, forward
+    and backward (docs/performance.md), and its memory is O(seq)."""
     if implementation is None:
-        if not _on_nvidia_gpu():
-            chosen = "xla_chunked"
-        else:
+        if _on_nvidia_gpu():
             reason = hopper_unsupported()
             chosen = "mosaic" if reason is None else "pallas"
-            if reason is not None and hopper.on_hopper_gpu():
-                _log_once(f"pallas_flash: the Hopper kernel cannot serve this call ({reason}); running 'pallas'")
-        _log_once(f"pallas_flash: implementation=None ran {chosen!r} on backend {jax.default_backend()!r}")
+            why = "the Hopper kernel serves it" if reason is None else (
+                f"the Hopper kernel cannot serve this call: {reason}" if hopper.on_hopper_gpu() else "not a Hopper GPU")
+        else:
+            chosen, why = "xla_chunked", "no NVIDIA GPU; on CPU the chunked scan is as fast as dense and O(seq)"
+        _log_once(f"pallas_flash: implementation=None ran {chosen!r} on backend {jax.default_backend()!r} ({why})")
         return chosen
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}, got {implementation!r}")
@@ -227,6 +235,24 @@ def _score_mods(query, key, bias, mask, alibi_slopes, logits_soft_cap, dropout_r
     return mods, masks.ModArrays(bias, mask, alibi_slopes, seed)
 
 
+def _python_scalar(name, x, kind):
+    """A NumPy or 0-d array scalar as the Python number it holds (options must be static); a traced value
+    gets a TypeError saying how to keep it static."""
+    if isinstance(x, jax.core.Tracer):
+        raise TypeError(
+            f"{name} is a traced value, but it selects the computation and must be static. Under jax.jit pass "
+            f"flash_attention's options as static arguments: jax.jit(flash_attention, "
+            f"static_argnames=pallas_flash.STATIC_ARGNAMES), or close over them with functools.partial")
+    if kind is bool and isinstance(x, np.bool_):
+        return bool(x)
+    if kind is float and isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_)):
+        return float(x)
+    if kind is float and isinstance(x, (np.ndarray, jax.Array)) and x.shape == () and jnp.issubdtype(
+            x.dtype, jnp.floating):
+        return float(x)
+    return x
+
+
 def flash_attention(query, key, value, *, scale=None, is_causal=False, segment_ids=None, kv_segment_ids=None,
                     query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None, block_mask=None,
                     bias=None, mask=None, alibi_slopes=None, logits_soft_cap=None, dropout_rate=0.0,
@@ -238,7 +264,9 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, segment_i
       query: [batch, q_len, heads, head_dim].
       key, value: [batch, kv_len, kv_heads, head_dim], heads % kv_heads == 0 (MHA, GQA, MQA): query head h
         reads kv head h // (heads // kv_heads). q_len and kv_len may differ.
-      scale: softmax scale; default 1 / sqrt(head_dim).
+      scale: softmax scale; default 1 / sqrt(head_dim). A Python float is compiled in; a JAX array (traced
+        or learned) is folded into the query before the kernels (one extra rounding of the query to its
+        dtype) and gets its gradient.
       is_causal: query i sees key j iff j <= i, as in `jax.nn.dot_product_attention`.
       segment_ids: int [batch, q_len]: packed sequences; a query sees only keys with its segment id.
         kv_segment_ids: int [batch, kv_len], the keys' ids (default: segment_ids, when q_len == kv_len).
@@ -268,39 +296,89 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, segment_i
       return_lse: also return the log-sum-exp of the logits, [batch, heads, q_len] float32 (after soft cap,
         bias, ALiBi and masks; of the softmax before dropout).
       implementation: None (best available: on a Hopper GPU "mosaic" where it serves the call, else
-        "pallas" on an NVIDIA GPU, else "xla_chunked"), or force "mosaic" (Hopper only: bf16/fp16, causal, window,
-        segment ids and lengths, no score modifiers or block mask; raises where it cannot serve the call), "pallas"
-        (interpret mode without a GPU), "xla_chunked" or "xla" (dense reference).
+        "pallas" on an NVIDIA GPU, else "xla_chunked"), or force "mosaic" (Hopper only: bf16/fp16, causal,
+        window, segment ids and lengths, no score modifiers or block mask; raises where it cannot serve the
+        call), "pallas" (interpret mode without a GPU), "xla_chunked" or "xla" (dense reference).
       config: a `KernelConfig`; default `KernelConfig.default(head_dim)`.
       deterministic: True (default): gradients are bitwise the same from run to run. False lets the Hopper
         backward add dQ's float32 partial sums in whatever order they arrive where that is faster (head_dim
-        <= 64 on the H100: fwd+bwd 2-10% faster than the ordered adds), so dQ varies in its last bits
-        between runs. The other implementations are deterministic either way.
+        <= 64 on the H100), so dQ varies in its last bits between runs. The other implementations are
+        deterministic either way.
     Returns:
       out [batch, q_len, heads, head_dim] in query's dtype, and lse if `return_lse`. A query that sees no
       key gets zeros and lse = -inf.
+
+    Each call runs one compiled function per shape, dtype and set of options (`STATIC_ARGNAMES`), so eager
+    calls are cached as under `jit`; under `jax.jit` those options must be static.
     """
+    options = dict(is_causal=is_causal, local_window_size=local_window_size, block_mask=block_mask,
+                   logits_soft_cap=logits_soft_cap, dropout_rate=dropout_rate, broadcast_dropout=broadcast_dropout,
+                   return_lse=return_lse, implementation=implementation, config=config, deterministic=deterministic)
+    for name, option in options.items():
+        _python_scalar(name, option, None)  # a traced option: a TypeError that says how to make it static
+    is_causal = _python_scalar("is_causal", is_causal, bool)
+    broadcast_dropout = _python_scalar("broadcast_dropout", broadcast_dropout, bool)
+    deterministic = _python_scalar("deterministic", deterministic, bool)
+    return_lse = _python_scalar("return_lse", return_lse, bool)
+    dropout_rate = _python_scalar("dropout_rate", dropout_rate, float)
+    if logits_soft_cap is not None:
+        logits_soft_cap = _python_scalar("logits_soft_cap", logits_soft_cap, float)
+    if isinstance(local_window_size, list):
+        local_window_size = tuple(local_window_size)
+    scale_value = None
+    if scale is not None and not isinstance(scale, (int, float)):
+        if isinstance(scale, (np.generic, np.ndarray)) and np.ndim(scale) == 0:
+            scale = float(scale)
+        elif isinstance(scale, jax.Array) and scale.ndim == 0 and jnp.issubdtype(scale.dtype, jnp.floating):
+            scale, scale_value = None, scale
+        else:
+            raise TypeError(f"scale must be a float or a float scalar array, got {scale!r}")
+    if scale is not None and (isinstance(scale, bool) or not math.isfinite(scale)):
+        raise TypeError(f"scale must be a finite float, got {scale!r}")
+    for name, flag in (("is_causal", is_causal), ("broadcast_dropout", broadcast_dropout),
+                       ("deterministic", deterministic), ("return_lse", return_lse)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {flag!r}")
+    if config is not None and not isinstance(config, KernelConfig):
+        raise TypeError(f"config must be a pallas_flash.KernelConfig, got {type(config).__name__}")
+    if block_mask is not None and not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask must be a pallas_flash.BlockMask, got {type(block_mask).__name__}")
+    try:
+        hash((local_window_size, block_mask, logits_soft_cap, dropout_rate, implementation, config))
+    except TypeError as e:
+        raise TypeError(f"flash_attention's options must be hashable (they are static): {e}") from None
+    out, lse = _attention(
+        query, key, value, scale_value, segment_ids, kv_segment_ids, query_seq_lengths, key_value_seq_lengths,
+        bias, mask, alibi_slopes, dropout_rng, scale=None if scale is None else float(scale), is_causal=is_causal,
+        local_window_size=local_window_size, block_mask=block_mask, logits_soft_cap=logits_soft_cap,
+        dropout_rate=dropout_rate, broadcast_dropout=broadcast_dropout, implementation=implementation,
+        config=config, deterministic=deterministic)
+    return (out, lse) if return_lse else out
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "is_causal", "local_window_size", "block_mask",
+                                             "logits_soft_cap", "dropout_rate", "broadcast_dropout",
+                                             "implementation", "config", "deterministic"))
+def _attention(query, key, value, scale_value, segment_ids, kv_segment_ids, query_seq_lengths,
+               key_value_seq_lengths, bias, mask, alibi_slopes, dropout_rng, *, scale, is_causal, local_window_size,
+               block_mask, logits_soft_cap, dropout_rate, broadcast_dropout, implementation, config, deterministic):
+    """`flash_attention` once its options are static Python values: checks, dispatch and the kernels, traced
+    once per shape and option set. Returns (out, lse)."""
     _check_inputs(query, key, value)
-    band = masks.Band.of(is_causal if isinstance(is_causal, bool) else False, _check_window(local_window_size))
+    band = masks.Band.of(is_causal, _check_window(local_window_size))
     q_ids, kv_ids = _segments(query, key, segment_ids, kv_segment_ids, query_seq_lengths, key_value_seq_lengths)
     block_mask = _check_block_mask(block_mask, query, key)
     mods, mod_arrays = _score_mods(query, key, bias, mask, alibi_slopes, logits_soft_cap, dropout_rate,
                                    dropout_rng, broadcast_dropout)
     head_dim = query.shape[-1]
-    if scale is None:
+    if scale_value is not None:  # a traced scale: fold it into the query, the kernels scale by 1
+        query = (query.astype(jnp.float32) * scale_value.astype(jnp.float32)).astype(query.dtype)
+        scale = 1.0
+    elif scale is None:
         scale = 1.0 / math.sqrt(head_dim)
-    elif not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
-        raise TypeError(f"scale must be a finite Python float, got {scale!r}")
-    if not isinstance(is_causal, bool):
-        raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
     if config is None:
         config = KernelConfig.default(head_dim, jnp.dtype(query.dtype).itemsize, _shared_memory_bytes(),
                                       _score_tile_bytes(mods, mod_arrays))
-    elif not isinstance(config, KernelConfig):
-        raise TypeError(f"config must be a pallas_flash.KernelConfig, got {type(config).__name__}")
-    scale = float(scale)
 
     # Features the Hopper kernel does not have yet; a call using any of them runs elsewhere.
     features = (("block_mask", block_mask is not None),
@@ -313,19 +391,16 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, segment_i
     masking = dict(q_segment_ids=q_ids, kv_segment_ids=kv_ids, block_mask=block_mask, mods=mods,
                    mod_arrays=mod_arrays)
     if impl == "mosaic":
-        out, lse = hopper.flash_attention_hopper(query, key, value, scale=scale, band=band, config=config,
-                                                 q_segment_ids=q_ids, kv_segment_ids=kv_ids,
-                                                 deterministic=deterministic)
-    elif impl == "pallas":
-        out, lse = portable.flash_attention_portable(
+        return hopper.flash_attention_hopper(query, key, value, scale=scale, band=band, config=config,
+                                             q_segment_ids=q_ids, kv_segment_ids=kv_ids, deterministic=deterministic)
+    if impl == "pallas":
+        return portable.flash_attention_portable(
             query, key, value, scale=scale, band=band, config=config, interpret=not _on_nvidia_gpu(), **masking)
-    elif impl == "xla_chunked":
-        out, lse = xla_chunked.attention_chunked(
+    if impl == "xla_chunked":
+        return xla_chunked.attention_chunked(
             query, key, value, scale=scale, band=band, block_kv=config.xla_block_kv, **masking)
-    else:
-        out, lse = reference.attention_reference(
-            query, key, value, scale=scale, band=band, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
-            block_mask=block_mask, bias=mod_arrays.bias, mask=mod_arrays.mask, alibi_slopes=mod_arrays.alibi_slopes,
-            logits_soft_cap=mods.soft_cap, dropout_rate=mods.dropout_rate, dropout_seed=mod_arrays.dropout_seed,
-            broadcast_dropout=mods.broadcast_dropout)
-    return (out, lse) if return_lse else out
+    return reference.attention_reference(
+        query, key, value, scale=scale, band=band, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
+        block_mask=block_mask, bias=mod_arrays.bias, mask=mod_arrays.mask, alibi_slopes=mod_arrays.alibi_slopes,
+        logits_soft_cap=mods.soft_cap, dropout_rate=mods.dropout_rate, dropout_seed=mod_arrays.dropout_seed,
+        broadcast_dropout=mods.broadcast_dropout)

@@ -4,6 +4,7 @@ import logging
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import pallas_flash as pf
@@ -48,15 +49,69 @@ def test_jit_checkpoint_and_scan(impl):
     assert_close(ours[1], ref[1], jnp.float32, table=GRADIENT)
 
 
-def test_default_implementation_on_cpu_is_chunked_and_logged(caplog):
+def test_default_implementation_on_cpu_is_chunked_and_logged_with_its_reason(caplog):
+    if api._on_nvidia_gpu():
+        pytest.skip("the CPU rule")
     q, k, v, _ = make_inputs((1, 8, 8, 2, 2, 16), jnp.float32, seed=12)
     api._logged.clear()
     with caplog.at_level(logging.DEBUG, logger="pallas_flash"):
         pf.flash_attention(q, k, v)
         pf.flash_attention(q, k, v)
-    expected = "pallas" if api._on_nvidia_gpu() else "xla_chunked"
     messages = [r.getMessage() for r in caplog.records if "implementation=None" in r.getMessage()]
-    assert len(messages) == 1 and repr(expected) in messages[0]
+    assert len(messages) == 1 and "'xla_chunked'" in messages[0] and "no NVIDIA GPU" in messages[0]
+
+
+def test_eager_calls_are_traced_once_per_configuration(monkeypatch):
+    """Outside jit, repeated calls reuse one compiled function (no re-trace of the chunked scan per call)."""
+    from pallas_flash import xla_chunked
+    traces = []
+    original = xla_chunked.attention_chunked
+    monkeypatch.setattr(xla_chunked, "attention_chunked", lambda *a, **kw: traces.append(1) or original(*a, **kw))
+    q, k, v, _ = make_inputs((1, 20, 20, 2, 2, 16), jnp.float32, seed=14)
+    for _ in range(3):
+        pf.flash_attention(q, k, v, is_causal=True, implementation="xla_chunked")
+    pf.flash_attention(q + 1, k, v, is_causal=True, implementation="xla_chunked")  # new values, same shapes
+    assert len(traces) == 1
+    pf.flash_attention(q, k, v, is_causal=False, implementation="xla_chunked")  # a new option: one more trace
+    assert len(traces) == 2
+
+
+def test_jit_of_flash_attention_names_its_static_arguments():
+    q, k, v, _ = make_inputs((1, 16, 16, 2, 1, 16), jnp.float32, seed=15)
+    with pytest.raises(TypeError, match="is_causal is a traced value.*STATIC_ARGNAMES"):
+        jax.jit(pf.flash_attention)(q, k, v, is_causal=True)
+    out = jax.jit(pf.flash_attention, static_argnames=pf.STATIC_ARGNAMES)(q, k, v, is_causal=True)
+    assert_close(out, reference(q, k, v, is_causal=True)[0], jnp.float32)
+
+
+@pytest.mark.parametrize("impl", ["xla_chunked", "pallas"])
+def test_traced_scale_matches_reference_and_has_a_gradient(impl):
+    q, k, v, _ = make_inputs((1, 24, 40, 2, 1, 16), jnp.float32, seed=16)
+    attend = lambda s: pf.flash_attention(q, k, v, scale=s, is_causal=True, implementation=impl, config=SMALL_BLOCKS)
+    ref = lambda s: reference(q, k, v, scale=s, is_causal=True)[0]
+    assert_close(jax.jit(attend)(jnp.float32(0.3)), ref(0.3), jnp.float32)
+    loss = lambda f: jax.grad(lambda s: jnp.sum(jnp.sin(f(s))))(jnp.float32(0.3))
+    assert_close(loss(attend), loss(ref), jnp.float32, table=GRADIENT)
+
+
+def test_numpy_scalars_are_accepted_as_options():
+    q, k, v, _ = make_inputs((1, 16, 16, 2, 2, 16), jnp.float32, seed=17)
+    rng = jax.random.key(0)
+    ours = pf.flash_attention(q, k, v, scale=np.float32(0.25), is_causal=np.bool_(True),
+                              dropout_rate=np.float32(0.1), dropout_rng=rng, logits_soft_cap=np.float64(30.0))
+    plain = pf.flash_attention(q, k, v, scale=0.25, is_causal=True, dropout_rate=float(np.float32(0.1)),
+                               dropout_rng=rng, logits_soft_cap=30.0)
+    np.testing.assert_array_equal(ours, plain)
+
+
+@pytest.mark.parametrize("impl", [None, "xla_chunked", "xla"])
+def test_debug_infs_allows_calls_without_masked_rows(impl):
+    """`jax.debug_infs` checks every eager op: the kernels' -inf running-max start must not trip it."""
+    q = jnp.zeros((1, 8, 2, 16))
+    with jax.debug_infs(True):
+        out = pf.flash_attention(q, q, q, implementation=impl)
+        grad = jax.grad(lambda q: pf.flash_attention(q, q, q, is_causal=True, implementation=impl).sum())(q)
+    assert out.shape == q.shape and bool(jnp.isfinite(grad).all())
 
 
 def _bad(shape_q=(1, 8, 4, 16), shape_kv=(1, 8, 2, 16), dtype=jnp.float32, kv_dtype=None):

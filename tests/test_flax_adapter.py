@@ -164,8 +164,9 @@ def test_sown_attention_weights_match_default(api, caplog):
             for fn in (FLASH, nnx.dot_product_attention):
                 module = nnx.MultiHeadAttention(num_heads=HEADS, in_features=FEATURES, attention_fn=fn,
                                                 decode=False, rngs=nnx.Rngs(0))
-                module(inputs_q, sow_weights=True)
-                sown.append(nnx.state(module, nnx.Intermediate))
+                # nnx.capture collects what `sow` stores (sowing outside it is deprecated in Flax).
+                forward = nnx.capture(lambda module, x: module(x, sow_weights=True), nnx.Intermediate)
+                sown.append(forward(module, inputs_q)[1])
     ours, ref = (jax.tree.leaves(s) for s in sown)
     assert len(ours) == len(ref) == 1 and ours[0].shape == (BATCH, HEADS, Q_LEN, Q_LEN)
     assert_close(ours[0], ref[0], jnp.float32)

@@ -1,15 +1,22 @@
-"""CPU smoke tests of the trainer: config/CLI, data, loss decreases, exact resume, the `both` report."""
+"""CPU smoke tests of the trainer: config/CLI, data, loss decreases, exact resume, Ctrl-C, run folders and
+what each run writes, the `both` report."""
 import dataclasses
+import datetime
 import json
+import re
+import shlex
 import shutil
+import signal
 
+import jax
 import numpy as np
 import pytest
 
+from models.gpt import GPTConfig
 from train import __main__ as train_main
 from train import data as data_lib
-from train import loop
-from train.config import parse_args
+from train import loop, report
+from train.config import TRAINER_SET_MODEL_FIELDS, TrainConfig, choose_run_dir, parse_args
 
 # A model small enough for a few CPU steps; every run below compiles in seconds.
 SMALL = ["--model.num_layers", "1", "--model.num_heads", "2", "--model.num_kv_heads", "2",
@@ -19,6 +26,11 @@ SMALL = ["--model.num_layers", "1", "--model.num_heads", "2", "--model.num_kv_he
 
 def _losses(path):
     return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines()) if "loss" in r}
+
+
+def _steps(path, key):
+    """The steps of a metrics.jsonl's records that hold `key`, in file order."""
+    return [r["step"] for r in map(json.loads, path.read_text().splitlines()) if key in r]
 
 
 def test_cli_overrides_every_level():
@@ -164,7 +176,8 @@ def test_resume_reproduces_the_next_loss_exactly(tmp_path):
     train_main.main(args)
     reference = _losses(tmp_path / "metrics.jsonl")
     (tmp_path / "metrics.jsonl").rename(tmp_path / "first.jsonl")
-    shutil.rmtree(tmp_path / "checkpoints" / "6")
+    shutil.rmtree(tmp_path / "checkpoints" / "6")   # a crash after step 3's checkpoint: no later one, no run.json
+    (tmp_path / "run.json").unlink()
     train_main.main(args + ["--resume"])
     resumed = _losses(tmp_path / "metrics.jsonl")
     assert sorted(resumed) == [4, 5, 6]
@@ -181,6 +194,161 @@ def test_both_writes_the_report(tmp_path):
     assert [p["seq_len"] for p in report["max_context"]["flash"]["probes"]] == [64, 128]
     assert report["agreement"]["max_abs_diff"] < 1e-2
     assert set(report["runs"]) == {"flash", "dense"} and report["runs"]["dense"]["tokens_per_s"] > 0
+
+
+def _help_by_flag(text):
+    """{flag: its help text, metavar first} from `python -m train --help`, each on one line."""
+    blocks = re.split(r"\n  (?=--)", text.split("options:", 1)[1].split("\n\n")[0])
+    return {block.split()[0]: " ".join(block.split()[1:]) for block in blocks}
+
+
+def test_help_gives_every_flag_a_meaning_a_default_and_its_choices(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    with pytest.raises(SystemExit) as exit_info:
+        train_main.main(["--help"])
+    assert exit_info.value.code == 0
+    helps = _help_by_flag(capsys.readouterr().out)
+    flags = [f"--{f.name}" for f in dataclasses.fields(TrainConfig) if f.name != "model"]
+    flags += [f"--model.{f.name}" for f in dataclasses.fields(GPTConfig) if f.name not in TRAINER_SET_MODEL_FIELDS]
+    for flag in ["--preset", *flags]:
+        _, _, rest = helps[flag].partition(" ")   # after the metavar
+        description, _, default = rest.partition("(default: ")
+        assert len(description.split()) >= 2 and default.endswith(")"), (flag, helps[flag])
+    assert helps["--attention"].startswith("{flash,dense,both} ") and "(default: flash)" in helps["--attention"]
+    assert helps["--preset"].startswith("{tiny,small,long} ") and "(default: tiny)" in helps["--preset"]
+    assert helps["--data"].startswith("{stdlib,recall,PATH} ")
+    assert helps["--model.norm"].startswith("{rmsnorm,layernorm} normalisation layer (default: rmsnorm)")
+    assert helps["--steps"].endswith("(default: 200; preset long: 1000)")
+    assert "(default: float32; preset small: bfloat16, long: bfloat16)" in helps["--model.dtype"]
+    assert "--seq-len" not in helps   # the dashed spelling works but is not listed twice
+    assert parse_args(["--seq-len", "32"]).seq_len == 32
+
+
+def _interrupt_at(monkeypatch, step):
+    """Make the training data send the process a Ctrl-C (SIGINT) while it makes batch `step`."""
+    make_dataset = data_lib.make_dataset
+
+    def interrupting(cfg):
+        dataset = make_dataset(cfg)
+        train_batch = dataset.train_batch
+
+        def batch(index):
+            if index == step:
+                signal.raise_signal(signal.SIGINT)
+            return train_batch(index)
+
+        dataset.train_batch = batch
+        return dataset
+
+    monkeypatch.setattr(data_lib, "make_dataset", interrupting)
+
+
+def test_ctrl_c_saves_a_checkpoint_and_prints_the_command_that_resumes(tmp_path, monkeypatch, capsys):
+    args = SMALL + ["--steps", "6", "--warmup_steps", "1", "--checkpoint_every", "0"]
+    train_main.main(args + ["--run_dir", str(tmp_path / "reference")])
+    run = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        _interrupt_at(patch, 2)   # while step 3 (batch 2) runs
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_info:
+            try:
+                train_main.main(args + ["--run_dir", str(run)])
+            except KeyboardInterrupt:
+                pytest.fail("Ctrl-C escaped as a KeyboardInterrupt (a traceback)")
+    assert exit_info.value.code == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "interrupted after step 3 of 6" in err
+    command = err.strip().splitlines()[-1].split("Resume with: ")[1]
+    assert command == shlex.join(["python", "-m", "train", *args, "--run_dir", str(run), "--resume"])
+    assert (run / "checkpoints" / "3").is_dir() and not (run / "run.json").exists()
+    assert _steps(run / "metrics.jsonl", "loss") == [1, 2, 3]
+
+    train_main.main(shlex.split(command)[3:])
+    assert _losses(run / "metrics.jsonl") == _losses(tmp_path / "reference" / "metrics.jsonl")   # bit-exact
+    result = json.loads((run / "run.json").read_text())["result"]
+    assert [(s["start_step"], s["end_step"]) for s in result["sessions"]] == [(0, 3), (3, 6)]
+
+
+def test_resume_appends_without_duplicates_and_reports_the_whole_run(tmp_path, capsys):
+    args = SMALL + ["--warmup_steps", "1", "--checkpoint_every", "2", "--keep_checkpoints", "3", "--run_dir",
+                    str(tmp_path)]
+    train_main.main(args + ["--steps", "4"])
+    shutil.rmtree(tmp_path / "checkpoints" / "4")   # a crash after step 4, before its checkpoint and run.json
+    (tmp_path / "run.json").unlink()
+    capsys.readouterr()
+    train_main.main(args + ["--steps", "8", "--resume"])   # from step 2's checkpoint, on to twice the steps
+    metrics = tmp_path / "metrics.jsonl"
+    for key in ("loss", "tokens_per_s", "val_loss"):
+        steps = _steps(metrics, key)
+        assert steps == sorted(set(steps)), (key, steps)
+    assert _steps(metrics, "loss") == list(range(1, 9))
+    result = json.loads((tmp_path / "run.json").read_text())["result"]
+    assert result["steps"] == list(range(1, 9)) and result["tokens"] == 8 * 8 * 64
+    assert result["final_loss"] == _losses(metrics)[8] and result["final_eval"]["step"] == 8
+    assert [(s["start_step"], s["end_step"]) for s in result["sessions"]] == [(0, 2), (2, 8)]
+    assert result["wall_s"] == pytest.approx(sum(s["wall_s"] for s in result["sessions"]))
+    assert result["losses"][0] == _losses(metrics)[1]
+    done = capsys.readouterr().out
+    assert "done: 8 steps, 4,096 tokens" in done and "in 2 sessions" in done, done
+
+
+def test_every_run_writes_its_own_folder(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    args = SMALL + ["--name", "t", "--attention", "both", "--steps", "2", "--warmup_steps", "1",
+                    "--checkpoint_every", "0", "--max_context", "0"]
+    train_main.main(args)
+    train_main.main(args)
+    runs = sorted((tmp_path / "runs" / "t").iterdir())
+    assert len(runs) == 2, runs
+    for run in runs:
+        assert {p.name for p in run.iterdir()} >= {"flash", "dense", "report.md", "report.json", "loss.png"}
+        assert _steps(run / "dense" / "metrics.jsonl", "loss") == [1, 2]
+    with pytest.raises(SystemExit) as exit_info:   # a folder that holds a run is not written again
+        train_main.main(args + ["--run_dir", str(runs[0])])
+    assert exit_info.value.code == 2 and "already holds files" in capsys.readouterr().err
+    cfg = parse_args(["--name", "t"])
+    now = datetime.datetime(2026, 1, 2, 3, 4, 5)
+    (tmp_path / "runs" / "t" / "20260102-030405").mkdir()   # a run started in the same second
+    assert choose_run_dir(cfg, now).name == "20260102-030405-2"
+    assert choose_run_dir(dataclasses.replace(cfg, resume=True)) == runs[-1].relative_to(tmp_path)   # the newest
+
+
+def test_both_saves_the_config_each_attention_ran(tmp_path):
+    train_main.main(SMALL + ["--attention", "both", "--steps", "2", "--warmup_steps", "1", "--checkpoint_every",
+                             "0", "--max_context", "0", "--run_dir", str(tmp_path)])
+    for attention in ("dense", "flash"):
+        for name in ("config.json", "run.json"):
+            saved = json.loads((tmp_path / attention / name).read_text())
+            config = saved["config"] if name == "run.json" else saved
+            assert config["attention"] == config["model"]["attention"] == attention, (name, config)
+            assert config["model"]["max_seq_len"] == 64 and config["run_dir"] == str(tmp_path / attention)
+        assert (tmp_path / attention / "loss.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_single_run_writes_its_loss_plot(tmp_path):
+    train_main.main(SMALL + ["--steps", "2", "--warmup_steps", "1", "--checkpoint_every", "0", "--run_dir",
+                             str(tmp_path)])
+    assert (tmp_path / "loss.png").read_bytes().startswith(b"\x89PNG")
+    assert {"metrics.jsonl", "run.json", "config.json"} <= {p.name for p in tmp_path.iterdir()}
+
+
+def _fake_result(attention, tokens_per_s):
+    return loop.RunResult(attention=attention, steps=[1, 2], losses=[5.0, 4.0], evals=[{"step": 2, "val_loss": 4.1}],
+                          tokens_per_s=tokens_per_s, compile_s=1.0, step_bytes=None, peak_bytes=None, wall_s=3.0)
+
+
+def test_the_report_says_a_speed_up_measured_on_cpu_is_not_the_kernels(tmp_path):
+    cfg = parse_args(SMALL + ["--attention", "both", "--steps", "2", "--warmup_steps", "1"])
+    results = {"flash": _fake_result("flash", 2000.0), "dense": _fake_result("dense", 1000.0)}
+    summary = report.write_comparison(tmp_path, cfg, results, {})
+    text = (tmp_path / "report.md").read_text()
+    on_cpu = jax.default_backend() == "cpu"
+    assert "Speed-up (tokens/s, flash / dense): 2.00x" in text
+    assert ("measured on CPU" in text and "the flash kernels' speed is a GPU property" in text) == on_cpu
+    assert ("speedup_note" in summary) == on_cpu and summary["backend"] == jax.default_backend()
+    run = report.write_run(tmp_path, cfg, results["flash"])
+    assert run["backend"] == jax.devices()[0].platform and run["device_kind"] == jax.devices()[0].device_kind
+    assert json.loads((tmp_path / "run.json").read_text())["backend"] == run["backend"]
 
 
 def test_long_range_verdict_says_no_to_noise():

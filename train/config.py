@@ -1,62 +1,85 @@
 """Training configuration: a frozen dataclass over a model preset, presets, and a command line made from it.
 
-Every field is a flag (`--steps 50`, `--seq_len 256`, `--model.num_layers 4`; dashes work too). Two model
-fields are not flags because the trainer sets them: `attention` (from `--attention`) and `max_seq_len` (the
-context the run trains at, `--seq_len`, or a probe's context in the longest-context search).
+Every field is a flag (`--steps 50`, `--seq_len 256`, `--model.num_layers 4`; dashes work too) whose
+`--help` line is the field's one-line meaning, its default (the tiny preset's, and the other presets' where
+they differ) and its choices. Two model fields are not flags because the trainer sets them: `attention` (from
+`--attention`) and `max_seq_len` (the context the run trains at, `--seq_len`, or a probe's context in the
+longest-context search).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
+import json
 import pathlib
 import types
 import typing
 
 from models.gpt import PRESETS as MODEL_PRESETS
 from models.gpt import GPTConfig
+from models.transformer import MLPS, NORMS
+from pallas_flash.api import IMPLEMENTATIONS
 from train.data import SLOT_LEN, VOCAB_SIZE
 
 ATTENTIONS = ("flash", "dense", "both")
 BUILTIN_DATA = ("stdlib", "recall")
+DTYPES = ("float32", "bfloat16", "float16")
 TRAINER_SET_MODEL_FIELDS = ("attention", "max_seq_len")
+RUNS_ROOT = pathlib.Path("runs")
+
+
+def _field(default, help: str, choices: tuple[str, ...] = ()):
+    """A config field with its one-line meaning (`help`) and, for an enum-like string, its `choices`."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    name: str = "tiny"                  # run name; outputs go to runs/<name> unless run_dir is set
-    model: GPTConfig = GPTConfig()
-    data: str = "stdlib"                # "stdlib", "recall" or a path to a text file
-    seq_len: int = 128                  # training context
-    batch_size: int = 16
-    steps: int = 200
-    learning_rate: float = 2e-3         # peak, after linear warm-up; cosine decay to min_lr_ratio * peak
-    warmup_steps: int = 20
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1           # on matrices only (ndim >= 2), not on norm scales
-    b1: float = 0.9
-    b2: float = 0.95
-    grad_clip: float = 1.0              # global-norm clipping
-    eval_every: int = 50                # 0: evaluate only at the end
-    eval_tokens: int = 16384            # validation tokens per evaluation (the same tokens every time)
-    log_every: int = 10
-    checkpoint_every: int = 100         # 0: no checkpoints
-    keep_checkpoints: int = 2
-    resume: bool = False                # continue from the latest checkpoint in run_dir
-    seed: int = 0                       # parameters, data order and dropout
-    attention: str = "flash"            # "flash", "dense" or "both" (train both, write a comparison report)
-    find_max_context: bool = False      # also search the longest trainable context (always on with "both")
-    max_context: int = 1024             # the search doubles the context from seq_len up to this
-    search_batch_size: int = 1
-    run_dir: str = ""
-    progress: bool = True               # tqdm progress bar
-    corpus_bytes: int = 4_000_000       # stdlib corpus size; 0: all of it
-    val_fraction: float = 0.05
-    recall_doc_len: int = 4096          # recall task (train/data.py): tokens per document, in 2-token slots
-    recall_num_keys: int = 4            # keys per document
-    recall_values_per_key: int = 16     # value symbols of each key: a value out of sight is a 1-in-16 guess
-    recall_fact_probability: float = 1 / 64  # chance a slot is a fact, not filler: a key's showings are
-                                        # 4 * 64 slots (512 tokens) apart on average
-    recall_far_distance: int = 1024     # recall task: values bound further back than this score as "far"
+    """What one `python -m train` run does; every field but `model` is a flag, and model fields are
+    `--model.<field>`."""
+    name: str = _field("tiny", "run name: outputs go to runs/<name>/<date>-<time>/ unless run_dir is set")
+    model: GPTConfig = _field(GPTConfig(), "the GPT trained (its fields: --model.<field>)")
+    data: str = _field("stdlib", "training data: the Python standard library's sources, the synthetic recall "
+                                 "task (train/data.py) or a text file's path", BUILTIN_DATA + ("PATH",))
+    seq_len: int = _field(128, "training context in tokens")
+    batch_size: int = _field(16, "sequences per training step")
+    steps: int = _field(200, "training steps of the whole run; a resumed run continues up to this")
+    learning_rate: float = _field(2e-3, "peak learning rate, after linear warm-up; cosine decay to "
+                                        "min_lr_ratio * peak")
+    warmup_steps: int = _field(20, "steps of linear learning-rate warm-up from 0")
+    min_lr_ratio: float = _field(0.1, "final learning rate as a fraction of the peak")
+    weight_decay: float = _field(0.1, "AdamW weight decay, on matrices only (ndim >= 2): not on norm scales")
+    b1: float = _field(0.9, "AdamW's first-moment decay rate")
+    b2: float = _field(0.95, "AdamW's second-moment decay rate")
+    grad_clip: float = _field(1.0, "global gradient-norm clipping threshold")
+    eval_every: int = _field(50, "steps between validation evaluations; 0: evaluate only at the end")
+    eval_tokens: int = _field(16384, "validation tokens per evaluation, the same tokens every time")
+    log_every: int = _field(10, "steps between writes of the train loss and tokens/s to metrics.jsonl")
+    checkpoint_every: int = _field(100, "steps between checkpoints; 0: none (Ctrl-C still saves one)")
+    keep_checkpoints: int = _field(2, "how many of the newest checkpoints to keep")
+    resume: bool = _field(False, "continue the run in run_dir (without run_dir: the newest run of this name) "
+                                 "from its latest checkpoint")
+    seed: int = _field(0, "seed of the parameters, data order and dropout")
+    attention: str = _field("flash", "attention to train with; both: flash and dense on the same data, then a "
+                                     "comparison report", ATTENTIONS)
+    find_max_context: bool = _field(False, "also search the longest trainable context; always on with "
+                                           "--attention both unless max_context is 0")
+    max_context: int = _field(1024, "the context search doubles the context from seq_len up to this")
+    search_batch_size: int = _field(1, "batch size of the context search's probe steps")
+    run_dir: str = _field("", "output folder, which must be new or empty unless resuming; empty: a new "
+                              "runs/<name>/<date>-<time>/")
+    progress: bool = _field(True, "show a tqdm progress bar")
+    corpus_bytes: int = _field(4_000_000, "stdlib corpus size in bytes; 0: all of it")
+    val_fraction: float = _field(0.05, "fraction of the data held out for validation")
+    recall_doc_len: int = _field(4096, "recall task (train/data.py): tokens per document, in 2-token slots")
+    recall_num_keys: int = _field(4, "recall task: keys per document")
+    recall_values_per_key: int = _field(16, "recall task: value symbols of each key; a value out of sight is a "
+                                            "guess among them")
+    # With the default 4 keys, a key's showings are 4 * 64 slots (512 tokens) apart on average.
+    recall_fact_probability: float = _field(1 / 64, "recall task: chance a slot is a fact, not filler")
+    recall_far_distance: int = _field(1024, "recall task: values bound further back than this many tokens "
+                                            "score as far")
 
     def __post_init__(self):
         def require(ok, field, message):
@@ -100,13 +123,60 @@ class TrainConfig:
                 raise ValueError(f"model.{field} is set by the trainer (--attention, --seq_len); leave it at "
                                  f"its default {getattr(GPTConfig(), field)!r}")
 
-    @property
-    def output_dir(self) -> pathlib.Path:
-        return pathlib.Path(self.run_dir or f"runs/{self.name}")
-
     def model_config(self, attention: str, seq_len: int | None = None) -> GPTConfig:
         """The model this run trains: the preset with the attention and context filled in."""
         return dataclasses.replace(self.model, attention=attention, max_seq_len=seq_len or self.seq_len)
+
+    def run_record(self, attention: str, run_dir: pathlib.Path | str) -> dict:
+        """This config as JSON, as the run with one `attention` in `run_dir` ran it (model fields filled in)."""
+        return {**to_json(dataclasses.asdict(self)), "attention": attention, "run_dir": str(run_dir),
+                "model": to_json(dataclasses.asdict(self.model_config(attention)))}
+
+
+def to_json(value):
+    """`value` as plain JSON types; what JSON cannot hold (a callable attention) becomes its repr."""
+    return json.loads(json.dumps(value, default=repr))
+
+
+_STAMP_FORMAT = "%Y%m%d-%H%M%S"
+
+
+def _stamp_key(path: pathlib.Path) -> tuple[datetime.datetime, int] | None:
+    """(time, suffix) of a run folder named <date>-<time>[-n] by `choose_run_dir`; None for other names."""
+    stamp, separator, suffix = path.name[:15], path.name[15:16], path.name[16:]
+    try:
+        key = datetime.datetime.strptime(stamp, _STAMP_FORMAT), int(suffix or 1)
+    except ValueError:
+        return None
+    return key if separator == "-" or not (separator or suffix) else None
+
+
+def choose_run_dir(cfg: TrainConfig, now: datetime.datetime | None = None) -> pathlib.Path:
+    """The folder a run writes: `run_dir` if set, else a new runs/<name>/<date>-<time>[-n]/, one per run.
+
+    A fresh run never writes into an earlier run's folder: a `run_dir` that holds files is refused. With
+    `resume` the folder must hold a run: `run_dir`, or without it the newest runs/<name>/<date>-<time>/.
+    """
+    if cfg.run_dir:
+        out = pathlib.Path(cfg.run_dir)
+        if cfg.resume and not (out.is_dir() and any(out.iterdir())):
+            raise ValueError(f"run_dir={cfg.run_dir!r}: no run to resume there")
+        if not cfg.resume and out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise ValueError(f"run_dir={cfg.run_dir!r}: already holds files (an earlier run?); add --resume to "
+                             "continue that run, or name a new or empty folder")
+        return out
+    base = RUNS_ROOT / cfg.name
+    runs = sorted((p for p in base.glob("*") if p.is_dir() and _stamp_key(p)), key=_stamp_key)
+    if cfg.resume:
+        if not runs:
+            raise ValueError(f"resume=True: no run of name {cfg.name!r} in {base} to resume; pass its --run_dir")
+        return runs[-1]
+    stamp = (now or datetime.datetime.now()).strftime(_STAMP_FORMAT)
+    out, n = base / stamp, 1
+    while out.exists():
+        n += 1
+        out = base / f"{stamp}-{n}"
+    return out
 
 
 def _model(preset: str, **overrides) -> GPTConfig:
@@ -139,6 +209,7 @@ PRESETS: dict[str, TrainConfig] = {
                         warmup_steps=60, eval_every=250, eval_tokens=2_097_152, max_context=4096,
                         progress=False),
 }
+DEFAULT_PRESET = "tiny"
 
 
 def _parse_bool(text: str) -> bool:
@@ -168,27 +239,80 @@ def _converter(hint):
     raise TypeError(f"no command-line form for a field of type {hint!r}")
 
 
-def _add_fields(parser: argparse.ArgumentParser, cls, prefix: str, skip=()):
+# The one-line meaning and choices of each GPTConfig field on the command line (models/ is not the trainer's).
+MODEL_FIELD_HELP: dict[str, tuple[str, tuple[str, ...]]] = {
+    "num_layers": ("Transformer blocks", ()),
+    "num_heads": ("query heads per attention layer", ()),
+    "num_kv_heads": ("key/value heads; fewer than num_heads (a divisor): grouped-query attention", ()),
+    "embed_dim": ("width of the residual stream: num_heads * head_dim", ()),
+    "mlp_dim": ("hidden width of each MLP", ()),
+    "dropout_rate": ("dropout probability on the embeddings and each block's residual branches", ()),
+    "norm": ("normalisation layer", NORMS),
+    "mlp": ("MLP type", MLPS),
+    "attention_implementation": ("flash only: pallas_flash's implementation; none: the best available",
+                                 ("none", *IMPLEMENTATIONS)),
+    "deterministic_gradients": (("flash only: false lets the backward sum dQ with float32 atomics where faster, "
+                                 "so gradients vary in their last bits between runs"), ()),
+    "dtype": ("compute dtype", DTYPES),
+    "param_dtype": ("parameter dtype", DTYPES),
+    "remat": ("recompute each block's activations in the backward pass: less memory, more compute", ()),
+    "vocab_size": ("vocabulary size; at least 256, as the data are bytes", ()),
+}
+
+
+def _show(value) -> str:
+    """A default as it is typed on the command line."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if value is None:
+        return "none"
+    if value == "":
+        return '""'
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _default_text(values: dict[str, object]) -> str:
+    """"default: X", X the default preset's value, then each other preset whose value differs."""
+    default = _show(values[DEFAULT_PRESET])
+    others = [f"{name}: {_show(value)}" for name, value in values.items()
+              if name != DEFAULT_PRESET and _show(value) != default]
+    return f"default: {default}" + (f"; preset {', '.join(others)}" if others else "")
+
+
+def _add_fields(parser, cls, prefix: str, presets: dict, help_of, skip=()):
+    """One flag per field of dataclass `cls` (nested dataclasses aside): its meaning, default and choices."""
     hints = typing.get_type_hints(cls)
     for field in dataclasses.fields(cls):
-        if field.name in skip or (dataclasses.is_dataclass(hints[field.name])):
+        if field.name in skip or dataclasses.is_dataclass(hints[field.name]):
             continue
         convert = _converter(hints[field.name])
-        names = [f"--{prefix}{field.name}"]
-        if "_" in field.name:
-            names.append(f"--{prefix}{field.name.replace('_', '-')}")
-        parser.add_argument(*names, dest=f"{prefix}{field.name}", type=convert, default=argparse.SUPPRESS,
-                            metavar=field.name.upper(),
-                            **({"nargs": "?", "const": True} if convert is _parse_bool else {}))
+        description, choices = help_of(field)
+        values = {name: getattr(preset, field.name) for name, preset in presets.items()}
+        help_text = f"{description} ({_default_text(values)})".replace("%", "%%")
+        flag, dest = f"--{prefix}{field.name}", f"{prefix}{field.name}"
+        options = dict(dest=dest, type=convert, default=argparse.SUPPRESS,
+                       metavar="{" + ",".join(choices) + "}" if choices else field.name.upper(),
+                       **({"nargs": "?", "const": True} if convert is _parse_bool else {}))
+        parser.add_argument(flag, help=help_text, **options)
+        if "_" in field.name:   # the dashed spelling works too; --help lists the flag once
+            parser.add_argument(flag.replace("_", "-"), help=argparse.SUPPRESS, **options)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m train", description="Train a byte-level GPT with flash or dense attention.",
-        epilog="Every TrainConfig field is a flag; model fields are --model.<field>.")
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
-    _add_fields(parser, TrainConfig, "")
-    _add_fields(parser, GPTConfig, "model.", skip=TRAINER_SET_MODEL_FIELDS)
+        prog="python -m train", usage="%(prog)s [--preset {" + ",".join(PRESETS) + "}] [--attention "
+        "{" + ",".join(ATTENTIONS) + "}] [--FIELD VALUE ...] [--model.FIELD VALUE ...]",
+        description="Train a byte-level GPT with flash or dense attention. Every flag but --preset sets a field "
+                    "of the preset's config; dashes work for underscores (--seq-len). A flag whose default "
+                    "differs between presets lists the others' values.",
+        epilog="Outputs: config.json, metrics.jsonl, run.json, loss.png and checkpoints/ in the run's folder "
+               "(with --attention both: flash/ and dense/ in it, and report.md, report.json, loss.png). Ctrl-C "
+               "saves a checkpoint and prints the command that resumes the run.")
+    parser.add_argument("--preset", choices=list(PRESETS), default=DEFAULT_PRESET,
+                        help="the configuration the other flags change (default: " + DEFAULT_PRESET + ")")
+    _add_fields(parser, TrainConfig, "", PRESETS, lambda f: (f.metadata["help"], f.metadata["choices"]))
+    _add_fields(parser, GPTConfig, "model.", {name: preset.model for name, preset in PRESETS.items()},
+                lambda f: MODEL_FIELD_HELP[f.name], skip=TRAINER_SET_MODEL_FIELDS)
     return parser
 
 

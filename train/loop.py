@@ -6,12 +6,15 @@ dropout RNG), threaded through the step and checkpointed with the parameters.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import json
 import math
 import pathlib
+import signal
 import statistics
+import sys
 import time
 
 import jax
@@ -24,7 +27,7 @@ from tqdm.auto import tqdm
 from models.gpt import GPT
 from train import data as data_lib
 from train.checkpoint import Checkpointer
-from train.config import TrainConfig
+from train.config import TrainConfig, to_json
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
@@ -150,44 +153,138 @@ def is_out_of_memory(err: Exception) -> bool:
 
 @dataclasses.dataclass
 class RunResult:
+    """One attention's run as a whole, over every session a resume added."""
     attention: str
     steps: list[int]
     losses: list[float]
     evals: list[dict]
-    tokens_per_s: float | None          # median over log intervals, the first (warm-up) interval excluded
-    compile_s: float
+    tokens_per_s: float | None          # median over log intervals, each session's first (warm-up) one excluded
+    compile_s: float                    # the last session's train-step compile
     step_bytes: int | None              # XLA's plan for one train step
     peak_bytes: int | None              # allocator peak (process-wide, so a later run includes earlier ones)
-    wall_s: float
+    wall_s: float                       # all sessions together
+    tokens: int = 0                     # tokens trained on, all sessions together
+    sessions: list[dict] = dataclasses.field(default_factory=list)  # each: start_step, end_step, wall_s, ...
+
+    @classmethod
+    def from_json(cls, summary: dict) -> RunResult:
+        """The result a run.json's "result" holds."""
+        names = {field.name for field in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in summary.items() if k in names})
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped training between steps, after a checkpoint of `step` was saved in `run_dir`."""
+
+    def __init__(self, step: int, run_dir: pathlib.Path):
+        super().__init__(f"interrupted after step {step}; checkpoint in {run_dir / 'checkpoints'}")
+        self.step, self.run_dir = step, run_dir
+
+
+@contextlib.contextmanager
+def stop_requests():
+    """A list the first Ctrl-C (SIGINT) appends to, for the loop to stop between steps; a second Ctrl-C raises
+    KeyboardInterrupt at once. Off the main thread, where Python delivers no signals, it stays empty."""
+    requests: list[bool] = []
+
+    def handler(signum, frame):
+        if requests:
+            raise KeyboardInterrupt
+        requests.append(True)
+        print("\nCtrl-C: stopping after this step to save a checkpoint (Ctrl-C again quits without one)",
+              file=sys.stderr, flush=True)
+
+    try:
+        previous = signal.signal(signal.SIGINT, handler)
+    except ValueError:   # not the main thread
+        yield requests
+        return
+    try:
+        yield requests
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
+
+
+def read_metrics(path: pathlib.Path) -> list[dict]:
+    """The records of a metrics.jsonl; none when it does not exist."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.is_file() else []
+
+
+def stored_result(cfg: TrainConfig, attention: str, run_dir: pathlib.Path) -> RunResult | None:
+    """The result in `run_dir`/run.json when that run trained `attention` up to `cfg.steps`, else None."""
+    path = run_dir / "run.json"
+    summary = json.loads(path.read_text()).get("result") if path.is_file() else None
+    if not summary or summary.get("attention") != attention or not summary.get("steps"):
+        return None
+    return RunResult.from_json(summary) if summary["steps"][-1] == cfg.steps else None
+
+
+def _result(attention: str, records: list[dict], sessions: list[dict], compile_s: float,
+            step_bytes: int | None) -> RunResult:
+    """A RunResult from a run's metrics.jsonl records and its sessions."""
+    losses = [r for r in records if "loss" in r]
+    rates = [r for r in records if "tokens_per_s" in r]
+    steady = [r["tokens_per_s"] for r in rates if not r.get("warmup")] or [r["tokens_per_s"] for r in rates]
+    return RunResult(attention, [r["step"] for r in losses], [r["loss"] for r in losses],
+                     [r for r in records if "val_loss" in r], statistics.median(steady) if steady else None,
+                     compile_s, step_bytes, peak_device_bytes(), sum(s["wall_s"] for s in sessions),
+                     sum(s["tokens"] for s in sessions), sessions)
 
 
 def train(cfg: TrainConfig, attention: str, run_dir: pathlib.Path) -> RunResult:
-    """Trains `cfg` with one attention, writing metrics.jsonl and checkpoints under `run_dir`."""
+    """Trains `cfg` with one attention, writing config.json, metrics.jsonl and checkpoints under `run_dir`.
+
+    With `cfg.resume` it continues from the latest checkpoint (from step 0 without one): metrics.jsonl keeps
+    its records up to that step, and the result covers the whole run; a run that run.json shows trained to
+    `cfg.steps` is returned as it is. Ctrl-C stops training between steps: a checkpoint of the last step is
+    saved and TrainingInterrupted raised.
+    """
+    if cfg.resume and (finished := stored_result(cfg, attention, run_dir)):
+        print(f"[{attention}] {run_dir} already trained {cfg.steps} steps", file=sys.stderr)
+        return finished
     start_time = time.perf_counter()
     run_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint_dir = run_dir / "checkpoints"
+    if not cfg.resume:
+        Checkpointer.clear(checkpoint_dir)
+    checkpointer = Checkpointer(checkpoint_dir, keep=cfg.keep_checkpoints) if cfg.checkpoint_every or (
+        cfg.resume and checkpoint_dir.is_dir()) else None
+    latest = checkpointer.latest_step() if cfg.resume and checkpointer else None
     # Written first, so a run cut short (its time limit, a crash) still says what it was; run.json comes
     # only at the end.
-    (run_dir / "config.json").write_text(json.dumps({**_jsonable(dataclasses.asdict(cfg)), "attention": attention},
-                                                    indent=1))
+    (run_dir / "config.json").write_text(json.dumps(cfg.run_record(attention, run_dir), indent=1))
     dataset = data_lib.make_dataset(cfg)
     eval_batches = dataset.eval_batches()
     graphdef, params, rest = init_model(cfg, attention)
     tx = make_optimizer(cfg)
     opt_state = tx.init(params)
     train_step, eval_step = make_steps(graphdef, tx, cfg.recall_far_distance)
+    model_record = to_json(dataclasses.asdict(cfg.model_config(attention)))
 
-    start_step = 0
-    checkpointer = None
-    if cfg.checkpoint_every or cfg.resume:
-        if not cfg.resume:
-            Checkpointer.clear(run_dir / "checkpoints")
-        checkpointer = Checkpointer(run_dir / "checkpoints", keep=cfg.keep_checkpoints)
-        if cfg.resume:
-            state, record = checkpointer.restore({"params": params, "opt_state": opt_state, "rest": rest})
-            if record["model"] != _jsonable(dataclasses.asdict(cfg.model_config(attention))):
-                raise ValueError(f"the checkpoint in {run_dir} was written for another model: {record['model']}")
-            params, opt_state, rest, start_step = state["params"], state["opt_state"], state["rest"], record["data_step"]
-    metrics_file = (run_dir / "metrics.jsonl").open("a" if cfg.resume else "w")
+    start_step, sessions = 0, []
+    if cfg.resume and latest is None:
+        print(f"[{attention}] no checkpoint in {run_dir}: training from step 0", file=sys.stderr)
+    elif cfg.resume:
+        if latest > cfg.steps:
+            raise ValueError(f"the latest checkpoint in {run_dir} is at step {latest}, past steps={cfg.steps}")
+        state, record = checkpointer.restore({"params": params, "opt_state": opt_state, "rest": rest})
+        if record["model"] != model_record:
+            raise ValueError(f"the checkpoint in {run_dir} was written for another model: {record['model']}")
+        params, opt_state, rest, start_step = state["params"], state["opt_state"], state["rest"], record["data_step"]
+        sessions = record.get("sessions", [])
+    # A resumed run's steps after its checkpoint are trained again: their earlier records go.
+    records = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["step"] <= start_step] if cfg.resume else []
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    metrics_file = (run_dir / "metrics.jsonl").open("a")
+
+    def write(new_records):
+        records.extend(new_records)
+        metrics_file.writelines(json.dumps(r) + "\n" for r in new_records)
+        metrics_file.flush()
+
+    def loss_records(pending, done):
+        return [{"step": done - len(pending) + offset + 1, "loss": float(values["loss"]),
+                 "grad_norm": float(values["grad_norm"])} for offset, values in enumerate(jax.device_get(pending))]
 
     compile_start = time.perf_counter()
     train_step = train_step.lower(params, opt_state, rest, dataset.train_batch(start_step)).compile()
@@ -195,57 +292,56 @@ def train(cfg: TrainConfig, attention: str, run_dir: pathlib.Path) -> RunResult:
     step_bytes = compiled_bytes(train_step)
     tokens_per_step = cfg.batch_size * cfg.seq_len
 
-    result = RunResult(attention, [], [], [], None, compile_s, step_bytes, None, 0.0)
-    interval_rates, pending = [], []
-    bar = tqdm(total=cfg.steps, initial=start_step, disable=not cfg.progress, desc=attention, unit="step")
-    last_time = time.perf_counter()
-    for step in range(start_step, cfg.steps):
-        params, opt_state, rest, metrics = train_step(params, opt_state, rest, dataset.train_batch(step))
-        pending.append(metrics)
-        done = step + 1
-        if done % cfg.log_every == 0 or done == cfg.steps:
-            fetched = jax.device_get(pending)   # one sync per interval keeps the device queue full
-            now = time.perf_counter()
-            rate = len(pending) * tokens_per_step / (now - last_time)
-            interval_rates.append(rate)
-            for offset, values in enumerate(fetched):
-                record = {"step": done - len(fetched) + offset + 1, "loss": float(values["loss"]),
-                          "grad_norm": float(values["grad_norm"])}
-                result.steps.append(record["step"])
-                result.losses.append(record["loss"])
-                metrics_file.write(json.dumps(record) + "\n")
-            metrics_file.write(json.dumps({"step": done, "tokens_per_s": rate}) + "\n")
-            bar.set_postfix(loss=f"{result.losses[-1]:.3f}", tok_s=f"{rate:,.0f}")
-            bar.update(len(pending))
-            pending = []
-            last_time = now
-        if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
-            val = {"step": done, **evaluate(eval_step, params, rest, eval_batches)}
-            result.evals.append(val)
-            metrics_file.write(json.dumps(val) + "\n")
-            # The log line keeps the loss and the accuracies; metrics.jsonl has every count and loss.
-            message = " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in val.items()
-                               if k in ("step", "val_loss") or k.endswith("_accuracy"))
-            bar.write(f"[{attention}] {message}")
-            last_time = time.perf_counter()   # evaluation time is not training time
-        if checkpointer and cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
+    def session(done):
+        return {"start_step": start_step, "end_step": done, "tokens": (done - start_step) * tokens_per_step,
+                "wall_s": time.perf_counter() - start_time, "compile_s": compile_s}
+
+    def save(done):
+        nonlocal checkpointer
+        checkpointer = checkpointer or Checkpointer(checkpoint_dir, keep=cfg.keep_checkpoints)
+        if checkpointer.latest_step() != done:
             checkpointer.save(done, {"params": params, "opt_state": opt_state, "rest": rest},
-                              {"step": done, "data_step": done, "seed": cfg.seed,
-                               "model": _jsonable(dataclasses.asdict(cfg.model_config(attention)))})
-        metrics_file.flush()
+                              {"step": done, "data_step": done, "seed": cfg.seed, "model": model_record,
+                               "sessions": [*sessions, session(done)]})
+
+    pending, done, warmup = [], start_step, True
+    bar = tqdm(total=cfg.steps, initial=start_step, disable=not cfg.progress, desc=attention, unit="step")
+    with stop_requests() as stop:
+        last_time = time.perf_counter()
+        for step in range(start_step, cfg.steps):
+            params, opt_state, rest, metrics = train_step(params, opt_state, rest, dataset.train_batch(step))
+            pending.append(metrics)
+            done = step + 1
+            if done % cfg.log_every == 0 or done == cfg.steps:
+                losses = loss_records(pending, done)   # one sync per interval keeps the device queue full
+                now = time.perf_counter()
+                rate = len(pending) * tokens_per_step / (now - last_time)
+                write([*losses, {"step": done, "tokens_per_s": rate, **({"warmup": True} if warmup else {})}])
+                bar.set_postfix(loss=f"{losses[-1]['loss']:.3f}", tok_s=f"{rate:,.0f}")
+                bar.update(len(pending))
+                pending, last_time, warmup = [], now, False
+            if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
+                val = {"step": done, **evaluate(eval_step, params, rest, eval_batches)}
+                write([val])
+                # The log line keeps the loss and the accuracies; metrics.jsonl has every count and loss.
+                message = " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in val.items()
+                                   if k in ("step", "val_loss") or k.endswith("_accuracy"))
+                bar.write(f"[{attention}] {message}")
+                last_time = time.perf_counter()   # evaluation time is not training time
+            if cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
+                save(done)
+            if stop:
+                break
     bar.close()
+    if stop:
+        write(loss_records(pending, done))
+        save(done)
     metrics_file.close()
     if checkpointer:
         checkpointer.close()
-    steady = interval_rates[1:] or interval_rates
-    result.tokens_per_s = statistics.median(steady) if steady else None
-    result.peak_bytes = peak_device_bytes()
-    result.wall_s = time.perf_counter() - start_time
-    return result
-
-
-def _jsonable(value):
-    return json.loads(json.dumps(value, default=repr))
+    if stop:
+        raise TrainingInterrupted(done, run_dir)
+    return _result(attention, records, [*sessions, session(done)], compile_s, step_bytes)
 
 
 def try_context(cfg: TrainConfig, attention: str, seq_len: int) -> dict:

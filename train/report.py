@@ -1,5 +1,6 @@
-"""What a run leaves behind: run.json for one attention, report.{md,json} + loss.png for `--attention both`,
-and `python -m train.report OUT_DIR` to gather the GPU experiments into results.{md,json} + PNGs.
+"""What a run leaves behind: run.json + loss.png for each attention, report.{md,json} + loss.png for
+`--attention both`, and `python -m train.report OUT_DIR` to gather the GPU experiments into results.{md,json} +
+PNGs.
 
 Every file is stamped with the date, device, JAX version and the command that made it.
 """
@@ -24,9 +25,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 def stamp(command: list[str] | None = None) -> dict:
+    """When, where (backend and device kind) and by which command a file was made."""
     device = jax.devices()[0]
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "device": f"{device.platform}: {device.device_kind}", "jax": jax.__version__,
+            "device": f"{device.platform}: {device.device_kind}", "backend": device.platform,
+            "device_kind": device.device_kind, "jax": jax.__version__,
             "command": shlex.join(command or [sys.executable.rsplit("/", 1)[-1], "-m", "train", *sys.argv[1:]])}
 
 
@@ -54,10 +57,20 @@ def _summary(result) -> dict:
 
 
 def write_run(run_dir: pathlib.Path, cfg, result, search: dict | None = None) -> dict:
-    report = {**stamp(), "config": json.loads(json.dumps(dataclasses.asdict(cfg), default=repr)),
-              "result": _summary(result), "max_context": search}
+    """run.json (the config as the run ran it, its whole result across resumes) and loss.png of one attention."""
+    report = {**stamp(), "config": cfg.run_record(result.attention, run_dir), "result": _summary(result),
+              "max_context": search}
     (run_dir / "run.json").write_text(json.dumps(report, indent=1))
+    plot_losses(run_dir / "loss.png", {result.attention: (result.steps, result.losses)},
+                f"{result.attention} attention, {cfg.data}, context {cfg.seq_len}, batch {cfg.batch_size}\n"
+                f"{report['device']}, jax {report['jax']}", {result.attention: result.evals})
     return report
+
+
+# What the report says of a speed-up measured without a GPU.
+CPU_SPEEDUP_NOTE = ("measured on CPU, where flash runs pallas_flash's CPU path (an XLA fallback, or the Pallas "
+                    "interpreter), not its GPU kernels: the flash kernels' speed is a GPU property, so this "
+                    "ratio says nothing about it")
 
 
 def loss_agreement(a, b) -> dict:
@@ -95,6 +108,8 @@ def write_comparison(run_dir: pathlib.Path, cfg, results: dict, searches: dict) 
               "agreement": loss_agreement(flash, dense)}
     if flash.tokens_per_s and dense.tokens_per_s:
         report["speedup"] = flash.tokens_per_s / dense.tokens_per_s
+    if report["backend"] == "cpu":
+        report["speedup_note"] = CPU_SPEEDUP_NOTE
     if searches.get("flash", {}).get("longest") and searches.get("dense", {}).get("longest"):
         report["context_ratio"] = searches["flash"]["longest"] / searches["dense"]["longest"]
     (run_dir / "report.json").write_text(json.dumps(report, indent=1))
@@ -118,7 +133,8 @@ def write_comparison(run_dir: pathlib.Path, cfg, results: dict, searches: dict) 
                      f"| {_longest(searches.get(name))} |")
     lines += ["", f"Loss agreement over {agree['steps_compared']} steps: mean |flash - dense| = "
               f"{agree['mean_abs_diff']:.4f}, max {agree['max_abs_diff']:.4f} nats.",
-              f"Speed-up (tokens/s, flash / dense): {report.get('speedup', float('nan')):.2f}x.",
+              f"Speed-up (tokens/s, flash / dense): {report.get('speedup', float('nan')):.2f}x"
+              + (f", {CPU_SPEEDUP_NOTE}." if report["backend"] == "cpu" else f", measured on {report['device']}."),
               "Longest context ratio (flash / dense): " + (f"{report['context_ratio']:.1f}x." if "context_ratio" in report
                                                            else "not measured (needs both searches)."), "",
               "Peak device memory is the allocator's peak since the process started (flash runs first, so the "
