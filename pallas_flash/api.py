@@ -1,23 +1,29 @@
-"""The public entry point: argument checking, layout, and dispatch over implementations."""
+"""The public entry point: argument checks at the boundary, then dispatch over a registry of implementations.
+
+Each implementation declares what it cannot serve (a reason, or None) and what it would rather leave to another
+(a reason to skip it when `implementation=None`); dispatch takes the first that may run and logs why the ones
+before it did not."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
 import numbers
+import typing
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_flash import masks, reference, xla_chunked
+from pallas_flash import device, masks, reference, xla_chunked
 from pallas_flash.block_sparse import BlockMask
-from pallas_flash.config import H100_SHARED_MEMORY, KernelConfig
-from pallas_flash.kernels import hopper, portable
+from pallas_flash.config import KernelConfig
+from pallas_flash.hopper import vjp as hopper
+from pallas_flash.portable import vjp as portable
 
 logger = logging.getLogger("pallas_flash")
 
-IMPLEMENTATIONS = ("mosaic", "pallas", "xla_chunked", "xla")
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 # flash_attention's arguments that pick the computation rather than feed it: static under jit.
@@ -31,21 +37,6 @@ def _log_once(message: str) -> None:
     if message not in _logged:
         _logged.add(message)
         logger.debug(message)
-
-
-def _on_nvidia_gpu() -> bool:
-    return jax.default_backend() == "gpu" and jax.devices()[0].device_kind.upper().startswith("NVIDIA")
-
-
-def _shared_memory_bytes() -> int:
-    """Shared memory a block may use on this GPU: 227 KiB on Hopper, 163 KiB on A100, 99 KiB on other
-    recent parts (CUDA's per-block opt-in limits). Without a GPU (interpret mode) it does not matter."""
-    if not _on_nvidia_gpu():
-        return H100_SHARED_MEMORY
-    major, minor = (int(x) for x in str(getattr(jax.devices()[0], "compute_capability", "9.0")).split(".")[:2])
-    if major >= 9:
-        return H100_SHARED_MEMORY
-    return 163 * 1024 if (major, minor) in ((8, 0), (8, 7)) else 99 * 1024
 
 
 def _score_tile_bytes(mods: masks.ScoreMods, mod_arrays: masks.ModArrays) -> int:
@@ -87,30 +78,70 @@ def _check_inputs(query, key, value):
         raise ValueError(f"head_dim is {head_dim}; allowed: {MIN_HEAD_DIM} to {MAX_HEAD_DIM}")
 
 
-def _choose_implementation(implementation, hopper_unsupported):
-    """The implementation that runs a call. `hopper_unsupported()` is why the Hopper kernel cannot serve
-    it (None if it can). Without a GPU the chunked scan runs at every size: compiled, it was as fast as or
-    faster than dense XLA (ours and `jax.nn`'s) from 2 KiB to 512 MiB of logits on a 2-core CPU, forward
-    and backward (docs/performance.md), and its memory is O(seq)."""
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """What an implementation needs to know to say whether it serves a call (all static under jit)."""
+
+    query: jax.ShapeDtypeStruct
+    key: jax.ShapeDtypeStruct
+    band: masks.Band
+    config: KernelConfig
+    features: tuple[str, ...]  # the score modifiers and block mask the call uses
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+    """One entry of the registry. `cannot_serve(call)`: why it cannot compute this call (None if it can);
+    forcing it then raises. `defers(call)`: why `implementation=None` should pick a later entry although this
+    one could run (None if it should not)."""
+
+    name: str
+    cannot_serve: typing.Callable[[Call], str | None]
+    defers: typing.Callable[[Call], str | None]
+
+
+def _mosaic_cannot_serve(call: Call) -> str | None:
+    return hopper.unsupported_reason(call.query, call.key, band=call.band, unserved=call.features,
+                                     config=call.config)
+
+
+def _never(call: Call) -> None:
+    return None
+
+
+# In order of preference: the first entry that serves a call and does not defer it runs.
+REGISTRY = (
+    Implementation("mosaic", _mosaic_cannot_serve, _never),
+    Implementation("pallas", _never, lambda call: None if device.on_nvidia_gpu() else (
+        "no NVIDIA GPU: its kernels would run in Pallas interpret mode (a test path)")),
+    Implementation("xla_chunked", _never, _never),
+    Implementation("xla", _never, lambda call: "the dense reference holds q_len x kv_len logits: only on request"),
+)
+IMPLEMENTATIONS = tuple(impl.name for impl in REGISTRY)
+
+
+def dispatch(implementation: str | None, call: Call) -> str:
+    """The implementation that runs `call`, logged with the reason each preferred one was passed over."""
     if implementation is None:
-        if _on_nvidia_gpu():
-            reason = hopper_unsupported()
-            chosen = "mosaic" if reason is None else "pallas"
-            why = "the Hopper kernel serves it" if reason is None else (
-                f"the Hopper kernel cannot serve this call: {reason}" if hopper.on_hopper_gpu() else "not a Hopper GPU")
-        else:
-            chosen, why = "xla_chunked", "no NVIDIA GPU; on CPU the chunked scan is as fast as dense and O(seq)"
-        _log_once(f"pallas_flash: implementation=None ran {chosen!r} on backend {jax.default_backend()!r} ({why})")
-        return chosen
-    if implementation not in IMPLEMENTATIONS:
+        passed = []
+        for impl in REGISTRY:
+            reason = impl.cannot_serve(call) or impl.defers(call)
+            if reason is None:
+                why = "; ".join(f"not {name!r}: {why}" for name, why in passed) or "the first choice"
+                _log_once(f"pallas_flash: implementation=None ran {impl.name!r} on backend "
+                          f"{jax.default_backend()!r} ({why})")
+                return impl.name
+            passed.append((impl.name, reason))
+        raise AssertionError("the registry ends with implementations that serve every call")
+    chosen = {impl.name: impl for impl in REGISTRY}.get(implementation)
+    if chosen is None:
         raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}, got {implementation!r}")
-    if implementation == "mosaic":
-        reason = hopper_unsupported()
-        if reason is not None:
-            raise ValueError(f"implementation='mosaic' cannot serve this call: {reason}")
-    if implementation == "pallas" and not _on_nvidia_gpu():
-        _log_once("pallas_flash: implementation='pallas' without an NVIDIA GPU runs the kernels in Pallas "
-                  "interpret mode (slow; for tests and debugging)")
+    reason = chosen.cannot_serve(call)
+    if reason is not None:
+        raise ValueError(f"implementation={implementation!r} cannot serve this call: {reason}")
+    reason = chosen.defers(call)
+    if reason is not None and implementation == "pallas":
+        _log_once(f"pallas_flash: implementation='pallas' runs although {reason}")
     return implementation
 
 
@@ -377,7 +408,7 @@ def _attention(query, key, value, scale_value, segment_ids, kv_segment_ids, quer
     elif scale is None:
         scale = 1.0 / math.sqrt(head_dim)
     if config is None:
-        config = KernelConfig.default(head_dim, jnp.dtype(query.dtype).itemsize, _shared_memory_bytes(),
+        config = KernelConfig.default(head_dim, jnp.dtype(query.dtype).itemsize, device.shared_memory_bytes(),
                                       _score_tile_bytes(mods, mod_arrays))
 
     # Features the Hopper kernel does not have yet; a call using any of them runs elsewhere.
@@ -385,9 +416,9 @@ def _attention(query, key, value, scale_value, segment_ids, kv_segment_ids, quer
                 ("bias", mods.bias_dims is not None), ("mask", mods.mask_dims is not None),
                 ("alibi_slopes", mods.alibi), ("logits_soft_cap", mods.soft_cap is not None),
                 ("dropout", mods.dropout_rate > 0.0))
-    unserved = [name for name, used in features if used]
-    impl = _choose_implementation(implementation, lambda: hopper.unsupported_reason(
-        query, key, band=band, unserved=unserved, config=config))
+    call = Call(jax.ShapeDtypeStruct(query.shape, query.dtype), jax.ShapeDtypeStruct(key.shape, key.dtype), band,
+                config, tuple(name for name, used in features if used))
+    impl = dispatch(implementation, call)
     masking = dict(q_segment_ids=q_ids, kv_segment_ids=kv_ids, block_mask=block_mask, mods=mods,
                    mod_arrays=mod_arrays)
     if impl == "mosaic":
@@ -395,7 +426,7 @@ def _attention(query, key, value, scale_value, segment_ids, kv_segment_ids, quer
                                              q_segment_ids=q_ids, kv_segment_ids=kv_ids, deterministic=deterministic)
     if impl == "pallas":
         return portable.flash_attention_portable(
-            query, key, value, scale=scale, band=band, config=config, interpret=not _on_nvidia_gpu(), **masking)
+            query, key, value, scale=scale, band=band, config=config, interpret=not device.on_nvidia_gpu(), **masking)
     if impl == "xla_chunked":
         return xla_chunked.attention_chunked(
             query, key, value, scale=scale, band=band, block_kv=config.xla_block_kv, **masking)

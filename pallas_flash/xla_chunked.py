@@ -10,14 +10,12 @@ regenerated per block from `masks.dropout_keep_mask`.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 
 from pallas_flash import block_sparse, masks
-
-LOG2E = math.log2(math.e)
+from pallas_flash.blocks import LOG2E
 
 
 def _einsum(spec, a, b):

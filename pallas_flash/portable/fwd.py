@@ -20,9 +20,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_flash import masks
+from pallas_flash import blocks, masks
 from pallas_flash._compat import SQUEEZED, triton_params
-from pallas_flash.kernels import tiles
+from pallas_flash.portable import tiles
 
 
 def _forward_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, num_kv_blocks, has_segments,
@@ -34,7 +34,7 @@ def _forward_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks,
     batch, head = pl.program_id(1), pl.program_id(2)  # read here: interpret mode has no program_id in loops
     q = q_ref[...]
     q_seg = q_seg_ref[...] if has_segments else None
-    logit_scale = scale * tiles.LOG2E
+    logit_scale = scale * blocks.LOG2E
 
     def visit(kv_block, carry, *, masked):
         acc, row_max, row_sum = carry
@@ -52,7 +52,7 @@ def _forward_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks,
                                    kv_segment=kv_seg_ref[k_slice] if has_segments else None)
             s = jnp.where(mask, s, -jnp.inf)
         new_max = jnp.maximum(row_max, jnp.max(s, axis=1))
-        shift = tiles.safe_exp_shift(new_max)
+        shift = blocks.safe_exp_shift(new_max)
         p = jnp.exp2(s - shift[:, None])
         correction = jnp.exp2(row_max - shift)
         row_sum = correction * row_sum + jnp.sum(p, axis=1)  # un-dropped: the LSE is dropout's input's
@@ -69,14 +69,14 @@ def _forward_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks,
     if has_visits:  # block-sparse: the table lists this query block's key blocks
         acc, row_max, row_sum = tiles.visit_blocks(lambda i: visits_ref[i], visit, carry)
     else:
-        acc, row_max, row_sum = tiles.visit_band(visit, carry, tiles.kv_block_range(
+        acc, row_max, row_sum = tiles.visit_band(visit, carry, blocks.kv_block_range(
             q_block, block_q=block_q, block_kv=block_kv, num_kv_blocks=num_kv_blocks, kv_len=kv_len, band=band,
             always_mask=has_segments))
 
     empty = row_sum == 0.0  # no visible key: output 0, lse -inf
     safe_sum = jnp.where(empty, 1.0, row_sum)
     o_ref[...] = (acc / safe_sum[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(empty, -jnp.inf, (row_max + jnp.log2(safe_sum)) * tiles.LN2)
+    lse_ref[...] = jnp.where(empty, -jnp.inf, (row_max + jnp.log2(safe_sum)) * blocks.LN2)
 
 
 def forward(q, k, v, q_segment_ids=None, kv_segment_ids=None, mod_arrays=masks.ModArrays(), visits=None, *,

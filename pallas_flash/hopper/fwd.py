@@ -12,7 +12,7 @@ one CTA per SM that runs a share of those tiles one after another (`grid_tiles`)
   * online softmax in base 2 with the scale folded in: with c = scale * log2(e), p = exp2(s * c - m) is one
     FMA and one ex2 per logit, and m is kept in units of c * s;
   * band skipping (causal, or a local window (left, right)): a CTA visits only the key blocks its rows can
-    see (`tiles.kv_block_range`, shared with the portable kernels); blocks every row of a warpgroup sees in
+    see (`blocks.kv_block_range`, shared with the portable kernels); blocks every row of a warpgroup sees in
     full skip the mask;
   * the grid runs the query tiles of one (batch, head) back to back, so concurrent CTAs share K/V in L2; with
     a causal band the longest tiles (last rows) launch first. Persistent CTAs keep the K/V ring, the barriers'
@@ -37,7 +37,6 @@ Residuals: the kernel returns (out, lse); lse [batch, heads, q_len] float32 in n
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -45,65 +44,34 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_flash import masks
-from pallas_flash._compat import smem_vector_load
-from pallas_flash.config import NUM_CONSUMERS, HopperConfig
-from pallas_flash.kernels import tiles
-
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
+from pallas_flash import blocks, masks
+from pallas_flash.blocks import LOG2E
+from pallas_flash.hopper.common import (
+    HEAD_DIM_TILE,
+    dot_t,
+    drain_ring,
+    load_own_ids,
+    masked_edge_loops,
+    pad_axis,
+    padded_head_dim,
+    query_tile_schedule,
+    register_ops,
+    round_up,
+    segment_block_ranges,
+    stream_kv_blocks,
+    tile_visible,
+    unmasked_blocks,
+)
+from pallas_flash.hopper.config import NUM_CONSUMERS, HopperConfig
 
 # A persistent forward's CTAs take the (batch, head) pairs in chunks whose keys and values together fit in
 # this much of the H100's 50 MB L2, so that the CTAs running at once re-read them from L2, not HBM.
 L2_SHARE_BYTES = 16 * 2**20
-HEAD_DIM_TILE = 64  # a 128-byte swizzle row of 16-bit elements: the wgmma contraction granule
 MAX_HEAD_DIM = 256
-SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
 # setmaxnreg budgets (multiples of 8, sum over warpgroups <= 64K / 128 threads): consumers hold the
 # accumulator, the producer only issues TMAs.
 CONSUMER_REGISTERS = 232
 PRODUCER_REGISTERS = 40
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-def _pad_axis(x, axis: int, size: int):
-    if x.shape[axis] == size:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, widths)
-
-
-def on_hopper() -> bool:
-    if jax.default_backend() != "gpu":
-        return False
-    return getattr(jax.devices()[0], "compute_capability", "") == "9.0"
-
-
-def padded_head_dim(head_dim: int) -> int:
-    """head_dim as the kernel runs it: a multiple of the 64-element swizzle tile."""
-    return _round_up(head_dim, HEAD_DIM_TILE)
-
-
-def register_ops(interpreting: bool):
-    """(iota, zeros, load): int32 iota and float32 zeros in the wgmma register layout, and a shared-memory
-    vector read into a given layout; without layouts when `interpreting` (the Mosaic GPU interpreter has no
-    CPU rule for them). Shared by the forward and the backward kernels."""
-    if interpreting:
-        return (lambda shape, axis: lax.broadcasted_iota(jnp.int32, shape, axis),
-                lambda shape: jnp.zeros(shape, jnp.float32),
-                lambda ref, layout: ref[...])
-    return (lambda shape, axis: plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA),
-            lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA),
-            smem_vector_load)
-
-
-def dot_t(x, y):
-    """x y^T in float32 (x [m, k], y [n, k]): the interpreter's stand-in for a wgmma on a transposed ref."""
-    return lax.dot_general(x, y, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
 def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, lse_ref, scoped, *, scale: float,
@@ -192,7 +160,7 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
             m_new = jnp.maximum(m, s.max(axis=1) * c)
             # A row that has seen no key yet has m_new = -inf: shift by 0 so exp2 gives 0, not NaN. (An
             # unmasked block always has a visible key, so only masked steps need this.)
-            shift = tiles.safe_exp_shift(m_new) if masked and rows_may_be_empty else m_new
+            shift = blocks.safe_exp_shift(m_new) if masked and rows_may_be_empty else m_new
             alpha = jnp.exp2(m - shift)
             return jnp.exp2(s * c - lax.broadcast_in_dim(shift, s.shape, [0])), alpha, m_new
 
@@ -339,7 +307,7 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
 
             # Only the blocks on the band's edges, the ragged last block and (with segment ids) blocks that
             # are not wholly in the tile's one segment pay for the mask.
-            _, *band_range, _ = tiles.kv_block_range(
+            _, *band_range, _ = blocks.kv_block_range(
                 lax.div(q_start, block_q), block_q=block_q, block_kv=block_kv, num_kv_blocks=num_kv_blocks,
                 kv_len=kv_len, band=band, always_mask=False)
             unmasked_lo, unmasked_hi = unmasked_blocks(band_range, (kv_lo, kv_hi), same)
@@ -360,7 +328,7 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
                 inv_l = jnp.where(l == 0.0, 0.0, inv_l)
                 log_l = jnp.where(l == 0.0, -jnp.inf, log_l)
             o_smem[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(dtype)
-            lse_smem[...] = log_l * LN2
+            lse_smem[...] = log_l * blocks.LN2
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_smem, out_ref.at[batch, pl.ds(q_start, block_q), head])
             plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(q_start, block_q)])
@@ -464,161 +432,6 @@ def persistent_order(position, *, pairs: int, chunk: int, num_q_tiles: int):
     return pair, rank
 
 
-def query_tile_schedule(num_q_tiles: int, *, block_q: int, block_kv: int, num_kv_blocks: int, kv_len: int,
-                        band: masks.Band, segment_ranges=None, tile=None, batch=None):
-    """The first query row of this CTA's tile of NUM_CONSUMERS * block_q rows (grid axis "q_tiles"), and the
-    key blocks [lo, hi) it visits: those its rows' band reaches, narrowed to the tile's `segment_ranges`
-    entry (None, or the ref of `segment_block_ranges`), never none (a tile that sees no key still visits
-    one block, fully masked, so every loop and barrier keeps one shape), and the tile's same-segment run of
-    blocks (None without segment ids; see `unmasked_blocks`). With a causal band (right edge only) the tiles
-    run in reverse: the last ones visit the most key blocks, so they launch first. Shared by the forward and
-    the dQ kernel. `tile`, `batch`: the tile's indices (default: this CTA's "q_tiles" and "batch")."""
-    tile = lax.axis_index("q_tiles") if tile is None else tile
-    if band.right is not None and band.left is None:
-        tile = num_q_tiles - 1 - tile
-    lo, _, _, hi = tiles.kv_block_range(tile, block_q=NUM_CONSUMERS * block_q, block_kv=block_kv,
-                                        num_kv_blocks=num_kv_blocks, kv_len=kv_len, band=band,
-                                        always_mask=segment_ranges is not None)
-    same = None
-    if segment_ranges is not None:
-        batch = lax.axis_index("batch") if batch is None else batch
-        lo = jnp.maximum(lo, segment_ranges[batch, tile, 0])
-        hi = jnp.minimum(hi, segment_ranges[batch, tile, 1])
-        same = (segment_ranges[batch, tile, 2], segment_ranges[batch, tile, 3])
-    lo = jnp.minimum(lo, num_kv_blocks - 1)
-    return tile * (NUM_CONSUMERS * block_q), lo, jnp.maximum(hi, lo + 1), same
-
-
-def tile_visible(q_pos, k_pos, *, band: masks.Band, kv_len, q_seg, kv_seg, shape, q_axis: int):
-    """A tile's visibility (`masks.visible`; None: all visible). q_seg/kv_seg: None, or the segment-id vectors
-    of the tile's queries and keys, broadcast here along its query axis `q_axis` and the other axis. Shared
-    by the forward (query-major tiles) and the backward kernels (dK/dV's are key-major)."""
-    ids = {}
-    if q_seg is not None:
-        ids = dict(q_segment=lax.broadcast_in_dim(q_seg, shape, [q_axis]),
-                   kv_segment=lax.broadcast_in_dim(kv_seg, shape, [1 - q_axis]))
-    return masks.visible(q_pos, k_pos, band=band, kv_len=kv_len, **ids)
-
-
-def load_own_ids(ids_ref, smem, ready, *, wg, batch, start, size: int, layout, load=smem_vector_load):
-    """Consumer warpgroup `wg`'s resident segment ids, ids_ref[batch, start:start + size]: TMA into its slot
-    of `smem`, then into registers in `layout` (`load` reads a shared-memory vector)."""
-    plgpu.copy_gmem_to_smem(ids_ref.at[batch, pl.ds(start, size)], smem.at[wg], ready.at[wg])
-    plgpu.barrier_wait(ready.at[wg])
-    return load(smem.at[wg], layout)
-
-
-def unmasked_blocks(band_range, visited, same=None):
-    """The blocks a consumer visits without the mask: its band's unmasked blocks (`band_range`, the middle
-    two of `tiles.kv_block_range`/`q_block_range`), within the blocks its CTA visits (`visited` = (lo, hi)),
-    and with segment ids within the tile's same-segment run (`same`, from `segment_block_ranges`). Returns
-    (first, end): the visit order is masked [lo, first), unmasked [first, end), masked [end, hi)."""
-    first, end = band_range
-    lo, hi = visited
-    if same is not None:
-        first, end = jnp.maximum(first, same[0]), jnp.minimum(end, same[1])
-    first = jnp.clip(first, lo, hi)
-    return first, jnp.clip(end, first, hi)
-
-
-def masked_edge_loops(step, carry, lo, first, end, hi):
-    """`step(i, carry, masked=...)` over blocks [lo, hi) in `unmasked_blocks`' order: the masked leading edge
-    [lo, first), the unmasked middle [first, end), the masked trailing edge [end, hi). `lo` or `hi` None: that
-    edge is known to be empty, so no code is traced for it (an edge that may hold blocks is a loop even for
-    one block: the step index must be a traced value)."""
-    if lo is not None:
-        carry = lax.fori_loop(lo, first, functools.partial(step, masked=True), carry)
-    carry = lax.fori_loop(first, end, functools.partial(step, masked=False), carry)
-    if hi is not None:
-        carry = lax.fori_loop(end, hi, functools.partial(step, masked=True), carry)
-    return carry
-
-
-def segment_block_ranges(row_ids, col_ids, *, rows_per_tile: int, cols_per_block: int):
-    """Per tile of `rows_per_tile` rows, int32 [batch, num_tiles, 4]: the column blocks [lo, hi) that may
-    hold one of its segment ids (lo = hi = 0 where none can), and [same_lo, same_hi), a run of blocks whose
-    ids all equal the tile's single id (empty unless the tile has one id and no padding): those need no
-    segment mask. row_ids [batch, rows] and col_ids [batch, cols] are padded ids (`pad_segment_ids`). A tile
-    and a block may share an id only if their [min, max] id intervals overlap (padding ids left out), so
-    [lo, hi) is exact for sorted ids (packed sequences, lengths) and conservative for any others."""
-    valid_from = masks.KEY_PADDING_ID + 1  # both padding ids are below this
-
-    def intervals(ids, size):
-        ids = ids.reshape(ids.shape[0], -1, size)
-        valid = ids >= valid_from
-        big = jnp.iinfo(jnp.int32).max
-        low, high = jnp.where(valid, ids, big).min(axis=2), jnp.where(valid, ids, -big).max(axis=2)
-        return low, high, jnp.logical_and(valid.all(axis=2), low == high)  # ..., one id and no padding
-
-    row_lo, row_hi, row_single = intervals(row_ids, rows_per_tile)
-    col_lo, col_hi, col_single = intervals(col_ids, cols_per_block)
-    overlap = (row_lo[:, :, None] <= col_hi[:, None, :]) & (col_lo[:, None, :] <= row_hi[:, :, None])
-    same = row_single[:, :, None] & col_single[:, None, :] & (row_lo[:, :, None] == col_lo[:, None, :])
-    blocks = jnp.arange(overlap.shape[2])
-
-    def first(flags, default):
-        return jnp.where(flags.any(axis=2), jnp.argmax(flags, axis=2), default)
-
-    lo = first(overlap, 0)
-    hi = jnp.where(overlap.any(axis=2), overlap.shape[2] - jnp.argmax(overlap[:, :, ::-1], axis=2), 0)
-    same_lo = first(same, 0)
-    # The run of same-segment blocks from same_lo ends at the next block that is not one (ids need not be
-    # sorted, so there may be more such blocks after it: they are masked, which is still exact).
-    after_run = (blocks >= same_lo[:, :, None]) & ~same
-    same_hi = jnp.where(same.any(axis=2), first(after_run, overlap.shape[2]), 0)
-    return jnp.stack([lo, hi, same_lo, same_hi], axis=2).astype(jnp.int32)
-
-
-def stream_kv_blocks(gmem, smem, ready, free, *, batch, kv_head, block_kv: int, num_stages: int, kv_lo, kv_hi,
-                     kv_ids=None, done=0):
-    """The producer warpgroup's loop (this forward's and the dQ kernel's): TMA key/value blocks kv_lo ..
-    kv_hi-1 of (batch, kv_head) into a `num_stages` shared-memory ring. `gmem`, `smem`, `ready`, `free` are
-    (key, value) pairs of refs and barriers; slot s is refilled once the consumers arrive on its "free"
-    barrier. K of step i + num_stages may land once both consumers finished Q K^T of step i, before they
-    finish its P V: K and V have separate "free" barriers. `kv_ids`: None, or (ids ref [batch, kv_pad],
-    ring [num_stages, block_kv], ready barriers): the block's segment ids, loaded with K (and released
-    with it). `done`: blocks already streamed through the ring (by earlier tiles of a persistent CTA)."""
-
-    def load(step, slot, wait_free: bool):
-        keys = pl.ds((kv_lo + step) * block_kv, block_kv)
-        for i, (ref, ring, is_ready, is_free) in enumerate(zip(gmem, smem, ready, free)):
-            if wait_free:
-                plgpu.barrier_wait(is_free.at[slot])
-            plgpu.copy_gmem_to_smem(ref.at[batch, keys, kv_head], ring.at[slot], is_ready.at[slot])
-            if i == 0 and kv_ids is not None:
-                ids_ref, ids_ring, ids_ready = kv_ids
-                plgpu.copy_gmem_to_smem(ids_ref.at[batch, keys], ids_ring.at[slot], ids_ready.at[slot])
-
-    fill_ring(load, num_stages=num_stages, steps=kv_hi - kv_lo, done=done)
-
-
-def fill_ring(load, *, num_stages: int, steps, done=0):
-    """A producer's loop over a `num_stages` shared-memory ring: `load(step, slot, wait_free)` for steps
-    0 .. steps-1 into slot (done + step) % num_stages, where `done` steps went through the ring before; the
-    ring's first `num_stages` steps fill empty slots, each later one waits in `load` for the consumers to
-    free its slot (wait_free=True)."""
-    filling = jnp.clip(num_stages - done, 0, steps)
-
-    @pl.loop(0, filling)
-    def _fill(step):
-        load(step, lax.rem(done + step, num_stages), wait_free=False)
-
-    @pl.loop(filling, steps)
-    def _stream(step):
-        load(step, lax.rem(done + step, num_stages), wait_free=True)
-
-
-def drain_ring(free, *, num_stages: int, steps):
-    """A producer's wait, on each of the ring's "free" barrier arrays `free`, for the consumers to free the
-    slots of the ring's last `num_stages` of `steps` steps. The Mosaic GPU interpreter requires every thread
-    to observe every phase of a barrier it waits on; on the GPU the kernel ends without it."""
-
-    @pl.loop(jnp.maximum(steps - num_stages, 0), steps)
-    def _drain(step):
-        for barriers in free:
-            plgpu.barrier_wait(barriers.at[lax.rem(step, num_stages)])
-
-
 def _forward_padded(q, k, v, q_ids, kv_ids, *, scale: float, band: masks.Band, kv_len: int,
                     config: HopperConfig, interpret):
     batch, q_pad, heads, head_dim = q.shape
@@ -707,11 +520,11 @@ def hopper_forward(query, key, value, *, scale: float, is_causal: bool = False, 
     q_len, kv_len, head_dim = query.shape[1], key.shape[1], query.shape[3]
     padded_dim = padded_head_dim(head_dim)
     config = config or default_config(padded_dim, kv_len, band)
-    q_pad = _round_up(q_len, NUM_CONSUMERS * config.block_q)
-    kv_pad = _round_up(kv_len, config.block_kv)
-    q = _pad_axis(_pad_axis(query, 1, q_pad), 3, padded_dim)
-    k = _pad_axis(_pad_axis(key, 1, kv_pad), 3, padded_dim)
-    v = _pad_axis(_pad_axis(value, 1, kv_pad), 3, padded_dim)
+    q_pad = round_up(q_len, NUM_CONSUMERS * config.block_q)
+    kv_pad = round_up(kv_len, config.block_kv)
+    q = pad_axis(pad_axis(query, 1, q_pad), 3, padded_dim)
+    k = pad_axis(pad_axis(key, 1, kv_pad), 3, padded_dim)
+    v = pad_axis(pad_axis(value, 1, kv_pad), 3, padded_dim)
     q_ids, kv_ids = masks.pad_segment_ids(q_segment_ids, kv_segment_ids, q_pad, kv_pad)
     out, lse = _forward_padded(q, k, v, q_ids, kv_ids, scale=scale, band=band, kv_len=kv_len, config=config,
                                interpret=interpret)

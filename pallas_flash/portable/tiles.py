@@ -1,22 +1,17 @@
-"""Tile-level helpers shared by the portable forward and backward kernels: the matmul, the tile mask, which
-blocks a program must visit (and which of those need the mask): a band's range or a block-sparse visit table,
-and the score modifiers."""
+"""Tile-level helpers shared by the portable forward and backward kernels: the matmul, the tile mask, the
+blocks a program visits (a band's range from `blocks`, or a block-sparse visit table), and the score modifiers."""
 from __future__ import annotations
 
 import functools
-import math
 import typing
 
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_flash import masks
+from pallas_flash import blocks, masks
 from pallas_flash._compat import SQUEEZED
 from pallas_flash.block_sparse import VISITS_HEADER
-
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
 
 
 def dot(a, b, *, trans_b: bool = False):
@@ -40,60 +35,6 @@ def tile_mask(q_start, k_start, block_q: int, block_kv: int, *, band: masks.Band
                                                                                        kv_segment[None, :])
         segments = dict(q_segment=q_seg, kv_segment=kv_seg)
     return masks.visible(q_pos, k_pos, band=band, kv_len=kv_len, **segments)
-
-
-def _clip(x, lo, hi):
-    return jnp.minimum(jnp.maximum(x, lo), hi)
-
-
-def kv_block_range(q_block, *, block_q: int, block_kv: int, num_kv_blocks: int, kv_len: int,
-                   band: masks.Band, always_mask: bool):
-    """Key blocks a query block visits: lo <= unmasked_lo <= unmasked_hi <= hi. Blocks outside [lo, hi) are
-    invisible to every row and never loaded; [unmasked_lo, unmasked_hi) are visible to every row and skip
-    the mask; the rest need it. (Only min/max and non-negative floor division: the Triton lowering cannot
-    select between scalars.)"""
-    q_first = q_block * block_q
-    q_last = q_first + block_q - 1
-    lo, hi = 0, num_kv_blocks
-    if band.left is not None:
-        lo = jnp.minimum(jnp.maximum(q_first - band.left, 0) // block_kv, num_kv_blocks)
-    if band.right is not None:
-        hi = jnp.maximum(jnp.minimum((q_last + band.right) // block_kv + 1, num_kv_blocks), lo)
-    unmasked_lo = lo
-    if band.left is not None:  # first block whose first key is visible to the last row
-        unmasked_lo = _clip((jnp.maximum(q_last - band.left, 0) + block_kv - 1) // block_kv, lo, hi)
-    unmasked_hi = kv_len // block_kv  # blocks free of padded keys
-    if band.right is not None:  # blocks whose last key is visible to the first row
-        unmasked_hi = jnp.minimum((q_first + band.right + 1) // block_kv, unmasked_hi)
-    unmasked_hi = unmasked_lo if always_mask else _clip(unmasked_hi, unmasked_lo, hi)
-    return lo, unmasked_lo, unmasked_hi, hi
-
-
-def q_block_range(kv_block, *, block_q: int, block_kv: int, num_q_blocks: int, kv_len: int,
-                  band: masks.Band, always_mask: bool):
-    """Query blocks that see a key block, in the same form as `kv_block_range`."""
-    k_first = kv_block * block_kv
-    k_last = k_first + block_kv - 1
-    lo, hi = 0, num_q_blocks
-    if band.right is not None:  # rows r see key k only if r >= k - right
-        lo = jnp.minimum(jnp.maximum(k_first - band.right, 0) // block_q, num_q_blocks)
-    if band.left is not None:  # ... and r <= k + left
-        hi = jnp.maximum(jnp.minimum((k_last + band.left) // block_q + 1, num_q_blocks), lo)
-    unmasked_lo = lo
-    if band.right is not None:  # first block whose first row sees the block's last key
-        unmasked_lo = _clip((jnp.maximum(k_last - band.right, 0) + block_q - 1) // block_q, lo, hi)
-    unmasked_hi = hi
-    if band.left is not None:  # blocks whose last row sees the block's first key
-        unmasked_hi = jnp.minimum((k_first + band.left + 1) // block_q, hi)
-    if always_mask:
-        unmasked_hi = unmasked_lo
-    elif kv_len % block_kv:
-        # The block holding the padded key tail needs the mask for every query block.
-        holds_tail = _clip(kv_block - kv_len // block_kv + 1, 0, 1)
-        unmasked_hi = _clip(unmasked_hi - holds_tail * num_q_blocks, unmasked_lo, hi)
-    else:
-        unmasked_hi = _clip(unmasked_hi, unmasked_lo, hi)
-    return lo, unmasked_lo, unmasked_hi, hi
 
 
 def visit_band(visit, carry, block_range):
@@ -131,11 +72,6 @@ def visits_spec(shape, row_of, *, group=None):
 
     heads = SQUEEZED if group is None else (group if per_head else 1)
     return pl.BlockSpec((SQUEEZED, heads, SQUEEZED, shape[3]), index)
-
-
-def safe_exp_shift(row_max):
-    """A row whose running max is still -inf saw no key yet: shift by 0 so exp2 gives 0, not NaN."""
-    return jnp.where(row_max == -jnp.inf, 0.0, row_max)
 
 
 def launch_order(program, num_q_blocks: int, reverse: bool):
@@ -233,7 +169,7 @@ def modified_logits(x, mods: masks.ScoreMods, refs: ModRefs, *, batch, head, q_s
                              block_q=block_q, block_kv=block_kv, keys_major=keys_major)
     bias = tile(refs.bias, mods.bias_dims) if mods.bias_dims is not None else None
     slope = refs.slopes[batch, head] if mods.alibi else None
-    s = masks.add_biases(x, q_pos=q_pos, k_pos=k_pos, bias=bias, slope=slope) * LOG2E
+    s = masks.add_biases(x, q_pos=q_pos, k_pos=k_pos, bias=bias, slope=slope) * blocks.LOG2E
     if mods.mask_dims is not None:
         s = jnp.where(tile(refs.mask, mods.mask_dims) != 0, s, -jnp.inf)
     return s, grad_factor

@@ -12,9 +12,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_flash import block_sparse, masks
+from pallas_flash import block_sparse, blocks, masks
 from pallas_flash.config import KernelConfig
-from pallas_flash.kernels import portable_bwd, portable_fwd, tiles
+from pallas_flash.portable import bwd as portable_bwd
+from pallas_flash.portable import fwd as portable_fwd
 
 MIN_BLOCK = 16  # smallest tile the tensor cores take
 
@@ -107,7 +108,7 @@ def backward(q, k, v, out, lse, cotangents, *, scale, band, config, interpret, q
     # dL/dS = P * (dP - delta); a cotangent on the LSE output adds P * d_lse, i.e. delta -= d_lse.
     delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32)) - d_lse
     # +inf makes every recomputed P of a row exactly 0: rows that saw no key, and padded rows.
-    lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * tiles.LOG2E)
+    lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * blocks.LOG2E)
 
     fitted = _fitted(config, q_len, kv_len, block_mask)
     q_pad = _round_up(q_len, max(fitted.block_q_dkv, fitted.block_q_dq))

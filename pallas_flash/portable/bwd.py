@@ -26,9 +26,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_flash import masks
+from pallas_flash import blocks, masks
 from pallas_flash._compat import SQUEEZED, triton_params
-from pallas_flash.kernels import tiles
+from pallas_flash.portable import tiles
 
 
 def _dkdv_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, group, has_segments, has_visits,
@@ -40,7 +40,7 @@ def _dkdv_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, gr
     k, v = k_ref[...], v_ref[...]
     kv_seg = kv_seg_ref[...] if has_segments else None
     k_start = kv_block * block_kv
-    logit_scale = scale * tiles.LOG2E
+    logit_scale = scale * blocks.LOG2E
 
     def visit(q_block, carry, *, head, masked):
         dk, dv = carry
@@ -74,7 +74,7 @@ def _dkdv_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, gr
         return dk, dv
 
     if not has_visits:
-        block_range = tiles.q_block_range(
+        block_range = blocks.q_block_range(
             kv_block, block_q=block_q, block_kv=block_kv, num_q_blocks=num_q_blocks, kv_len=kv_len, band=band,
             always_mask=has_segments)
 
@@ -101,7 +101,7 @@ def _dq_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, num_
     q, do = q_ref[...], do_ref[...]
     lse2, delta = lse2_ref[...], delta_ref[...]
     q_seg = q_seg_ref[...] if has_segments else None
-    logit_scale = scale * tiles.LOG2E
+    logit_scale = scale * blocks.LOG2E
 
     def visit(kv_block, dq, *, masked):
         k_slice = pl.ds(kv_block * block_kv, block_kv)
@@ -133,7 +133,7 @@ def _dq_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, num_
     if has_visits:  # block-sparse: the table lists this query block's key blocks
         dq = tiles.visit_blocks(lambda i: visits_ref[i], visit, dq)
     else:
-        dq = tiles.visit_band(visit, dq, tiles.kv_block_range(
+        dq = tiles.visit_band(visit, dq, blocks.kv_block_range(
             q_block, block_q=block_q, block_kv=block_kv, num_kv_blocks=num_kv_blocks, kv_len=kv_len, band=band,
             always_mask=has_segments))
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
@@ -241,7 +241,7 @@ def _dbias_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, n
         b, h, q_block, kv_block = (first + offset for first, offset in zip(firsts, reversed(index)))
         # Tiles outside the causal/window band, or hidden by the block mask, add nothing: skip their loads
         # and matmuls (as the dQ and dK/dV kernels never visit them).
-        lo, _, _, hi = tiles.kv_block_range(q_block, block_q=block_q, block_kv=block_kv,
+        lo, _, _, hi = blocks.kv_block_range(q_block, block_q=block_q, block_kv=block_kv,
                                             num_kv_blocks=num_kv_blocks, kv_len=kv_len, band=band, always_mask=True)
         visible = jnp.logical_and(kv_block >= lo, kv_block < hi)
         if has_tiles:

@@ -1,0 +1,151 @@
+"""FlashAttention backward for Hopper (sm90), written with Pallas's Mosaic GPU backend: the entry point that
+pads, preprocesses and picks the kernels (`bwd_dkdv`, `bwd_dq`, `bwd_ordered`).
+
+Two deterministic passes on the forward's residuals (q, k, v, out, lse), after an XLA preprocess
+(delta = rowsum(dO * O) - d_lse in float32; lse2 = lse * log2(e), +inf for rows that saw no key and for
+padded rows, so that every recomputed P of such a row is exactly 0):
+
+  * dK/dV: one CTA per (batch, kv head, tile of `2 * block_kv_dkv` keys); three warpgroups: a TMA producer
+    streaming Q, dO, lse2 and delta blocks of `block_q_dkv` queries through a `num_stages_dkv` ring, and two
+    consumers, each owning `block_kv_dkv` key rows with K and V resident in shared memory. Per query block:
+    S^T = K Q^T, P^T = exp2(c S^T - lse2), dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - delta),
+    dK += dS^T Q, all on wgmma with float32 accumulators. Working in the transposed tiles puts P^T and dS^T
+    in registers in the layout the next wgmmas take as their left operand (no transposes). A CTA loops over
+    the query heads of its kv head's group (GQA), so dK/dV come out summed over the group.
+  * dQ: one CTA per (batch, head, tile of `2 * block_q_dq` queries); a producer streams K/V blocks of
+    `block_kv_dq` keys, two consumers of `block_q_dq` rows each with Q, dO, lse2, delta resident:
+    S = Q K^T, dP = dO V^T, dS = P (dP - delta), dQ += dS K.
+
+  * One pass (`HopperBwdConfig.dq_atomic`): the dK/dV kernel also computes each query block's dQ = dS K and
+    reduce-adds it into a float32 buffer by TMA, in an order that varies; with `dq_ordered` a store warp of
+    the producer adds each (batch, head, query block)'s dQ only after the higher key tiles' (a global
+    semaphore per block, `dq_order_ranks`), so dQ is bitwise deterministic; key tiles launch in descending
+    order within groups of (batch, kv head) pairs (`ordered_launch`).
+
+Masks as in the forward (`fwd`): a causal or windowed band (top-left aligned: causal query i sees key
+j <= i) bounds the blocks each CTA visits (`blocks.q_block_range` for a dK/dV tile, `blocks.kv_block_range`
+for a dQ tile), and only blocks on the band's edges are masked; segment ids (lengths folded in) narrow the
+visited blocks further (`segment_block_ranges`), ride the Q ring (dK/dV) or the K ring (dQ), and mask the
+blocks that are not wholly inside the tile's one segment.
+Ragged lengths are padded in the wrapper: padded query rows have lse2 = +inf and dO = 0 (no contribution),
+padded keys are masked in the dQ pass (their dK/dV rows are sliced off). head_dim is padded to a multiple
+of 64 (the wgmma contraction granule of a 128-byte swizzle).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from pallas_flash import masks
+from pallas_flash.blocks import LOG2E
+from pallas_flash.hopper.bwd_dkdv import dkdv_pass
+from pallas_flash.hopper.bwd_dq import dq_pass
+from pallas_flash.hopper.bwd_ordered import dq_split
+from pallas_flash.hopper.common import pad_axis, padded_head_dim, round_up
+from pallas_flash.hopper.config import H100_SHARED_MEMORY, NUM_CONSUMERS, HopperBwdConfig
+
+MAX_HEAD_DIM = 128  # at 256, K and V of a 128-key CTA alone take 128 KiB of shared memory
+
+
+def _fold_vmap(fn):
+    """fn(*args), args arrays or None, with `jax.vmap` folded into the leading (batch) axis of every array
+    argument and result: for a kernel whose examples along axis 0 are independent but which cannot be
+    batched itself (the one-pass dK/dV kernel writes into a mutable dQ buffer, and Mosaic GPU's kernel
+    batching only takes a vmapped axis of size 1). Unbatched arguments are broadcast."""
+    def call(*args):
+        present = [i for i, x in enumerate(args) if x is not None]
+
+        @jax.custom_batching.custom_vmap
+        def folded(*arrays):
+            full = list(args)
+            for i, x in zip(present, arrays):
+                full[i] = x
+            return fn(*full)
+
+        @folded.def_vmap
+        def _(axis_size, in_batched, *arrays):
+            arrays = [x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+                      for x, batched in zip(arrays, in_batched)]
+            outs = folded(*(x.reshape(axis_size * x.shape[1], *x.shape[2:]) for x in arrays))
+            outs = jax.tree.map(lambda y: y.reshape(axis_size, y.shape[0] // axis_size, *y.shape[1:]), outs)
+            return outs, jax.tree.map(lambda _: True, outs)
+
+        return folded(*(args[i] for i in present))
+
+    return call
+
+
+def check_config(config: HopperBwdConfig, head_dim: int, itemsize: int = 2) -> None:
+    """Raises ValueError if the tiles do not fit an H100's shared memory at this (padded) head_dim, or if the
+    one-pass kernel cannot split dQ between its consumers (`dq_split`)."""
+    if config.dq_atomic and dq_split(head_dim, config.block_q_dkv) is None:
+        raise ValueError(f"{config}: the one-pass dq_atomic backward at head_dim {head_dim} needs block_q_dkv >= 128 "
+                         f"(each consumer computes dQ for half of a query block), got {config.block_q_dkv}")
+    for name, needed in (("dK/dV", config.smem_bytes_dkv(head_dim, itemsize)),
+                         ("dQ", config.smem_bytes_dq(head_dim, itemsize))):
+        if needed > H100_SHARED_MEMORY:
+            raise ValueError(f"{config} needs {needed} bytes of shared memory in the {name} kernel at head_dim "
+                             f"{head_dim} (the limit is {H100_SHARED_MEMORY})")
+
+
+def default_config(head_dim: int, kv_len: int, band: masks.Band, deterministic: bool) -> HopperBwdConfig:
+    """`HopperBwdConfig.default` for a call with this (padded) head_dim, key length and band."""
+    return HopperBwdConfig.default(head_dim, deterministic, kv_len=kv_len, is_causal=band.is_causal)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "is_causal", "local_window_size", "config", "interpret"))
+def hopper_backward(q, k, v, out, lse, d_out, d_lse, *, scale: float, is_causal: bool = False,
+                    local_window_size=None, q_segment_ids=None, kv_segment_ids=None,
+                    config: HopperBwdConfig | None = None, interpret=None):
+    """Gradients of attention on Hopper from the forward's residuals.
+
+    q [batch, q_len, heads, head_dim], k/v [batch, kv_len, kv_heads, head_dim] (bf16/fp16), out like q,
+    lse [batch, heads, q_len] float32 natural log; cotangents d_out like out and d_lse like lse (or None).
+    The band and segment ids as in `hopper_fwd.hopper_forward` (the forward's own).
+    Returns (dq, dk, dv) shaped and typed like (q, k, v); dk/dv are summed over each kv head's group.
+    `interpret`: None compiles for the GPU; an `InterpretGPUParams` runs the two-pass kernels in the Mosaic
+    GPU interpreter on CPU (as `hopper_forward`'s; not config.dq_atomic)."""
+    band = masks.Band.of(is_causal, local_window_size)
+    batch, q_len, heads, head_dim = q.shape
+    kv_len, kv_heads = k.shape[1], k.shape[2]
+    if heads % kv_heads:
+        raise ValueError(f"key has {kv_heads} heads; query's {heads} heads must be a multiple of it")
+    padded_dim = padded_head_dim(head_dim)
+    if padded_dim > MAX_HEAD_DIM:
+        raise ValueError(f"the Hopper backward takes head_dim <= {MAX_HEAD_DIM}, got {head_dim}")
+    config = config or default_config(padded_dim, kv_len, band, deterministic=True)
+    check_config(config, padded_dim, q.dtype.itemsize)
+    if config.dq_atomic and interpret is not None:
+        raise ValueError("the one-pass dq_atomic backward cannot run in the Mosaic GPU interpreter (JAX 0.10.2 "
+                         "has no mutable-array kernel argument nor TMA reduce-add there); use dq_atomic=False")
+
+    # dL/dS = P * (dP - delta); a cotangent on the LSE output adds P * d_lse, i.e. delta -= d_lse.
+    delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    if d_lse is not None:
+        delta = delta - d_lse.astype(jnp.float32)
+    lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(jnp.float32) * LOG2E)
+
+    q_pad = round_up(q_len, math.lcm(config.block_q_dkv, NUM_CONSUMERS * config.block_q_dq))
+    kv_pad = round_up(kv_len, math.lcm(NUM_CONSUMERS * config.block_kv_dkv, config.block_kv_dq))
+
+    def pad(x, rows):
+        return pad_axis(pad_axis(x, 1, rows), 3, padded_dim)
+
+    qp, dop = pad(q, q_pad), pad(d_out.astype(q.dtype), q_pad)
+    kp, vp = pad(k, kv_pad), pad(v, kv_pad)
+    # Padded query rows: lse2 = +inf makes their P exactly 0 in both passes.
+    lse2 = jnp.pad(lse2, ((0, 0), (0, 0), (0, q_pad - q_len)), constant_values=jnp.inf)
+    delta = pad_axis(delta, 2, q_pad)
+    ids = masks.pad_segment_ids(q_segment_ids, kv_segment_ids, q_pad, kv_pad)
+
+    common = dict(scale=scale, band=band, kv_len=kv_len, config=config, interpret=interpret)
+    if config.dq_atomic:
+        dk, dv, dq = _fold_vmap(functools.partial(dkdv_pass, **common))(qp, kp, vp, dop, lse2, delta, *ids)
+        dq = (dq * scale).astype(q.dtype)
+    else:
+        dk, dv = dkdv_pass(qp, kp, vp, dop, lse2, delta, *ids, **common)
+        dq = dq_pass(qp, kp, vp, dop, lse2, delta, *ids, **common)
+    return dq[:, :q_len, :, :head_dim], dk[:, :kv_len, :, :head_dim], dv[:, :kv_len, :, :head_dim]

@@ -1,0 +1,530 @@
+"""The Hopper dK/dV kernel: one CTA per (batch, kv head, tile of 2 * block_kv_dkv keys), a producer streaming
+Q, dO, lse2 and delta through a ring, two consumers each holding block_kv_dkv key rows with K and V resident;
+in the transposed tiles S^T = K Q^T, P^T = exp2(c S^T - lse2), dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T -
+delta), dK += dS^T Q. With `HopperBwdConfig.dq_atomic` it is the one pass and also adds each query block's
+dQ = dS K into a float32 buffer (`bwd_ordered` for the split and the order of those adds)."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_flash import blocks, masks
+from pallas_flash.blocks import LOG2E
+from pallas_flash.hopper.bwd_ordered import (
+    DqOrder,
+    dq_order_ranks,
+    dq_split,
+    dq_visited_rows,
+    ordered_cta,
+    ordered_launch,
+    pairs_per_group,
+    split_dq_product,
+    store_dq_in_order,
+    tile_visits,
+    visited_q_blocks,
+)
+from pallas_flash.hopper.common import (
+    REGISTERS,
+    dot_t,
+    drain_ring,
+    fill_ring,
+    load_own_ids,
+    masked_edge_loops,
+    register_ops,
+    segment_block_ranges,
+    segment_scratch,
+    step_block,
+    swizzle_transforms,
+    tile_visible,
+    unmasked_blocks,
+)
+from pallas_flash.hopper.config import NUM_CONSUMERS, HopperBwdConfig
+
+# The ordered one pass's producer warp by warp: warp 1 adds dQ in order, the others issue a step's copies ("q": Q
+# and the segment ids; "lse2", "do", "delta"). On a full band one warp issues them all: two cost 4-7% there
+# (session 11's c13). Under a band (the split step order) dO and delta from a second warp gained 0.5% at 8k and
+# 0.7% at 16k (head_dim 64 causal; session 14's c1, three interleaved pairs; session 11's c10: +0.3-1.2%);
+# three warps (lse2 and/or delta from warp 3) tied with two (session 14's c2).
+ALL_COPIES = ("q", "lse2", "do", "delta")
+
+
+BANDED_LOAD_WARPS = {0: ("q", "lse2"), 2: ("do", "delta")}
+
+
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv_ids_ref, q_ranges_ref,
+                 dq_acc_ref, dk_ref, dv_ref, scoped, *, scale: float, band: masks.Band, kv_len: int, group: int,
+                 config: HopperBwdConfig, interpreting: bool, dq_order=None):
+    """Grid (batch, kv_heads, kv_tiles) (with config.dq_ordered `ordered_launch`'s), 3 warpgroups ("wg"):
+    0 and 1 consume, 2 produces (with config.dq_ordered its first warp loads, its second stores dQ).
+
+    `interpreting`: as in the forward (`hopper_fwd._kernel`), for JAX's Mosaic GPU interpreter on CPU: the
+    wgmmas are plain dots on the same shared-memory tiles and registers (no `pl.run_state`, no transposed
+    refs), register layouts are left out, and the producer drains the ring at the end.
+
+    q_ref/do_ref [batch, q_pad, heads, d], k_ref/v_ref [batch, kv_pad, kv_heads, d], lse2_ref/delta_ref
+    [batch, heads, q_pad] float32, q_ids_ref/kv_ids_ref None or int32 [batch, q_pad] / [batch, kv_pad],
+    q_ranges_ref None or with them the query blocks each key tile's ids may meet (`segment_block_ranges`),
+    dk_ref/dv_ref like k_ref (summed over the group's query heads).
+    dq_acc_ref: None, or (config.dq_atomic) a float32 [batch, q_pad, heads, d] buffer that each query block's
+    dS K is reduce-added into by TMA (unscaled): zeros in free order; unwritten with dq_ordered, whose first
+    visitor of a block stores instead.
+    dq_order: None, or (config.dq_ordered) a `DqOrder`."""
+    ((k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, *dq_staging), (k_ready, v_ready),
+     (q_ready, do_ready, lse_ready, delta_ready), free, segments, *ds_barriers) = scoped
+    has_segments = q_ids_ref is not None
+    block_q, block_kv, num_stages = config.block_q_dkv, config.block_kv_dkv, config.num_stages_dkv
+    num_q_blocks = q_ref.shape[1] // block_q
+    dtype = q_ref.dtype
+    if dq_order is None:
+        batch, kv_head = lax.axis_index("batch"), lax.axis_index("kv_heads")
+        kv_tile = lax.axis_index("kv_tiles")
+    else:
+        batch, kv_head, kv_tile = dq_order.cta
+    tile_start = kv_tile * (NUM_CONSUMERS * block_kv)
+    # Padded keys need a mask only where their dS reaches real rows: the one-pass dQ. (Without it only
+    # their own dK/dV rows see them, and those are sliced off.)
+    mask_padded_keys = dq_acc_ref is not None and kv_len != k_ref.shape[1]
+    # Every step is masked with padded keys to hide; else the band's edges, and with segment ids the query
+    # blocks outside the tile's same-segment run.
+    always_mask = mask_padded_keys
+    # Query blocks this CTA visits per head: those its keys' band reaches (maybe none).
+    q_lo, q_hi, same = visited_q_blocks(
+        kv_tile, (lambda i: q_ranges_ref[batch, kv_tile, i]) if has_segments else None, block_q=block_q,
+        tile_keys=NUM_CONSUMERS * block_kv, num_q_blocks=num_q_blocks, kv_pad=k_ref.shape[1], band=band)
+    q_steps = q_hi - q_lo
+    total_steps = group * q_steps
+    wg = lax.axis_index("wg")
+    iota, zeros, load_vector = register_ops(interpreting)
+    consumer_registers, producer_registers = REGISTERS
+
+    @pl.when(wg < NUM_CONSUMERS)
+    def _consumer():
+        plgpu.set_max_registers(consumer_registers, action="increase")
+        v_smem = v_smem2.at[wg]
+        # One pass: K of both warpgroups is one [2 block_kv, D] tile (each dQ wgmma reads all of it).
+        k_smem = k_smem2.at[wg] if dq_acc_ref is None else k_smem2.at[pl.ds(wg * block_kv, block_kv)]
+        kv_start = tile_start + wg * block_kv
+        rows = (batch, pl.ds(kv_start, block_kv), kv_head)
+        plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, k_ready.at[wg])
+        plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, v_ready.at[wg])
+        column = plgpu.Layout.WGMMA.reduce(0)  # a per-query vector, broadcast along the key rows of S^T
+        kv_seg = None
+        if has_segments:
+            q_ids_smem, kv_ids_smem, q_ids_ready, kv_ids_ready = segments
+            kv_seg = load_own_ids(kv_ids_ref, kv_ids_smem, kv_ids_ready, wg=wg, batch=batch, start=kv_start,
+                                  size=block_kv, layout=plgpu.Layout.WGMMA.reduce(1), load=load_vector)
+        if dq_acc_ref is None:
+            plgpu.barrier_wait(k_ready.at[wg])
+        else:  # this warpgroup's dQ wgmmas read the other's keys too
+            for i in range(NUM_CONSUMERS):
+                plgpu.barrier_wait(k_ready.at[i])
+        plgpu.barrier_wait(v_ready.at[wg])
+        c = scale * LOG2E  # exp(scale * s - lse) = exp2(c * s - lse2)
+
+        # The order of a step's wgmmas. Split: S^T; then dV with dP^T; then dK (and dQ): three groups, the
+        # elementwise work between them. Fused: S^T with dP^T (neither needs P^T); then dV, dK (and dQ): two
+        # groups, one wait fewer per step, at the price of dP^T's registers live through the softmax. On the
+        # H100 (fwd+bwd x cuDNN, head_dim 64; NOTES.md "Order of the wgmmas") fused put the ordered one pass
+        # 2-3% nearer cuDNN on a full band but 8% further under a causal band, the free-order one pass 4-6%
+        # further on a full band, and the two passes no nearer. So: fused for the ordered one pass on a full
+        # band only.
+        fused = dq_order is not None and band.is_full
+        # `config.delta_in_dp`: where the split order's or dkv_overlap's dP^T wgmma runs (not fused, not
+        # interpreting), its accumulator starts at -delta, so it yields dP^T - delta and delta is not live beside
+        # P^T, dP^T, dK and dV when dS^T is formed (fewer spills: NOTES.md "delta in dP's accumulator").
+        delta_in_dp = config.delta_in_dp and not fused and not interpreting
+
+        def probabilities(s, q_block, slot, *, masked: bool):
+            """P^T = exp2(c S^T - lse2) of the step's query block (float32), masked if `masked`."""
+            lse2 = load_vector(lse_smem.at[slot], column)
+            p = jnp.exp2(s * c - lax.broadcast_in_dim(lse2, s.shape, [1]))
+            q_seg = None
+            if has_segments:  # every step waits (one wait per phase); masked ones read the ids
+                plgpu.barrier_wait(q_ids_ready.at[slot])
+                if masked:
+                    q_seg = load_vector(q_ids_smem.at[slot], column)
+            if masked:
+                visible = tile_visible(q_block * block_q + iota(s.shape, 1), kv_start + iota(s.shape, 0),
+                                       band=band, kv_len=kv_len if mask_padded_keys else None, q_seg=q_seg,
+                                       kv_seg=kv_seg, shape=s.shape, q_axis=1)
+                if visible is not None:  # None: traced for a loop that runs no iterations
+                    p = jnp.where(visible, p, 0.0)
+            return p
+
+        def delta_columns(slot, shape):
+            """The step's delta (per query) broadcast over the key rows of a [block_kv, block_q] tile."""
+            return lax.broadcast_in_dim(load_vector(delta_smem.at[slot], column), shape, [1])
+
+        def wait_q(slot):  # the step's Q block and its lse2 have landed
+            plgpu.barrier_wait(q_ready.at[slot])
+            plgpu.barrier_wait(lse_ready.at[slot])
+
+        def wait_do(slot):  # and its dO block and delta
+            plgpu.barrier_wait(do_ready.at[slot])
+            plgpu.barrier_wait(delta_ready.at[slot])
+
+        def step(q_block, carry, *, g, masked: bool):
+            dk, dv = carry
+            t = g * q_steps + q_block - q_lo  # this warpgroup's step number (`step_block` inverted)
+            slot = lax.rem(t, num_stages)
+            q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
+            wait_q(slot)
+            if fused:
+                wait_do(slot)
+
+            def s_t(s_ref):
+                plgpu.wgmma(s_ref, k_smem, q_tile.transpose((1, 0)))
+                return s_ref[...]
+
+            def s_t_dp_t(s_ref, dp_ref):
+                plgpu.wgmma(s_ref, k_smem, q_tile.transpose((1, 0)))
+                plgpu.wgmma(dp_ref, v_smem, do_tile.transpose((1, 0)))
+                return s_ref[...], dp_ref[...]
+
+            tile = plgpu.ACC((block_kv, block_q), jnp.float32)
+            if interpreting:
+                s = dot_t(k_smem[...], q_tile[...])
+            elif fused:
+                s, dp = pl.run_scoped(s_t_dp_t, tile, tile)
+            else:
+                s = pl.run_scoped(s_t, tile)
+            p = probabilities(s, q_block, slot, masked=masked)
+            if not fused:
+                wait_do(slot)
+
+                def dv_dp_t(refs):  # one wgmma group: a single wait for both
+                    dv_ref, dp_ref = refs
+                    plgpu.wgmma(dv_ref, p.astype(dtype), do_tile)
+                    plgpu.wgmma(dp_ref, v_smem, do_tile.transpose((1, 0)))
+
+                if interpreting:
+                    dv = dv + jnp.dot(p.astype(dtype), do_tile[...], preferred_element_type=jnp.float32)
+                    dp = dot_t(v_smem[...], do_tile[...])
+                else:
+                    dp_init = -delta_columns(slot, s.shape) if delta_in_dp else zeros(s.shape)
+                    dv, dp = pl.run_state(dv_dp_t)((plgpu.ACC.init(dv), plgpu.ACC.init(dp_init)))
+            ds = p * dp if delta_in_dp else p * (dp - delta_columns(slot, s.shape))
+            if fused:  # the wgmma operands now: float32 P^T dies here
+                ds, p = ds.astype(dtype), p.astype(dtype)
+            if dq_acc_ref is None:
+                def dk_update(dk_ref):
+                    plgpu.wgmma(dk_ref, ds.astype(dtype), q_tile)
+
+                if interpreting:
+                    dk = dk + jnp.dot(ds.astype(dtype), q_tile[...], preferred_element_type=jnp.float32)
+                else:
+                    dk = pl.run_state(dk_update)(plgpu.ACC.init(dk))
+                plgpu.barrier_arrive(free.at[slot])
+                return dk, dv
+            # One pass, FA3's split: both warpgroups' dS^T halves go to one shared [2 block_kv, block_q] tile,
+            # and each warpgroup computes half of dQ[q block] = dS K from all 2 block_kv keys (half the
+            # columns, or at head_dim 64 half the query rows: see `split_dq_product`), reduce-added by TMA (unscaled).
+            # The dS^T tile is reused every step. Before overwriting it at step t a warpgroup waits on
+            # `ds_free` for step t-1's phase, completed by both warpgroups' arrivals after their step t-1 dQ
+            # wgmma returned (pl.run_state waits for the wgmma group), i.e. after the last reads of the
+            # tile; every phase is waited once (at the next step, or after the loop for the last one).
+            # `ds_ready` (two arrivals, each after its half's store and commit_smem) orders the stores before
+            # the other warpgroup's dQ wgmma.
+            ds_ready, ds_free = ds_barriers
+            ds_t_smem, dq_staging_smem = dq_staging
+            ds = ds.astype(dtype)
+
+            @pl.when(t > 0)
+            def _():
+                plgpu.barrier_wait(ds_free)
+
+            ds_t_smem.at[pl.ds(wg * block_kv, block_kv)][...] = ds
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(ds_ready)
+            ds_operand, k_operand, dq_rows, dq_cols = split_dq_product(ds_t_smem, k_smem2, wg)
+
+            def dk_dq(dk_ref, dq_ref):  # dK's wgmma is issued before the wait for the other half of dS^T
+                plgpu.wgmma(dk_ref, ds, q_tile)
+                plgpu.barrier_wait(ds_ready)
+                plgpu.wgmma(dq_ref, ds_operand.transpose((1, 0)), k_operand)
+
+            def dv_dk_dq(refs):
+                dv_ref, dk_ref, dq_ref = refs
+                plgpu.wgmma(dv_ref, p, do_tile)
+                dk_dq(dk_ref, dq_ref)
+
+            dq_smem = dq_staging_smem.at[lax.rem(t, 2), wg]
+            dq = plgpu.ACC.init(zeros(dq_smem.shape))
+            if fused:  # one wgmma group
+                dv, dk, dq = pl.run_state(dv_dk_dq)((plgpu.ACC.init(dv), plgpu.ACC.init(dk), dq))
+            else:
+                dk, dq = pl.run_state(lambda refs: dk_dq(*refs))((plgpu.ACC.init(dk), dq))
+            plgpu.barrier_arrive(ds_free)
+            plgpu.barrier_arrive(free.at[slot])
+            if dq_order is not None:  # the producer's store warp adds it, in order (`store_dq_in_order`)
+                @pl.when(t >= 2)
+                def _():  # that warp has read step t-2's dQ out of this slot
+                    plgpu.barrier_wait(dq_order.free.at[lax.rem(t, 2)])
+
+                dq_smem[...] = dq
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(dq_order.staged.at[lax.rem(t, 2)])
+                return dk, dv
+            # Two staging slots per warpgroup, one store (its own bulk group) per step: once at most one is
+            # in flight (step t-1's), step t-2's has read this slot.
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+            dq_smem[...] = dq
+            plgpu.commit_smem()
+            q_rows = pl.ds(q_block * block_q + dq_rows.start, dq_rows.size)
+            plgpu.copy_smem_to_gmem(dq_smem, dq_acc_ref.at[batch, q_rows, kv_head * group + g, dq_cols],
+                                    reduction_op="add")
+            return dk, dv
+
+        def overlapped_step(q_block, carry, *, g, masked: bool):
+            """`config.dkv_overlap` (two passes): issues S^T_t, then dK += dS^T_{t-1} Q_{t-1}, waits for S^T_t
+            alone (wgmma groups complete in order) and computes P^T_t while that dK product runs; then dV with
+            dP^T_t as in `step`. Q_{t-1}'s slot is released once its dK product is done, so the consumer holds
+            two slots of the ring. Step 0 has no previous step: its dK product adds zeros (the initial dS^T)
+            times its own Q block, which is exact, and it releases nothing."""
+            dk, dv, ds_prev = carry
+            t = g * q_steps + q_block - q_lo
+            slot = lax.rem(t, num_stages)
+            prev = jnp.where(t > 0, lax.rem(t + num_stages - 1, num_stages), slot)
+            q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
+            wait_q(slot)
+
+            if interpreting:  # the same steps, one product at a time
+                s = dot_t(k_smem[...], q_tile[...])
+                dk = dk + jnp.dot(ds_prev, q_smem.at[prev][...], preferred_element_type=jnp.float32)
+                p = probabilities(s, q_block, slot, masked=masked)
+                wait_do(slot)
+                dv = dv + jnp.dot(p.astype(dtype), do_tile[...], preferred_element_type=jnp.float32)
+                dp = dot_t(v_smem[...], do_tile[...])
+            else:
+                def products(s_ref, dk_ref, dv_ref, dp_ref):
+                    dk_ref[...] = dk
+                    dv_ref[...] = dv
+                    plgpu.wgmma(s_ref, k_smem, q_tile.transpose((1, 0)))
+                    plgpu.wgmma(dk_ref, ds_prev, q_smem.at[prev])
+                    s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S^T_t done; dK may run on
+                    p = probabilities(s, q_block, slot, masked=masked)
+                    wait_do(slot)
+                    if delta_in_dp:
+                        dp_ref[...] = -delta_columns(slot, p.shape)
+                    plgpu.wgmma(dv_ref, p.astype(dtype), do_tile)
+                    plgpu.wgmma(dp_ref, v_smem, do_tile.transpose((1, 0)))
+                    dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=None)
+                    return p, dp, dk_ref[...], dv_ref[...]
+
+                tile, accumulator = plgpu.ACC((block_kv, block_q), jnp.float32), plgpu.ACC(dk.shape, jnp.float32)
+                p, dp, dk, dv = pl.run_scoped(products, tile, accumulator, accumulator, tile)
+
+            @pl.when(t > 0)
+            def _():
+                plgpu.barrier_arrive(free.at[prev])
+
+            ds = p * dp if delta_in_dp else p * (dp - delta_columns(slot, p.shape))
+            return dk, dv, ds.astype(dtype)
+
+        # Query blocks that see every key of this warpgroup (in its band and, with segment ids, in the tile's
+        # one segment) skip the mask (none, with `always_mask`).
+        _, *band_range, _ = blocks.q_block_range(
+            lax.div(kv_start, block_kv), block_q=block_q, block_kv=block_kv, num_q_blocks=num_q_blocks,
+            kv_len=k_ref.shape[1], band=band, always_mask=always_mask)
+        unmasked_lo, unmasked_hi = unmasked_blocks(band_range, (q_lo, q_hi), same)
+
+        # Without a left band edge, masked padding or segment ids, unmasked_hi == q_hi: no trailing edge.
+        trailing = band.left is not None or always_mask or has_segments
+
+        overlap = config.dkv_overlap and dq_acc_ref is None
+        step_fn = overlapped_step if overlap else step
+
+        def head(g, carry):
+            return masked_edge_loops(functools.partial(step_fn, g=g), carry, q_lo, unmasked_lo, unmasked_hi,
+                                     q_hi if trailing else None)
+
+        shape = (block_kv, k_smem.shape[-1])
+        carry = (zeros(shape), zeros(shape))
+        if overlap:
+            carry += (zeros((block_kv, block_q)).astype(dtype),)
+        dk, dv, *ds_last = lax.fori_loop(0, group, head, carry)
+        if dq_acc_ref is not None:
+            @pl.when(total_steps > 0)
+            def _():  # the last step's phase: the other warpgroup's last dQ wgmma has read this K
+                plgpu.barrier_wait(ds_barriers[1])
+        # K and V of this warpgroup are read by wgmmas that have all returned: reuse them for the output.
+        if overlap:  # the last step's dK product, then its slot is free
+            last = lax.rem(total_steps + num_stages - 1, num_stages)
+
+            @pl.when(total_steps > 0)
+            def _():
+                if interpreting:
+                    dk_out = dk + jnp.dot(ds_last[0], q_smem.at[last][...], preferred_element_type=jnp.float32)
+                else:
+                    dk_out = pl.run_state(lambda dk_ref: plgpu.wgmma(dk_ref, ds_last[0], q_smem.at[last]))(
+                        plgpu.ACC.init(dk))
+                plgpu.barrier_arrive(free.at[last])
+                k_smem[...] = (dk_out * scale).astype(dtype)
+
+            @pl.when(total_steps == 0)
+            def _():
+                k_smem[...] = (dk * scale).astype(dtype)
+        else:
+            k_smem[...] = (dk * scale).astype(dtype)
+        v_smem[...] = dv.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[rows], commit_group=False)
+        plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[rows], commit_group=False)
+        plgpu.commit_smem_to_gmem_group()
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == NUM_CONSUMERS)
+    def _producer():
+        plgpu.set_max_registers(producer_registers, action="decrease")
+
+        def load(step, slot, wait_free: bool, copies=ALL_COPIES):
+            """Step `step`'s copies into ring slot `slot`, those named in `copies` (`ALL_COPIES`)."""
+            g, q_block = step_block(step, q_lo=q_lo, q_steps=q_steps)
+            head = kv_head * group + g
+            queries = pl.ds(q_block * block_q, block_q)
+            if wait_free:
+                plgpu.barrier_wait(free.at[slot])
+            rows = (batch, queries, head)
+            if "q" in copies:
+                plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_ready.at[slot])
+                if has_segments:  # ids of the block's queries (read in masked steps, which all steps are then)
+                    plgpu.copy_gmem_to_smem(q_ids_ref.at[batch, queries], segments[0].at[slot],
+                                            segments[2].at[slot])
+            if "lse2" in copies:
+                plgpu.copy_gmem_to_smem(lse2_ref.at[batch, head, queries], lse_smem.at[slot], lse_ready.at[slot])
+            if "do" in copies:
+                plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_ready.at[slot])
+            if "delta" in copies:
+                plgpu.copy_gmem_to_smem(delta_ref.at[batch, head, queries], delta_smem.at[slot], delta_ready.at[slot])
+
+        if dq_order is None:
+            fill_ring(load, num_stages=num_stages, steps=total_steps)
+            if interpreting:
+                drain_ring((free,), num_stages=num_stages, steps=total_steps)
+            return
+
+        # Waiting on other CTAs must not hold up the loads or the matmuls: one warp loads, another adds dQ. Under
+        # a band (the split step order) the copies leave from several warps at once (`BANDED_LOAD_WARPS`).
+        load_warps = {0: ALL_COPIES} if band.is_full else BANDED_LOAD_WARPS
+
+        @plgpu.warp_map
+        def _per_warp(warp):
+            for load_warp, copies in load_warps.items():
+                @pl.when(warp == load_warp)
+                def _(copies=copies):
+                    fill_ring(functools.partial(load, copies=copies), num_stages=num_stages, steps=total_steps)
+
+            @pl.when(warp == 1)
+            def _():
+                store_dq_in_order(dq_order, dq_staging[1], dq_acc_ref, batch=batch, kv_head=kv_head,
+                                  kv_tile=kv_tile, group=group, q_lo=q_lo, q_steps=q_steps, block_q=block_q)
+
+
+def dkdv_pass(q, k, v, d_out, lse2, delta, q_ids, kv_ids, *, scale: float, band: masks.Band, kv_len: int,
+          config: HopperBwdConfig, interpret):
+    """(dk, dv), and with config.dq_atomic also dq (float32, unscaled, [batch, q_pad, heads, d])."""
+    batch, kv_pad, kv_heads, head_dim = k.shape
+    block_q, block_kv, num_stages = config.block_q_dkv, config.block_kv_dkv, config.num_stages_dkv
+    has_segments = q_ids is not None
+    transforms = swizzle_transforms()
+    # One pass: K as one [2 block_kv, D] tile, since each dQ wgmma reads both warpgroups' keys.
+    k_shape = (NUM_CONSUMERS * block_kv, head_dim) if config.dq_atomic else (NUM_CONSUMERS, block_kv, head_dim)
+    smem = [
+        plgpu.SMEM(k_shape, k.dtype, transforms=transforms),
+        plgpu.SMEM((NUM_CONSUMERS, block_kv, head_dim), v.dtype, transforms=transforms),
+        plgpu.SMEM((num_stages, block_q, head_dim), q.dtype, transforms=transforms),
+        plgpu.SMEM((num_stages, block_q, head_dim), d_out.dtype, transforms=transforms),
+        plgpu.SMEM((num_stages, block_q), jnp.float32),
+        plgpu.SMEM((num_stages, block_q), jnp.float32),
+    ]
+    extra_barriers = ()
+    if config.dq_atomic:
+        # Both consumers' dS^T in one tile; per (step parity, consumer) its float32 share of dQ for the TMA
+        # reduce; two-arrival barriers: that tile written (`ds_ready`), and read by both dQ wgmmas (`ds_free`).
+        rows, cols = ((block_q, head_dim // NUM_CONSUMERS) if dq_split(head_dim, block_q) == "columns"
+                      else (block_q // NUM_CONSUMERS, head_dim))
+        smem += [plgpu.SMEM((NUM_CONSUMERS * block_kv, block_q), q.dtype, transforms=transforms),
+                 plgpu.SMEM((2, NUM_CONSUMERS, rows, cols), jnp.float32,
+                            transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)))]
+        extra_barriers = (plgpu.Barrier(num_arrivals=NUM_CONSUMERS),) * 2
+        if config.dq_ordered:  # per staging slot: both consumers' dQ is in it; the store warp has read it
+            extra_barriers += (plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=2),
+                               plgpu.Barrier(num_arrivals=1, num_barriers=2))
+    body = functools.partial(_dkdv_kernel, scale=scale, band=band, kv_len=kv_len, group=q.shape[2] // kv_heads,
+                             config=config, interpreting=interpret is not None)
+
+    num_q_blocks = q.shape[1] // block_q
+    num_tiles = kv_pad // (NUM_CONSUMERS * block_kv)
+    # dq_ordered: a pair's float32 dQ covers its kv head's group of query heads
+    launch_group = pairs_per_group(batch * kv_heads, q.shape[1] * q.shape[2] // kv_heads * head_dim * 4)
+
+    def flash_backward_dkdv_sm90(*refs):  # the kernel's name in profiles
+        inputs, rest = refs[:6], refs[6:]
+        segment_refs, rest = (rest[:3], rest[3:]) if has_segments else ((None, None, None), rest)
+        ranks = semaphores = None
+        if config.dq_ordered:  # the rank table rides behind the inputs; the counters are global semaphores
+            ranks, rest = rest[0], rest[1:]
+            semaphores = pl.get_global(plgpu.SemaphoreType.REGULAR((batch * q.shape[2] * num_q_blocks,)))
+        dq_acc, outputs = (rest[0], rest[1:]) if config.dq_atomic else (None, rest)
+
+        def run(*scoped):
+            if ranks is None:
+                return body(*inputs, *segment_refs, dq_acc, *outputs, scoped)
+            *scoped, staged, free = scoped
+            *cta, active = ordered_cta(batch, kv_heads, num_tiles, launch_group)
+            order = DqOrder(ranks, semaphores, tuple(cta), staged, free)
+            pl.when(active)(lambda: body(*inputs, *segment_refs, dq_acc, *outputs, tuple(scoped), dq_order=order))
+
+        pl.run_scoped(
+            run,
+            tuple(smem),
+            (plgpu.Barrier(num_barriers=NUM_CONSUMERS),) * 2,
+            (plgpu.Barrier(num_barriers=num_stages),) * 4,
+            plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=num_stages),
+            segment_scratch(has_segments, (num_stages, block_q), (NUM_CONSUMERS, block_kv)),
+            *extra_barriers,
+            collective_axes="wg",
+        )
+
+    operands = (q, k, v, d_out, lse2, delta)
+    q_ranges = None
+    if has_segments:
+        q_ranges = segment_block_ranges(kv_ids, q_ids, rows_per_tile=NUM_CONSUMERS * block_kv, cols_per_block=block_q)
+        operands += (q_ids, kv_ids, q_ranges)
+    out_type = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
+    grid = dict(grid=(batch, kv_heads, num_tiles),
+                grid_names=("batch", "kv_heads", "kv_tiles"), num_threads=NUM_CONSUMERS + 1, thread_name="wg")
+    compiler_params = plgpu.CompilerParams(approx_math=True)
+    interpreter = {} if interpret is None else dict(interpret=interpret)
+    if config.dq_ordered:
+        visits = tile_visits(q_ranges, batch=batch, num_tiles=num_tiles, block_q=block_q,
+                             tile_keys=NUM_CONSUMERS * block_kv, num_q_blocks=num_q_blocks, kv_pad=kv_pad, band=band)
+        grid.update(zip(("grid", "grid_names"), ordered_launch(batch, kv_heads, num_tiles, launch_group)))
+        # Each block's first visitor stores its dQ, so the float32 buffer is a plain output (no zero fill: 0.04 of
+        # 4.6 ms per fwd+bwd call at the bar's head_dim 64, 8k keys); rows no tile visits stay unwritten: zeroed here.
+        dq, dk, dv = plgpu.kernel(flash_backward_dkdv_sm90,
+                                  out_type=(jax.ShapeDtypeStruct(q.shape, jnp.float32), *out_type),
+                                  compiler_params=compiler_params, **grid)(
+            *operands, dq_order_ranks(visits))
+        return dk, dv, jnp.where(dq_visited_rows(visits, block_q)[:, :, None, None], dq, 0.0)
+    if not config.dq_atomic:
+        return plgpu.kernel(flash_backward_dkdv_sm90, out_type=out_type, compiler_params=compiler_params, **grid,
+                            **interpreter)(*operands)
+    # Free order: the dQ accumulator must start at zero and be written in place: a mutable array handed to the
+    # kernel (plgpu.kernel's batching wrapper cannot carry one, so the mesh kernel is called directly). It lives
+    # in a run_state, whose outside is pure: `_fold_vmap`'s custom_vmap cannot hold a bare `jax.new_ref` (state
+    # discharge has no rule for custom_vmap_call).
+    def accumulate(refs):
+        dq_acc, dk_ref, dv_ref = refs
+        dk_ref[...], dv_ref[...] = pl.kernel(flash_backward_dkdv_sm90, out_type=out_type,
+                                             mesh=plgpu.Mesh(**grid), compiler_params=compiler_params,
+                                             **interpreter)(*operands, dq_acc)
+
+    dq, dk, dv = pl.run_state(accumulate)((jnp.zeros(q.shape, jnp.float32), jnp.empty(k.shape, k.dtype),
+                                           jnp.empty(v.shape, v.dtype)))
+    return dk, dv, dq

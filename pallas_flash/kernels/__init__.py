@@ -1,1 +1,0 @@
-"""Pallas kernels: `portable` (generic Pallas; Triton lowering on GPU, interpret mode on CPU)."""
