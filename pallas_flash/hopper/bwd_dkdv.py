@@ -42,6 +42,7 @@ from pallas_flash.hopper.common import (
     swizzle_transforms,
     tile_visible,
     unmasked_blocks,
+    wgmma_operand,
 )
 from pallas_flash.hopper.config import NUM_CONSUMERS, HopperBwdConfig
 
@@ -188,7 +189,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
 
             tile = plgpu.ACC((block_kv, block_q), jnp.float32)
             if interpreting:
-                s = dot_t(k_smem[...], q_tile[...])
+                s = dot_t(wgmma_operand(k_smem), wgmma_operand(q_tile))
             elif fused:
                 s, dp = pl.run_scoped(s_t_dp_t, tile, tile)
             else:
@@ -203,8 +204,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
                     plgpu.wgmma(dp_ref, v_smem, do_tile.transpose((1, 0)))
 
                 if interpreting:
-                    dv = dv + jnp.dot(p.astype(dtype), do_tile[...], preferred_element_type=jnp.float32)
-                    dp = dot_t(v_smem[...], do_tile[...])
+                    dv = dv + jnp.dot(p.astype(dtype), wgmma_operand(do_tile), preferred_element_type=jnp.float32)
+                    dp = dot_t(wgmma_operand(v_smem), wgmma_operand(do_tile))
                 else:
                     dp_init = -delta_columns(slot, s.shape) if delta_in_dp else zeros(s.shape)
                     dv, dp = pl.run_state(dv_dp_t)((plgpu.ACC.init(dv), plgpu.ACC.init(dp_init)))
@@ -216,7 +217,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
                     plgpu.wgmma(dk_ref, ds.astype(dtype), q_tile)
 
                 if interpreting:
-                    dk = dk + jnp.dot(ds.astype(dtype), q_tile[...], preferred_element_type=jnp.float32)
+                    dk = dk + jnp.dot(ds.astype(dtype), wgmma_operand(q_tile), preferred_element_type=jnp.float32)
                 else:
                     dk = pl.run_state(dk_update)(plgpu.ACC.init(dk))
                 plgpu.barrier_arrive(free.at[slot])
@@ -294,12 +295,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
             wait_q(slot)
 
             if interpreting:  # the same steps, one product at a time
-                s = dot_t(k_smem[...], q_tile[...])
-                dk = dk + jnp.dot(ds_prev, q_smem.at[prev][...], preferred_element_type=jnp.float32)
+                s = dot_t(wgmma_operand(k_smem), wgmma_operand(q_tile))
+                dk = dk + jnp.dot(ds_prev, wgmma_operand(q_smem.at[prev]), preferred_element_type=jnp.float32)
                 p = probabilities(s, q_block, slot, masked=masked)
                 wait_do(slot)
-                dv = dv + jnp.dot(p.astype(dtype), do_tile[...], preferred_element_type=jnp.float32)
-                dp = dot_t(v_smem[...], do_tile[...])
+                dv = dv + jnp.dot(p.astype(dtype), wgmma_operand(do_tile), preferred_element_type=jnp.float32)
+                dp = dot_t(wgmma_operand(v_smem), wgmma_operand(do_tile))
             else:
                 def products(s_ref, dk_ref, dv_ref, dp_ref):
                     dk_ref[...] = dk
@@ -359,7 +360,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
             @pl.when(total_steps > 0)
             def _():
                 if interpreting:
-                    dk_out = dk + jnp.dot(ds_last[0], q_smem.at[last][...], preferred_element_type=jnp.float32)
+                    dk_out = dk + jnp.dot(ds_last[0], wgmma_operand(q_smem.at[last]),
+                                          preferred_element_type=jnp.float32)
                 else:
                     dk_out = pl.run_state(lambda dk_ref: plgpu.wgmma(dk_ref, ds_last[0], q_smem.at[last]))(
                         plgpu.ACC.init(dk))

@@ -27,6 +27,7 @@ from pallas_flash.hopper.common import (
     swizzle_transforms,
     tile_visible,
     unmasked_blocks,
+    wgmma_operand,
 )
 from pallas_flash.hopper.config import NUM_CONSUMERS, HopperBwdConfig
 
@@ -83,7 +84,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv_i
 
         def s_and_dp(slot):  # S and dP waited for (one wait for both)
             if interpreting:
-                return dot_t(q_smem[...], k_smem.at[slot][...]), dot_t(do_smem[...], v_smem.at[slot][...])
+                return (dot_t(wgmma_operand(q_smem), wgmma_operand(k_smem.at[slot])),
+                        dot_t(wgmma_operand(do_smem), wgmma_operand(v_smem.at[slot])))
 
             def products(s_ref, dp_ref):
                 issue_s_dp(s_ref, dp_ref, slot)
@@ -110,7 +112,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv_i
 
         def add_ds_k(dq, ds, slot):  # dQ += dS K (dS in the input dtype), waited for
             if interpreting:
-                return dq + jnp.dot(ds.astype(dtype), k_smem.at[slot][...], preferred_element_type=jnp.float32)
+                return dq + jnp.dot(ds.astype(dtype), wgmma_operand(k_smem.at[slot]),
+                                    preferred_element_type=jnp.float32)
             return pl.run_state(lambda dq_ref: plgpu.wgmma(dq_ref, ds.astype(dtype), k_smem.at[slot]))(
                 plgpu.ACC.init(dq))
 

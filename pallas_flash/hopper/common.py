@@ -238,3 +238,11 @@ def segment_scratch(has_segments: bool, q_ids_shape, kv_ids_shape):
         return None
     return (plgpu.SMEM(q_ids_shape, jnp.int32), plgpu.SMEM(kv_ids_shape, jnp.int32),
             plgpu.Barrier(num_barriers=q_ids_shape[0]), plgpu.Barrier(num_barriers=kv_ids_shape[0]))
+
+
+def wgmma_operand(ref):
+    """ref[...] in the interpreter's stand-ins for wgmma (`interpreting`), which read shared-memory operands."""
+    value = ref[...]
+    # wgmma reads via the async proxy; JAX 0.12's interpreter orders a TMA refill after a generic read only if committed
+    plgpu.commit_smem()
+    return value

@@ -61,6 +61,7 @@ from pallas_flash.hopper.common import (
     stream_kv_blocks,
     tile_visible,
     unmasked_blocks,
+    wgmma_operand,
 )
 from pallas_flash.hopper.config import NUM_CONSUMERS, HopperConfig
 
@@ -172,7 +173,7 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
                 return s_ref[...]
 
             if interpreting:
-                s = dot_t(q_smem[...], k_smem.at[slot][...])
+                s = dot_t(wgmma_operand(q_smem), wgmma_operand(k_smem.at[slot]))
                 after_issue()
                 return s
             return pl.run_scoped(scores, plgpu.ACC((block_q, block_kv), jnp.float32))
@@ -184,7 +185,7 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
                 after_issue()
 
             if interpreting:
-                acc = acc + jnp.dot(p16, v_smem.at[slot][...], preferred_element_type=jnp.float32)
+                acc = acc + jnp.dot(p16, wgmma_operand(v_smem.at[slot]), preferred_element_type=jnp.float32)
                 after_issue()
                 return acc
             return pl.run_state(update)(plgpu.ACC.init(acc))
