@@ -31,7 +31,8 @@ def smem_vector_load(ref, layout):
     index as a second argument, 0.11 deprecates it (index the ref instead)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    if inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty:
+    idx = inspect.signature(plgpu.load).parameters.get("idx")
+    if idx is not None and idx.default is inspect.Parameter.empty:
         return plgpu.load(ref, (), layout=layout)
     return plgpu.load(ref, layout=layout)
 
@@ -61,18 +62,20 @@ def mosaic_gpu_race_states():
     that runs several kernels `mosaic_gpu_races_found` speaks for the last one only."""
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 
+    # JAX 0.12 renamed the class (RaceDetectionState -> GPURaceDetectionState).
+    name = "GPURaceDetectionState" if hasattr(gpu_callbacks, "GPURaceDetectionState") else "RaceDetectionState"
     states = []
-    original = gpu_callbacks.RaceDetectionState
+    original = getattr(gpu_callbacks, name)
 
     def record(*args, **kwargs):
         states.append(original(*args, **kwargs))
         return states[-1]
 
-    gpu_callbacks.RaceDetectionState = record
+    setattr(gpu_callbacks, name, record)
     try:
         yield states
     finally:
-        gpu_callbacks.RaceDetectionState = original
+        setattr(gpu_callbacks, name, original)
 
 
 def semaphore_wait_at_least(semaphore, value):
@@ -101,3 +104,16 @@ def semaphore_signal_gpu(semaphore, inc: int = 1):
     if signal is not None and "memory_scope" in inspect.signature(signal).parameters:
         return signal(semaphore, inc, memory_scope="gpu")
     return pl.semaphore_signal(semaphore, inc)
+
+
+def lowering_gpu(device_kind: str = "NVIDIA H100 80GB HBM3"):
+    """A context in which Pallas's Triton lowering targets `device_kind` without a GPU present (ahead-of-time
+    lowering for CUDA on a CPU machine). JAX 0.12 reads the target from the abstract mesh's device; older
+    versions need nothing."""
+    import jax
+
+    abstract_device = getattr(jax.sharding, "AbstractDevice", None)
+    if abstract_device is None or "abstract_device" not in inspect.signature(jax.sharding.AbstractMesh).parameters:
+        return contextlib.nullcontext()
+    device = abstract_device(device_kind=device_kind, num_cores=None, platform="cuda")
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("lowering",), abstract_device=device))
