@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.kv_cache import CacheStep, LayerCache
 from pallas_flash.api import IMPLEMENTATIONS
+from pallas_flash.decode import flash_decode
 from pallas_flash.flax import make_attention_fn
 
 NORMS = ("rmsnorm", "layernorm")
@@ -116,8 +118,9 @@ def norm_layer(cfg: TransformerConfig, *, rngs) -> nnx.Module:
                rngs=rngs)
 
 
-def rotary(x: jax.Array) -> jax.Array:
-    """Rotary position embedding of x [batch, seq, heads, head_dim] at positions 0..seq-1.
+def rotary(x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    """Rotary position embedding of x [batch, seq, heads, head_dim] at positions 0..seq-1, or at `positions`
+    (int [seq] or [batch, seq]: absolute positions, as a KV cache's decode steps need).
 
     Pairs (x[i], x[i + head_dim/2]) rotate by angle pos * base^(-2i/head_dim): the query-key dot product
     then depends on positions only through their difference. Angles in float32: bfloat16 positions are
@@ -125,8 +128,9 @@ def rotary(x: jax.Array) -> jax.Array:
     """
     seq, head_dim = x.shape[-3], x.shape[-1]
     freqs = ROPE_BASE ** (-jnp.arange(0, head_dim // 2, dtype=jnp.float32) * 2 / head_dim)
-    angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * freqs[None, :]  # [seq, head_dim / 2]
-    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]  # [seq, 1, head_dim / 2]
+    positions = jnp.arange(seq, dtype=jnp.float32) if positions is None else positions.astype(jnp.float32)
+    angles = positions[..., None] * freqs  # [(batch,) seq, head_dim / 2]
+    cos, sin = jnp.cos(angles)[..., None, :], jnp.sin(angles)[..., None, :]  # [(batch,) seq, 1, head_dim / 2]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
@@ -144,19 +148,40 @@ class Attention(nnx.Module):
         self.value = _dense(cfg, cfg.embed_dim, cfg.num_kv_heads * d, rngs=rngs)
         self.out = _dense(cfg, h * d, cfg.embed_dim, rngs=rngs, std=INIT_STD / math.sqrt(2 * cfg.num_layers))
 
-    def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
-        """x [batch, seq, embed_dim]; mask broadcastable to [batch, heads, seq, seq] (True = attend)."""
+    def _project(self, x: jax.Array, positions: jax.Array | None = None):
+        """q [batch, seq, heads, head_dim] and k, v [batch, seq, kv_heads, head_dim], q and k rotated."""
         cfg = self.cfg
         batch, seq, _ = x.shape
         q = self.query(x).reshape(batch, seq, cfg.num_heads, cfg.head_dim)
         k = self.key(x).reshape(batch, seq, cfg.num_kv_heads, cfg.head_dim)
         v = self.value(x).reshape(batch, seq, cfg.num_kv_heads, cfg.head_dim)
+        return rotary(q, positions), rotary(k, positions), v
+
+    def _attend(self, q, k, v, mask):
         # Dropout lives on the residual branches, not on the attention weights, so a model with dropout
         # still runs the flash kernels (the same call nnx.MultiHeadAttention makes, with dropout_rate 0).
-        out = self.attention_fn(rotary(q), rotary(k), v, mask=mask, dropout_rng=None, dropout_rate=0.0,
-                                broadcast_dropout=True, deterministic=True, dtype=jnp.dtype(cfg.dtype),
-                                precision=None, module=None, is_causal=self.is_causal)
-        return self.out(out.reshape(batch, seq, cfg.num_heads * cfg.head_dim))
+        return self.attention_fn(q, k, v, mask=mask, dropout_rng=None, dropout_rate=0.0, broadcast_dropout=True,
+                                 deterministic=True, dtype=jnp.dtype(self.cfg.dtype), precision=None, module=None,
+                                 is_causal=self.is_causal)
+
+    def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+        """x [batch, seq, embed_dim]; mask broadcastable to [batch, heads, seq, seq] (True = attend)."""
+        batch, seq, _ = x.shape
+        out = self._attend(*self._project(x), mask)
+        return self.out(out.reshape(batch, seq, self.cfg.num_heads * self.cfg.head_dim))
+
+    def cached(self, x: jax.Array, layer: LayerCache, step: CacheStep) -> tuple[jax.Array, LayerCache]:
+        """Causal self-attention of x [batch, seq, embed_dim] (tokens at `step.positions`) with a KV cache:
+        their keys and values are written into `layer`, then a prefill (tokens from position 0) attends
+        with the configured attention, a decode step (seq <= 16) with `flash_decode` over the cache."""
+        batch, seq, _ = x.shape
+        q, k, v = self._project(x, step.positions)
+        layer = layer.write(k, v, step)
+        if step.prefill:
+            out = self._attend(q, k, v, None)
+        else:
+            out = flash_decode(q, layer.keys, layer.values, lengths=step.lengths, block_table=step.block_table)
+        return self.out(out.reshape(batch, seq, self.cfg.num_heads * self.cfg.head_dim)), layer
 
 
 class MLP(nnx.Module):
@@ -187,6 +212,12 @@ class Block(nnx.Module):
         """x [batch, seq, embed_dim] -> [batch, seq, embed_dim]."""
         x = x + self.dropout(self.attention(self.attention_norm(x), mask), deterministic=deterministic)
         return x + self.dropout(self.mlp(self.mlp_norm(x)), deterministic=deterministic)
+
+    def cached(self, x: jax.Array, layer: LayerCache, step: CacheStep) -> tuple[jax.Array, LayerCache]:
+        """The deterministic block with a KV cache (`Attention.cached`)."""
+        attended, layer = self.attention.cached(self.attention_norm(x), layer, step)
+        x = x + attended
+        return x + self.mlp(self.mlp_norm(x)), layer
 
 
 class Stack(nnx.Module):

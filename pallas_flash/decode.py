@@ -17,6 +17,7 @@ A kernel slots in as an entry before "xla": `DecodeImplementation(name, cannot_s
 `run(query, key_cache, value_cache, lengths, block_table, params: DecodeParams) -> (out, lse)` is the contract
 documented on `DecodeImplementation`; the checks, option parsing and dispatch here stay as they are.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,6 +44,7 @@ XLA_MIN_SPLIT_KEYS, XLA_MAX_SPLIT_KEYS = 256, 4096
 
 
 # ---- merging partial results ---------------------------------------------------------------------------------
+
 
 def merge_attention_states(outputs, lses):
     """The exact attention over the union of disjoint key sets, from each set's output and log-sum-exp.
@@ -73,8 +75,10 @@ def merge_attention_states(outputs, lses):
     if not jnp.issubdtype(dtype, jnp.floating) or not jnp.issubdtype(lses.dtype, jnp.floating):
         raise TypeError(f"outputs and lses must be float arrays, got {dtype} and {lses.dtype}")
     if outputs.ndim < 2 or lses.shape != outputs.shape[:-1]:
-        raise ValueError(f"lses must have the shape of outputs without its last (head_dim) axis: outputs "
-                         f"{tuple(outputs.shape)} needs lses {tuple(outputs.shape[:-1])}, got {tuple(lses.shape)}")
+        raise ValueError(
+            f"lses must have the shape of outputs without its last (head_dim) axis: outputs "
+            f"{tuple(outputs.shape)} needs lses {tuple(outputs.shape[:-1])}, got {tuple(lses.shape)}"
+        )
     lses = lses.astype(jnp.float32)
     top = lax.stop_gradient(jnp.max(lses, axis=0))  # any shift is exact; the max keeps exp() <= 1
     top = jnp.where(jnp.isneginf(top), 0.0, top)  # all -inf: shift by 0, weights exp(-inf) = 0
@@ -89,9 +93,10 @@ def merge_attention_states(outputs, lses):
 
 # ---- the implementation contract -----------------------------------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class DecodeParams:
-    """A decode call's static options, checked: scale (float > 0 or any finite float), window_left (keys at
+    """A decode call's static options, checked: scale (a finite float), window_left (keys at
     most this many positions before the query, None: unbounded), logits_soft_cap (float or None), num_splits
     (int >= 1, or None: the implementation's default)."""
 
@@ -139,6 +144,7 @@ class DecodeImplementation:
 
 # ---- shared pieces ---------------------------------------------------------------------------------------------
 
+
 def _query_positions(lengths, q_len):
     """int32 [B, Tq]: the absolute position of each new query."""
     return lengths[:, None] - q_len + jnp.arange(q_len, dtype=jnp.int32)[None, :]
@@ -173,8 +179,9 @@ def decode_reference(query, key_cache, value_cache, lengths, block_table, params
         value_cache = _gather_pages(value_cache, block_table)
     q_len, kv_len = query.shape[1], key_cache.shape[1]
     seen = _visible(_query_positions(lengths, q_len), jnp.arange(kv_len), params.window_left)[:, 0]
-    return reference.attention_reference(query, key_cache, value_cache, scale=params.scale, mask=seen,
-                                         logits_soft_cap=params.logits_soft_cap)
+    return reference.attention_reference(
+        query, key_cache, value_cache, scale=params.scale, mask=seen, logits_soft_cap=params.logits_soft_cap
+    )
 
 
 def xla_default_num_splits(batch: int, heads: int, q_len: int, kv_len: int) -> int:
@@ -257,8 +264,12 @@ def decode_xla(query, key_cache, value_cache, lengths, block_table, params: Deco
 
 DECODE_REGISTRY = (
     DecodeImplementation("xla", lambda call: None, lambda call: None, decode_xla),
-    DecodeImplementation("reference", lambda call: None,
-                         lambda call: "the dense reference holds Tq x cache logits: only on request", decode_reference),
+    DecodeImplementation(
+        "reference",
+        lambda call: None,
+        lambda call: "the dense reference holds Tq x cache logits: only on request",
+        decode_reference,
+    ),
 )
 DECODE_IMPLEMENTATIONS = tuple(impl.name for impl in DECODE_REGISTRY)
 
@@ -271,8 +282,11 @@ def _dispatch(implementation: str | None, call: DecodeCall) -> DecodeImplementat
         for impl in DECODE_REGISTRY:
             reason = impl.cannot_serve(call) or impl.defers(call)
             if reason is None:
-                message = (f"pallas_flash: flash_decode ran {impl.name!r} ("
-                           + ("; ".join(f"not {n!r}: {r}" for n, r in passed) or "the first choice") + ")")
+                message = (
+                    f"pallas_flash: flash_decode ran {impl.name!r} ("
+                    + ("; ".join(f"not {n!r}: {r}" for n, r in passed) or "the first choice")
+                    + ")"
+                )
                 if message not in _logged:
                     _logged.add(message)
                     logger.debug(message)
@@ -290,6 +304,7 @@ def _dispatch(implementation: str | None, call: DecodeCall) -> DecodeImplementat
 
 # ---- checks --------------------------------------------------------------------------------------------------
 
+
 def _is_traced(x) -> bool:
     return isinstance(x, jax.core.Tracer)
 
@@ -304,23 +319,32 @@ def _check_array(name, x, rank, layout):
 def _check_shapes(query, key_cache, value_cache, lengths, block_table):
     """Shapes and dtypes (static: checked under jit too). Returns lengths and block_table as int32 arrays."""
     _check_array("query", query, 4, "[batch, q_len, heads, head_dim]")
-    cache_layout = ("[num_pages, page_size, kv_heads, head_dim]" if block_table is not None
-                    else "[batch, max_len, kv_heads, head_dim]")
+    cache_layout = (
+        "[num_pages, page_size, kv_heads, head_dim]"
+        if block_table is not None
+        else "[batch, max_len, kv_heads, head_dim]"
+    )
     _check_array("key_cache", key_cache, 4, cache_layout)
     _check_array("value_cache", value_cache, 4, cache_layout)
     if not any(query.dtype == d for d in SUPPORTED_DTYPES):
         raise TypeError(f"query has dtype {query.dtype}; allowed: float32, bfloat16, float16")
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
         if cache.dtype != query.dtype:
-            raise TypeError(f"{name} has dtype {cache.dtype} but query has {query.dtype}; they must match "
-                            "(cast the query, or store the cache in the query's dtype)")
+            raise TypeError(
+                f"{name} has dtype {cache.dtype} but query has {query.dtype}; they must match "
+                "(cast the query, or store the cache in the query's dtype)"
+            )
     batch, q_len, heads, dim = query.shape
     if not 1 <= q_len <= MAX_QUERY_LEN:
-        raise ValueError(f"query has q_len {q_len} (axis 1); flash_decode serves 1 to {MAX_QUERY_LEN} queries per "
-                         "sequence: use flash_attention for longer (prefill) chunks")
+        raise ValueError(
+            f"query has q_len {q_len} (axis 1); flash_decode serves 1 to {MAX_QUERY_LEN} queries per "
+            "sequence: use flash_attention for longer (prefill) chunks"
+        )
     if key_cache.shape != value_cache.shape:
-        raise ValueError(f"key_cache and value_cache must have the same shape, got {tuple(key_cache.shape)} and "
-                         f"{tuple(value_cache.shape)}")
+        raise ValueError(
+            f"key_cache and value_cache must have the same shape, got {tuple(key_cache.shape)} and "
+            f"{tuple(value_cache.shape)}"
+        )
     kv_heads = key_cache.shape[2]
     if key_cache.shape[3] != dim:
         raise ValueError(f"key_cache has head_dim {key_cache.shape[3]}; query has head_dim {dim}")
@@ -335,8 +359,9 @@ def _check_shapes(query, key_cache, value_cache, lengths, block_table):
         raise ValueError(f"lengths must have shape ({batch},) (one length per sequence), got {tuple(lengths.shape)}")
     if block_table is None:
         if key_cache.shape[0] != batch:
-            raise ValueError(f"key_cache has batch {key_cache.shape[0]}; query has batch {batch} (a paged cache "
-                             "needs block_table)")
+            raise ValueError(
+                f"key_cache has batch {key_cache.shape[0]}; query has batch {batch} (a paged cache needs block_table)"
+            )
         return lengths, None
     block_table = block_table if hasattr(block_table, "dtype") else np.asarray(block_table)
     if not jnp.issubdtype(block_table.dtype, jnp.integer):
@@ -353,16 +378,20 @@ def _check_values(lengths, block_table, q_len, capacity, num_pages, page_size):
         bad = np.flatnonzero((values < q_len) | (values > capacity))
         if bad.size:
             b = int(bad[0])
-            raise ValueError(f"lengths[{b}] = {int(values[b])}: each length must be in [q_len, cache capacity] = "
-                             f"[{q_len}, {capacity}] (the keys held, the {q_len} new queries' own included)")
+            raise ValueError(
+                f"lengths[{b}] = {int(values[b])}: each length must be in [q_len, cache capacity] = "
+                f"[{q_len}, {capacity}] (the keys held, the {q_len} new queries' own included)"
+            )
         if block_table is not None and not _is_traced(block_table):
             table = np.asarray(block_table)
             used = np.arange(table.shape[1])[None, :] < -(-values[:, None] // page_size)
             bad = np.argwhere(used & ((table < 0) | (table >= num_pages)))
             if bad.size:
                 b, i = map(int, bad[0])
-                raise ValueError(f"block_table[{b}, {i}] = {int(table[b, i])} is outside the cache's pages "
-                                 f"[0, {num_pages}) (it holds keys of sequence {b}, whose length is {int(values[b])})")
+                raise ValueError(
+                    f"block_table[{b}, {i}] = {int(table[b, i])} is outside the cache's pages "
+                    f"[0, {num_pages}) (it holds keys of sequence {b}, whose length is {int(values[b])})"
+                )
 
 
 def _window_left(local_window_size):
@@ -377,10 +406,13 @@ def _window_left(local_window_size):
     else:
         left, right = None, -1
     ok = (left is None or (isinstance(left, (int, np.integer)) and not isinstance(left, bool) and left >= 0)) and (
-        right is None or (isinstance(right, (int, np.integer)) and not isinstance(right, bool) and right == 0))
+        right is None or (isinstance(right, (int, np.integer)) and not isinstance(right, bool) and right == 0)
+    )
     if not ok:
-        raise ValueError("local_window_size must be None, an int w >= 0 (keys at most w positions back) or a tuple "
-                         f"(left >= 0 or None, right = 0 or None): decoding is causal; got {local_window_size!r}")
+        raise ValueError(
+            "local_window_size must be None, an int w >= 0 (keys at most w positions back) or a tuple "
+            f"(left >= 0 or None, right = 0 or None): decoding is causal; got {local_window_size!r}"
+        )
     return None if left is None else int(left)
 
 
@@ -389,8 +421,9 @@ def _static_float(name, x, *, positive):
         return None
     if isinstance(x, jax.core.Tracer):
         raise TypeError(f"{name} must be a static Python float (it selects the computation), got a traced value")
-    if isinstance(x, (bool, np.bool_)) or not (isinstance(x, (int, float, np.number)) or (
-            isinstance(x, (np.ndarray, jax.Array)) and x.shape == ())):
+    if isinstance(x, (bool, np.bool_)) or not (
+        isinstance(x, (int, float, np.number)) or (isinstance(x, (np.ndarray, jax.Array)) and x.shape == ())
+    ):
         raise TypeError(f"{name} must be a float, got {x!r}")
     x = float(x)
     if not math.isfinite(x) or (positive and x <= 0):
@@ -400,8 +433,21 @@ def _static_float(name, x, *, positive):
 
 # ---- the entry point -----------------------------------------------------------------------------------------
 
-def flash_decode(query, key_cache, value_cache, *, lengths, block_table=None, scale=None, local_window_size=None,
-                 logits_soft_cap=None, return_lse=False, num_splits=None, implementation=None):
+
+def flash_decode(
+    query,
+    key_cache,
+    value_cache,
+    *,
+    lengths,
+    block_table=None,
+    scale=None,
+    local_window_size=None,
+    logits_soft_cap=None,
+    return_lse=False,
+    num_splits=None,
+    implementation=None,
+):
     """Attention of Tq (1 to 16) new queries per sequence over a KV cache, exact, with ragged lengths.
 
     Args:
@@ -428,21 +474,22 @@ def flash_decode(query, key_cache, value_cache, *, lengths, block_table=None, sc
         a query that sees no key). Partial results over disjoint caches merge through it exactly
         (`merge_attention_states`).
       num_splits: split-KV parallelism (cache chunks computed apart, then merged); None: the implementation's
-        default ("xla": `xla_default_num_splits`, whole cache in one split up to a few thousand keys). An upper
-        bound: paged splits are whole pages.
+        default ("xla": `xla_default_num_splits`: splits of up to 4096 keys, fewer where batch * heads * Tq
+        is large, at least 256). An upper bound: paged splits are whole pages.
       implementation: None (the first of `DECODE_IMPLEMENTATIONS` that serves the call), "xla" or "reference"
         (dense float32).
     Returns:
       out [batch, Tq, heads, head_dim] in query's dtype (a query that sees no key gets zeros), and lse if
-      `return_lse`. Not differentiable by design beyond what XLA's autodiff gives the "xla" path.
+      `return_lse`. The "xla" and "reference" paths differentiate by JAX autodiff (no custom backward).
 
     Options other than scale must be static under `jax.jit`; lengths and block_table may be traced.
     """
     lengths, block_table = _check_shapes(query, key_cache, value_cache, lengths, block_table)
     if not isinstance(return_lse, (bool, np.bool_)):
         raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
-    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer))
-                                   or num_splits < 1):
+    if num_splits is not None and (
+        isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)) or num_splits < 1
+    ):
         raise ValueError(f"num_splits must be None or an int >= 1, got {num_splits!r}")
     if implementation is not None and implementation not in DECODE_IMPLEMENTATIONS:
         raise ValueError(f"implementation must be None or one of {DECODE_IMPLEMENTATIONS}, got {implementation!r}")
@@ -462,15 +509,29 @@ def flash_decode(query, key_cache, value_cache, *, lengths, block_table=None, sc
     page_size = key_cache.shape[1] if paged else None
     capacity = block_table.shape[1] * page_size if paged else key_cache.shape[1]
     _check_values(lengths, block_table, q_len, capacity, key_cache.shape[0], page_size)
-    params = DecodeParams(scale=1.0 if scale_value is not None else (1.0 / math.sqrt(dim) if scale is None else scale),
-                          window_left=window_left, logits_soft_cap=soft_cap,
-                          num_splits=None if num_splits is None else int(num_splits))
-    call = DecodeCall(jax.ShapeDtypeStruct(query.shape, query.dtype),
-                      jax.ShapeDtypeStruct(key_cache.shape, key_cache.dtype), page_size, params)
+    params = DecodeParams(
+        scale=1.0 if scale_value is not None else (1.0 / math.sqrt(dim) if scale is None else scale),
+        window_left=window_left,
+        logits_soft_cap=soft_cap,
+        num_splits=None if num_splits is None else int(num_splits),
+    )
+    call = DecodeCall(
+        jax.ShapeDtypeStruct(query.shape, query.dtype),
+        jax.ShapeDtypeStruct(key_cache.shape, key_cache.dtype),
+        page_size,
+        params,
+    )
     impl = _dispatch(implementation, call)
-    out, lse = _decode(query, key_cache, value_cache, jnp.asarray(lengths, jnp.int32),
-                       None if block_table is None else jnp.asarray(block_table, jnp.int32), scale_value,
-                       impl=impl.name, params=params)
+    out, lse = _decode(
+        query,
+        key_cache,
+        value_cache,
+        jnp.asarray(lengths, jnp.int32),
+        None if block_table is None else jnp.asarray(block_table, jnp.int32),
+        scale_value,
+        impl=impl.name,
+        params=params,
+    )
     return (out, lse) if return_lse else out
 
 

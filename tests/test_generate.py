@@ -1,0 +1,183 @@
+"""GPT with a KV cache: prefill and decode steps give the logits of the full forward pass; greedy generation
+gives the tokens of recomputing full attention over the growing sequence; no recompilation within a bucket;
+the cache is donated; `python -m train.sample` on a 2-step run's checkpoint."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from models import generate
+from models.gpt import GPT, PRESETS
+from tests.tolerances import OUTPUT, relative_error
+
+
+@pytest.fixture(scope="module")
+def model():
+    """The tiny preset (GQA 4:2, two layers) with parameters scaled up so that greedy decoding does not just
+    repeat a token (at the default initialisation it does)."""
+    model = GPT(PRESETS["tiny"], rngs=nnx.Rngs(params=0, dropout=1))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    leaves, treedef = jax.tree.flatten(params)
+    rng = np.random.default_rng(5)
+    leaves = [
+        jnp.asarray(rng.standard_normal(p.shape, np.float32) * (0.5 if p.ndim == 2 else 0.2) + (p.ndim == 1))
+        for p in leaves
+    ]
+    return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves), rest)
+
+
+def _full_forward(model):
+    graphdef, state = nnx.split(model)
+    return jax.jit(lambda state, tokens: nnx.merge(graphdef, state)(tokens)), state
+
+
+PROMPTS = [[3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4]]
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def greedy_without_cache(model):
+    """Greedy decoding of each of PROMPTS by running the whole (causal) model over the growing sequence,
+    padded to a fixed width (one compilation)."""
+    forward, state = _full_forward(model)
+    results = []
+    for prompt in PROMPTS:
+        tokens = np.zeros((1, 32), np.int32)
+        tokens[0, : len(prompt)] = prompt
+        for i in range(STEPS):
+            logits = forward(state, jnp.asarray(tokens))[0, len(prompt) - 1 + i]
+            tokens[0, len(prompt) + i] = int(jnp.argmax(logits))
+        results.append(tokens[0, len(prompt) : len(prompt) + STEPS])
+    return np.stack(results)
+
+
+@pytest.mark.parametrize("page_size", [None, 4])
+def test_greedy_generation_equals_recomputing_without_a_cache(model, greedy_without_cache, page_size):
+    out = model.generate(PROMPTS, STEPS, temperature=0.0, page_size=page_size)  # ragged: padded and masked
+    assert out.shape == (2, STEPS) and out.dtype == np.int32
+    np.testing.assert_array_equal(out, greedy_without_cache)
+    assert len(set(out[1].tolist())) > 3  # not a repeated token
+    single = model.generate(np.array(PROMPTS[0]), STEPS, temperature=0.0, page_size=page_size)
+    np.testing.assert_array_equal(single, out[0])
+
+
+def test_prefill_and_a_speculative_decode_step_give_the_full_forward_logits(model):
+    tokens = np.random.default_rng(0).integers(0, 256, (2, 20)).astype(np.int32)
+    lengths = jnp.array([9, 14])
+    full = _full_forward(model)[0](nnx.split(model)[1], jnp.asarray(tokens))
+
+    @nnx.jit
+    def run(model, prompts, chunk):
+        logits, cache = model.prefill(prompts, lengths, model.init_cache(2, 32, page_size=8))
+        chunk_logits, cache = model.decode_step(chunk, cache)  # 3 tokens per sequence at once (Tq = 3)
+        return logits, chunk_logits, cache.lengths
+
+    prompts = np.where(np.arange(16)[None] < np.asarray(lengths)[:, None], tokens[:, :16], 0)
+    chunk = np.stack([tokens[0, 9:12], tokens[1, 14:17]])
+    logits, chunk_logits, new_lengths = run(model, jnp.asarray(prompts), jnp.asarray(chunk))
+    np.testing.assert_array_equal(new_lengths, [12, 17])
+    want_last = np.stack([full[0, 8], full[1, 13]])
+    want_chunk = np.stack([full[0, 9:12], full[1, 14:17]])
+    assert relative_error(logits, want_last) <= OUTPUT[jnp.float32]
+    assert relative_error(chunk_logits, want_chunk) <= OUTPUT[jnp.float32]
+
+
+def test_no_recompilation_within_a_bucket(model):
+    model.generate([[1, 2, 3, 4, 5]], 10, temperature=0.0)
+    before = dict(generate.TRACES)
+    model.generate([[9, 8, 7, 6, 5, 4, 3]], 10, temperature=0.0)  # another prompt length, the same bucket (16)
+    model.generate([[9, 8, 7, 6, 5, 4, 3, 2]], 12, temperature=0.0)  # more new tokens, the same cache (32)
+    assert dict(generate.TRACES) == before
+    model.generate([list(range(1, 18))], 10, temperature=0.0)  # 17 tokens: the next bucket (32) compiles
+    assert generate.TRACES["prefill"] == before["prefill"] + 1
+
+
+def test_sampling(model):
+    greedy = model.generate(PROMPTS, 8, temperature=0.0)
+    np.testing.assert_array_equal(model.generate(PROMPTS, 8, temperature=0.7, top_k=1), greedy)
+    a = model.generate(PROMPTS, 8, temperature=1.5, rng=jax.random.key(1))
+    b = model.generate(PROMPTS, 8, temperature=1.5, rng=jax.random.key(1))
+    c = model.generate(PROMPTS, 8, temperature=1.5, rng=jax.random.key(2))
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c) and a.min() >= 0 and a.max() < 256
+
+
+def test_the_decode_loop_takes_the_cache_donated(model):
+    graphdef, state = nnx.split(model)
+    logits, cache = generate.prefill(
+        graphdef, state, jnp.ones((1, 16), jnp.int32), jnp.array([4]), cache_len=32, page_size=None
+    )
+    generate.decode(
+        graphdef, state, cache, logits, jnp.int32(3), jnp.float32(1.0), jax.random.key(0), greedy=True, top_k=None
+    )
+    assert cache.layers[0].keys.is_deleted()  # updated in place, not copied
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(max_new_tokens=60), "exceeds the model's max_seq_len 64: at most 59 new tokens"),
+        (dict(max_new_tokens=0), "max_new_tokens must be an int >= 1"),
+        (dict(max_new_tokens=4, temperature=-1.0), "temperature"),
+        (dict(max_new_tokens=4, top_k=0), "top_k"),
+        (dict(max_new_tokens=4, prompt_tokens=[[1, 2], []]), "prompt 1 must be a non-empty"),
+        (dict(max_new_tokens=4, prompt_tokens=[1, 999]), "outside"),
+    ],
+)
+def test_bad_generate_arguments_are_named(model, kwargs, message):
+    kwargs = {"prompt_tokens": [1, 2, 3, 4, 5], **kwargs}
+    with pytest.raises(ValueError, match=message):
+        model.generate(**kwargs)
+
+
+def test_sample_from_a_trained_checkpoint(tmp_path, capsys):
+    from train import __main__ as train_main
+    from train import sample
+
+    run = tmp_path / "run"
+    train_main.main(
+        [
+            "--model.num_layers",
+            "1",
+            "--model.num_heads",
+            "2",
+            "--model.num_kv_heads",
+            "2",
+            "--model.embed_dim",
+            "32",
+            "--model.mlp_dim",
+            "64",
+            "--seq_len",
+            "32",
+            "--batch_size",
+            "2",
+            "--corpus_bytes",
+            "400000",
+            "--eval_tokens",
+            "64",
+            "--progress",
+            "false",
+            "--steps",
+            "2",
+            "--warmup_steps",
+            "1",
+            "--run_dir",
+            str(run),
+        ]
+    )
+    capsys.readouterr()
+    sample.main(
+        ["--checkpoint", str(run / "checkpoints"), "--prompt", "def ", "--max-new-tokens", "12", "--temperature", "0"]
+    )
+    captured = capsys.readouterr()
+    assert captured.out.startswith("def ")
+    assert "step 2" in captured.err and "prefill 4 tokens" in captured.err and "decode 12 tokens" in captured.err
+    assert captured.err.count("tokens/s") == 2
+    model, _, _ = sample.load_model(run)
+    greedy = model.generate(list(b"def "), 12, temperature=0.0)
+    assert captured.out == "def " + bytes(greedy.tolist()).decode("utf-8", errors="replace") + "\n"
+    with pytest.raises(SystemExit):
+        sample.main(["--checkpoint", str(run), "--prompt", "def ", "--max-new-tokens", "40"])
+    assert "at most 28" in capsys.readouterr().err
