@@ -4,17 +4,19 @@ Each entry turns a benchmark point into a function `(q, k, v) -> out` over [batc
 arrays, or raises `Unsupported` with the reason it cannot run that point. Which version of JAX moved
 which name is handled here and nowhere else.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import functools
 import importlib
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
 import pallas_flash as pf
+from pallas_flash.device import on_hopper_gpu, on_nvidia_gpu
 
 
 class Unsupported(Exception):
@@ -40,11 +42,7 @@ class Impl:
     slow_on_cpu: bool = False
 
 
-def on_nvidia_gpu() -> bool:
-    return jax.default_backend() == "gpu" and jax.devices()[0].device_kind.upper().startswith("NVIDIA")
-
-
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def block_mask_of(point, q_len=None) -> pf.BlockMask:
     """The block mask of a block-sparse point (`point.pattern` at about `point.density`): 128 x 128 blocks
     (seq / 8 at smoke sizes). "local" is a symmetric window of key blocks, "strided" every 1/density-th block
@@ -63,14 +61,16 @@ def block_mask_of(point, q_len=None) -> pf.BlockMask:
         raise ValueError(f"unknown block-sparse pattern {point.pattern!r}")
     if q_len is None:
         return mask
-    return pf.BlockMask(mask.mask[:, :, :-(-q_len // block)], block, block)
+    return pf.BlockMask(mask.mask[:, :, : -(-q_len // block)], block, block)
 
 
 def _ours(name):
     def build(point):  # off the GPU, pallas_flash itself runs the kernels in interpret mode
         block_mask = block_mask_of(point) if point.pattern else None
-        return lambda q, k, v: pf.flash_attention(q, k, v, scale=point.scale, is_causal=point.causal,
-                                                  block_mask=block_mask, implementation=name)
+        return lambda q, k, v: pf.flash_attention(
+            q, k, v, scale=point.scale, is_causal=point.causal, block_mask=block_mask, implementation=name
+        )
+
     return Impl(f"pf:{name}", "ours", build, slow_on_cpu=name in ("pallas", "mosaic"))
 
 
@@ -78,8 +78,10 @@ def _jax_nn(implementation):
     def build(point):
         if implementation == "cudnn" and not on_nvidia_gpu():
             raise Unsupported("cuDNN needs an NVIDIA GPU")
-        return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=point.scale, is_causal=point.causal,
-                                                            implementation=implementation)
+        return lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, scale=point.scale, is_causal=point.causal, implementation=implementation
+        )
+
     return build
 
 
@@ -89,8 +91,13 @@ def _triton_ref(point):
     kwargs = {}
     if min(point.seq_q, point.seq_k) < 128:  # its default blocks are 128 long; only tiny (smoke) points shrink them
         kwargs["block_sizes"] = attention.BlockSizes(
-            block_q=min(128, point.seq_q), block_k=min(128, point.seq_k), block_q_dkv=32, block_kv_dkv=32,
-            block_q_dq=32, block_kv_dq=32)
+            block_q=min(128, point.seq_q),
+            block_k=min(128, point.seq_k),
+            block_q_dkv=32,
+            block_kv_dkv=32,
+            block_q_dq=32,
+            block_kv_dq=32,
+        )
     if point.heads != point.kv_heads:
         raise Unsupported("mha needs as many key heads as query heads")
     if not on_nvidia_gpu():
@@ -99,7 +106,7 @@ def _triton_ref(point):
 
 
 def _mgpu_ref(point):
-    if not (on_nvidia_gpu() and str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")):
+    if not on_hopper_gpu():
         raise Unsupported("the Mosaic GPU example needs a Hopper GPU")
     from jax.experimental.pallas.ops.gpu import attention_mgpu
 
@@ -109,17 +116,26 @@ def _mgpu_ref(point):
     block_kv = 128 if point.seq_k % 128 == 0 else 64
     if point.seq_q % 64 or point.seq_k % block_kv:
         raise Unsupported("the Mosaic GPU example needs seq % 64 == 0")
-    config = attention_mgpu.TuningConfig(block_q=64, block_kv=block_kv, max_concurrent_steps=2,
-                                         causal=point.causal, block_q_dkv=64, block_kv_dkv=64, block_q_dq=64,
-                                         block_kv_dq=64)
+    config = attention_mgpu.TuningConfig(
+        block_q=64,
+        block_kv=block_kv,
+        max_concurrent_steps=2,
+        causal=point.causal,
+        block_q_dkv=64,
+        block_kv_dkv=64,
+        block_q_dq=64,
+        block_kv_dq=64,
+    )
     return lambda q, k, v: attention_mgpu.attention(q, k, v, config)
 
 
 def _tokamax(implementation):
     def build(point):
         tokamax = importlib.import_module("tokamax")
-        return lambda q, k, v: tokamax.dot_product_attention(q, k, v, scale=point.scale, is_causal=point.causal,
-                                                             implementation=implementation)
+        return lambda q, k, v: tokamax.dot_product_attention(
+            q, k, v, scale=point.scale, is_causal=point.causal, implementation=implementation
+        )
+
     return build
 
 
@@ -132,9 +148,11 @@ def all_impls() -> list[Impl]:
     so a new implementation is picked up without touching the harness), then the other peers."""
     impls = [Impl("cudnn", "peer", _jax_nn("cudnn"))]
     impls += [_ours(name) for name in pf.IMPLEMENTATIONS]
-    impls += [Impl("xla", "peer", _jax_nn("xla")),
-              Impl("pallas_triton_ref", "peer", _triton_ref, slow_on_cpu=True),
-              Impl("pallas_mgpu_ref", "peer", _mgpu_ref, scale_of=lambda point: 1.0, dtype_of=_fp16_only)]
+    impls += [
+        Impl("xla", "peer", _jax_nn("xla")),
+        Impl("pallas_triton_ref", "peer", _triton_ref, slow_on_cpu=True),
+        Impl("pallas_mgpu_ref", "peer", _mgpu_ref, scale_of=lambda point: 1.0, dtype_of=_fp16_only),
+    ]
     if tokamax_available():
         impls += [Impl(f"tokamax_{name}", "peer", _tokamax(name)) for name in ("mosaic", "triton")]
     return impls
@@ -148,9 +166,7 @@ def tokamax_available() -> bool:
     return True
 
 
-def set_hopper_bwd_registers(spec: str) -> None:
-    """Experiment knob: "CONSUMER,PRODUCER" setmaxnreg budgets for every Hopper backward kernel instead of
-    `hopper_bwd.REGISTERS` (read when a kernel is traced, so set it before the first call)."""
-    from pallas_flash.kernels import hopper_bwd
-
-    hopper_bwd.REGISTERS = tuple(int(x) for x in spec.split(","))
+def baseline_name() -> str:
+    """The implementation every ratio refers to: cuDNN on an NVIDIA GPU, else our dense XLA path (the smoke runs
+    on CPU, where the ratios mean nothing but exercise the same code; `jax.nn`'s "xla" rejects fp16 there)."""
+    return "cudnn" if on_nvidia_gpu() else "pf:xla"

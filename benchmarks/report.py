@@ -1,4 +1,5 @@
-"""Markdown tables and PNG plots from benchmark records (the list in results.json)."""
+"""Markdown tables and PNG plots from benchmark records (the list a suite writes to results.json)."""
+
 from __future__ import annotations
 
 import os
@@ -23,8 +24,10 @@ def _mb(value):
 
 
 def progress_line(r) -> str:
-    head = (f"{r['suite']:8s} {r['impl']:18s} {r['pass']:6s} b{r['batch']} n{r['seq_q']} h{r['heads']} "
-            f"d{r['head_dim']} c{int(r['causal'])} {r['dtype']:8s}")
+    head = (
+        f"{r['suite']:8s} {r['impl']:18s} {r['pass']:6s} b{r['batch']} n{r['seq_q']} h{r['heads']} "
+        f"d{r['head_dim']} c{int(r['causal'])} {r['dtype']:8s}"
+    )
     if r.get("pattern"):
         head += f" {r['pattern']} density {r['density']:.3f}"
     if r["status"] != "ok":
@@ -42,7 +45,7 @@ def _cell(r, what="tflops"):
         return "OOM" if r["note"] == "out of memory" else "-"
     if what == "tflops":
         text = f"{r['tflops']:.0f}"
-        return text + (f" ({r['ratio_to_cudnn']:.2f}x)" if r.get("ratio_to_cudnn") and r["impl"] != "cudnn" else "")
+        return text + (f" ({r['ratio_to_baseline']:.2f}x)" if r.get("ratio_to_baseline") else "")
     return _mb(r[what])
 
 
@@ -56,10 +59,23 @@ def _impl_order(records):
 
 
 def _header(records) -> list[str]:
-    envs = {(r["device"], r["jax_version"], r.get("jaxlib_version"), r.get("cuda_version"), r.get("cudnn_version"))
-            for r in records}
-    lines = [f"- device {d}, JAX {j} (jaxlib {jl}), CUDA runtime {c}, cuDNN {cd}" for d, j, jl, c, cd in sorted(envs, key=str)]
-    lines += [f"- regenerate: `{cmd}`" for cmd in sorted({r["command"] for r in records})]
+    envs = {
+        (r["device"], r["jax_version"], r.get("jaxlib_version"), r.get("cuda_version"), r.get("cudnn_version"))
+        for r in records
+    }
+    lines = [
+        f"- device {d}, JAX {j}"
+        + "".join(f", {name} {v}" for name, v in (("jaxlib", jl), ("CUDA runtime", c), ("cuDNN", cd)) if v is not None)
+        for d, j, jl, c, cd in sorted(envs, key=str)
+    ]
+    lines += [f"- command: `{cmd}`" for cmd in sorted({r["command"] for r in records})]
+    baselines = sorted({r["baseline"] for r in records if r.get("baseline")})
+    if baselines:
+        paired = any(r.get("ratio_interval") for r in records)
+        lines.append(
+            f"- x {'/'.join(baselines)}: its ms / this ms (> 1: faster), "
+            + ("median of interleaved pairs (~95% interval in results.json)" if paired else "from separate medians")
+        )
     if any(r.get("smoke") for r in records):
         lines.append("- **smoke run (CPU, tiny sizes): the times are not measurements of anything**")
     return lines
@@ -70,44 +86,66 @@ def _notes(records) -> list[str]:
     for r in records:
         if r["status"] != "ok" and r["note"] != "out of memory":
             by_note.setdefault((r["impl"], r["status"].upper(), r["note"]), []).append(r["pass"])
-    notes = [f"{impl} ({', '.join(p for p in PASS_ORDER if p in passes)}): {status} {note}"
-             for (impl, status, note), passes in sorted(by_note.items())]
-    converted = sorted({f"{r['impl']} ran in {r['dtype']} (it rejects {r['requested_dtype']})" for r in records
-                        if r["dtype"] != r["requested_dtype"] and r["status"] == "ok"})
+    notes = [
+        f"{impl} ({', '.join(p for p in PASS_ORDER if p in passes)}): {status} {note}"
+        for (impl, status, note), passes in sorted(by_note.items())
+    ]
+    converted = sorted(
+        {
+            f"{r['impl']} ran in {r['dtype']} (it rejects {r['requested_dtype']})"
+            for r in records
+            if r["dtype"] != r["requested_dtype"] and r["status"] == "ok"
+        }
+    )
     out = [f"- {n}" for n in converted + notes]
     return ["", "Notes:"] + out if out else []
 
 
 def _point_table(records, title):
-    lines = [f"### {title}", "", *_header(records), "",
-             "| shape | impl | pass | ms | TFLOP/s | x cuDNN | XLA temp MB | peak MB | rel err |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"### {title}",
+        "",
+        *_header(records),
+        "",
+        "| shape | impl | pass | ms | TFLOP/s | x baseline | XLA temp MB | peak MB | rel err |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in records:
-        shape = (f"B={r['batch']} N={r['seq_q']} H={r['heads']} D={r['head_dim']} {r['requested_dtype']}"
-                 f"{' causal' if r['causal'] else ''}")
+        shape = (
+            f"B={r['batch']} N={r['seq_q']} H={r['heads']} D={r['head_dim']} {r['requested_dtype']}"
+            f"{' causal' if r['causal'] else ''}"
+        )
         label = r["impl"]
         if r["suite"] == "backends":
             label += f" ({BACKEND_LABELS[r['impl']]})" if r["impl"] in BACKEND_LABELS else ""
         if r["status"] != "ok":
             lines.append(f"| {shape} | {label} | {r['pass']} | {r['status'].upper()} | | | | | |")
             continue
-        ratio = f"{r['ratio_to_cudnn']:.2f}" if r.get("ratio_to_cudnn") else "-"
-        lines.append(f"| {shape} | {label} | {r['pass']} | {r['ms']:.3f} | {r['tflops']:.0f} | {ratio} | "
-                     f"{_mb(r['temp_bytes'])} | {_mb(r['peak_bytes'])} | {r['rel_err']:.1e} |")
+        ratio = f"{r['ratio_to_baseline']:.2f}" if r.get("ratio_to_baseline") else "-"
+        lines.append(
+            f"| {shape} | {label} | {r['pass']} | {r['ms']:.3f} | {r['tflops']:.0f} | {ratio} | "
+            f"{_mb(r['temp_bytes'])} | {_mb(r['peak_bytes'])} | {r['rel_err']:.1e} |"
+        )
     return lines + _notes(records) + [""]
 
 
 def _sweep_tables(records):
     impls = _impl_order(records)
-    lines = ["### sweep: TFLOP/s (ratio to cuDNN)", "", *_header(records), ""]
+    lines = ["### sweep: TFLOP/s (x baseline)", "", *_header(records), ""]
     for pass_ in PASS_ORDER:
         rows = [r for r in records if r["pass"] == pass_]
         if not rows:
             continue
-        lines += [f"#### {pass_}", "", "| D | N | B x H | causal | " + " | ".join(impls) + " |",
-                  "|---|---|---|---|" + "---|" * len(impls)]
-        keys = sorted({(r["head_dim"], r["seq_q"], r["batch"], r["heads"], r["causal"]) for r in rows},
-                      key=lambda k: (-k[0], k[4], k[1]))
+        lines += [
+            f"#### {pass_}",
+            "",
+            "| D | N | B x H | causal | " + " | ".join(impls) + " |",
+            "|---|---|---|---|" + "---|" * len(impls),
+        ]
+        keys = sorted(
+            {(r["head_dim"], r["seq_q"], r["batch"], r["heads"], r["causal"]) for r in rows},
+            key=lambda k: (-k[0], k[4], k[1]),
+        )
         for d, n, b, h, causal in keys:
             cells = []
             for impl in impls:
@@ -122,31 +160,57 @@ def _memory_table(records):
     impls = _impl_order(records)
     passes = [p for p in PASS_ORDER if any(r["pass"] == p for r in records)]
     r0 = records[0]
-    lines = [f"### memory: B={r0['batch']} H={r0['heads']} D={r0['head_dim']} {r0['requested_dtype']}"
-             f"{' causal' if r0['causal'] else ''}; MB, peak device memory of one call (XLA temp)", "",
-             *_header(records), "",
-             "| N | " + " | ".join(f"{i} {p}" for p in passes for i in impls) + " |",
-             "|---|" + "---|" * (len(impls) * len(passes))]
+    lines = [
+        f"### memory: B={r0['batch']} H={r0['heads']} D={r0['head_dim']} {r0['requested_dtype']}"
+        f"{' causal' if r0['causal'] else ''}; MB, peak device memory of one call (XLA temp)",
+        "",
+        *_header(records),
+        "",
+        "| N | " + " | ".join(f"{i} {p}" for p in passes for i in impls) + " |",
+        "|---|" + "---|" * (len(impls) * len(passes)),
+    ]
     for n in sorted({r["seq_q"] for r in records}):
         cells = []
         for p in passes:
             for impl in impls:
                 match = [r for r in records if (r["impl"], r["pass"], r["seq_q"]) == (impl, p, n)]
                 r = match[0] if match else None
-                cells.append(_cell(r, "peak_bytes") + f" ({_cell(r, 'temp_bytes')})" if r and r["status"] == "ok"
-                             else _cell(r))
+                cells.append(
+                    _cell(r, "peak_bytes") + f" ({_cell(r, 'temp_bytes')})" if r and r["status"] == "ok" else _cell(r)
+                )
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
-    return lines + ["", "OOM: out of device memory; '-': not run or not measured (the high-water mark "
-                    "did not rise, see benchmarks/attention.py)."] + _notes(records) + [""]
+    return (
+        lines
+        + [
+            "",
+            "OOM: out of device memory; '-': not run or not measured (the high-water mark "
+            "did not rise, see benchmarks/suites.py).",
+        ]
+        + _notes(records)
+        + [""]
+    )
 
 
 def _sparse_table(records):
-    lines = ["### sparse: block-sparse time against the same implementation with a full block mask", "",
-             *_header(records), "",
-             "| shape | impl | pass | pattern | density | ms | x dense (same impl) | TFLOP/s (computed blocks) | rel err |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    order = sorted(records, key=lambda r: (r["seq_q"], r["impl"], PASS_ORDER.index(r["pass"]), r["pattern"] != "full",
-                                           r["pattern"], -r["density"]))
+    lines = [
+        "### sparse: block-sparse time against the same implementation with a full block mask",
+        "",
+        *_header(records),
+        "",
+        "| shape | impl | pass | pattern | density | ms | x dense (same impl) | TFLOP/s (computed blocks) | rel err |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    order = sorted(
+        records,
+        key=lambda r: (
+            r["seq_q"],
+            r["impl"],
+            PASS_ORDER.index(r["pass"]),
+            r["pattern"] != "full",
+            r["pattern"],
+            -r["density"],
+        ),
+    )
     for r in order:
         shape = f"B={r['batch']} N={r['seq_q']} H={r['heads']} D={r['head_dim']} {r['requested_dtype']}"
         head = f"| {shape} | {r['impl']} | {r['pass']} | {r['pattern']} | {r['density']:.3f} |"
@@ -158,13 +222,67 @@ def _sparse_table(records):
     return lines + _notes(records) + [""]
 
 
+def _bar_label(r) -> str:
+    """A bar record's variant: forward tiles, backward overrides or forced backward, deterministic or not."""
+    parts = [] if r.get("variant", "default") == "default" else [r["variant"]]
+    if r.get("backward", "default") != "default":
+        parts.append(f"{r['backward']} backward")
+    if not r.get("deterministic", True):
+        parts.append("deterministic=False")
+    return ", ".join(parts) or "default"
+
+
+def bar_header(baseline: str) -> list[str]:
+    """The bar table's two header lines."""
+    return [
+        f"| pass | D | N | causal | variant | ours ms (TFLOP/s) | {baseline} ms | {baseline} / ours (~95% interval) "
+        f"| verdict | max abs diff | bitwise repeatable (ours/{baseline}) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+
+def bar_row(r) -> str:
+    """One bar record as a row of that table."""
+    head = (
+        f"| {'fwd+bwd' if r['pass'] == 'fwdbwd' else r['pass']} | {r['head_dim']} | {r['seq_q']} | "
+        f"{int(r['causal'])} | {_bar_label(r)}{' (superseded)' if r.get('superseded_by') else ''} |"
+    )
+    if r["status"] != "ok":
+        return f"{head} {r['status'].upper()}: {r['note']} | | | | | |"
+    low, high = r["ratio_interval"]
+    repeat = r.get("bitwise_repeatable") or {}
+    repeat = "/".join({True: "yes", False: "no"}.get(repeat.get(k), "-") for k in ("ours", "baseline"))
+    diff = f"{r['max_abs_difference']:.1e}" if r.get("max_abs_difference") is not None else "-"
+    return (
+        f"{head} {r['ms']:.3f} ({r['tflops']:.0f}) | {r['baseline_ms']:.3f} | {r['ratio_to_baseline']:.3f} "
+        f"({low:.3f}-{high:.3f}) | {r['verdict']} | {diff} | {repeat} |"
+    )
+
+
+def _bar_table(records):
+    base = records[0].get("baseline", "baseline")
+    lines = [
+        f"### bar: ours against {base}, timed in interleaved pairs",
+        "",
+        *_header(records),
+        "",
+        *bar_header(base),
+        *(bar_row(r) for r in records),
+    ]
+    superseded = sorted({r["superseded_by"] for r in records if r.get("superseded_by")})
+    notes = [f"- superseded: measured again later ({s})" for s in superseded]
+    return lines + ([""] + notes if notes else []) + [""]
+
+
 def markdown(records) -> str:
     lines = []
-    for suite in ("seed", "sweep", "memory", "backends", "sparse"):
+    for suite in ("bar", "seed", "sweep", "memory", "backends", "sparse"):
         rows = [r for r in records if r["suite"] == suite]
         if not rows:
             continue
-        if suite == "sweep":
+        if suite == "bar":
+            lines += _bar_table(rows)
+        elif suite == "sweep":
             lines += _sweep_tables(rows)
         elif suite == "memory":
             lines += _memory_table(rows)
@@ -186,9 +304,15 @@ def plots(records, out) -> list[str]:
         print("note: matplotlib is not installed; no plots")
         return []
     paths = []
-    for suite, draw in (("sweep", _plot_sweep), ("memory", _plot_memory), ("seed", _plot_bars),
-                        ("backends", _plot_bars)):
-        rows = [r for r in records if r["suite"] == suite and r["status"] == "ok"]
+    for suite, draw in (
+        ("bar", _plot_bar),
+        ("sweep", _plot_sweep),
+        ("memory", _plot_memory),
+        ("seed", _plot_bars),
+        ("backends", _plot_bars),
+        ("sparse", _plot_sparse),
+    ):
+        rows = [r for r in records if r["suite"] == suite and r["status"] == "ok" and not r.get("superseded_by")]
         if rows:
             fig = draw(plt, rows, suite)
             path = os.path.join(out, f"{suite}.png")
@@ -201,14 +325,18 @@ def plots(records, out) -> list[str]:
 def _plot_sweep(plt, rows, suite):
     passes = [p for p in PASS_ORDER if any(r["pass"] == p for r in rows)]
     panels = sorted({(r["head_dim"], r["causal"]) for r in rows})
-    fig, axes = plt.subplots(len(passes), len(panels), figsize=(4 * len(panels), 3.2 * len(passes)),
-                             squeeze=False, sharex=True)
+    fig, axes = plt.subplots(
+        len(passes), len(panels), figsize=(4 * len(panels), 3.2 * len(passes)), squeeze=False, sharex=True
+    )
     for i, pass_ in enumerate(passes):
         for j, (d, causal) in enumerate(panels):
             ax = axes[i][j]
             for impl in _impl_order(rows):
-                pts = sorted((r["seq_q"], r["tflops"]) for r in rows
-                             if (r["impl"], r["pass"], r["head_dim"], r["causal"]) == (impl, pass_, d, causal))
+                pts = sorted(
+                    (r["seq_q"], r["tflops"])
+                    for r in rows
+                    if (r["impl"], r["pass"], r["head_dim"], r["causal"]) == (impl, pass_, d, causal)
+                )
                 if pts:
                     ax.plot(*zip(*pts), marker="o", label=impl, linestyle="--" if impl == "cudnn" else "-")
             ax.set_xscale("log", base=2)
@@ -219,8 +347,11 @@ def _plot_sweep(plt, rows, suite):
             if i == len(passes) - 1:
                 ax.set_xlabel("sequence length")
     axes[0][-1].legend(fontsize=7)
-    fig.suptitle(f"{rows[0]['device']}, {rows[0]['dtype']}: attention TFLOP/s vs sequence length "
-                 f"(batch x seq = {rows[0]['batch'] * rows[0]['seq_q']} tokens)", fontsize=10)
+    fig.suptitle(
+        f"{rows[0]['device']}, {rows[0]['dtype']}: attention TFLOP/s vs sequence length "
+        f"(batch x seq = {rows[0]['batch'] * rows[0]['seq_q']} tokens)",
+        fontsize=10,
+    )
     return fig
 
 
@@ -230,8 +361,11 @@ def _plot_memory(plt, rows, suite):
     for ax, pass_ in zip(axes[0], passes):
         for color, impl in enumerate(_impl_order(rows)):
             for what, style in (("peak_bytes", "-"), ("temp_bytes", ":")):
-                pts = sorted((r["seq_q"], max(r[what], 1) / MB) for r in rows
-                             if (r["impl"], r["pass"]) == (impl, pass_) and r[what] is not None)
+                pts = sorted(
+                    (r["seq_q"], max(r[what], 1) / MB)
+                    for r in rows
+                    if (r["impl"], r["pass"]) == (impl, pass_) and r[what] is not None
+                )
                 if pts:
                     ax.plot(*zip(*pts), style, marker="o", color=f"C{color}", label=f"{impl} {what.split('_')[0]}")
         ax.set_xscale("log", base=2)
@@ -269,5 +403,85 @@ def _plot_bars(plt, rows, suite):
             ax.set_ylabel(label)
             ax.set_title(shape.split("/", 1)[1], fontsize=9)
             ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def _plot_bar(plt, rows, suite):
+    """Ratio to the baseline with its interval against N: one panel per pass and head_dim, one series per
+    causality and variant."""
+    passes = [p for p in PASS_ORDER if any(r["pass"] == p for r in rows)]
+    head_dims = sorted({r["head_dim"] for r in rows})
+    seqs = sorted({r["seq_q"] for r in rows})
+    fig, axes = plt.subplots(
+        len(passes), len(head_dims), figsize=(4.6 * len(head_dims), 3.4 * len(passes)), squeeze=False, sharey=True
+    )
+    series = sorted({(r["causal"], _bar_label(r)) for r in rows}, key=lambda s: (s[1] != "default", s))
+    for i, pass_ in enumerate(passes):
+        for j, d in enumerate(head_dims):
+            ax = axes[i][j]
+            for k, (causal, label) in enumerate(series):
+                pts = sorted(
+                    (seqs.index(r["seq_q"]), r["ratio_to_baseline"], *r["ratio_interval"])
+                    for r in rows
+                    if (r["pass"], r["head_dim"], r["causal"], _bar_label(r)) == (pass_, d, causal, label)
+                )
+                if not pts:
+                    continue
+                offset = (k - (len(series) - 1) / 2) * 0.08
+                xs = [x + offset for x, *_ in pts]
+                ys = [y for _, y, _, _ in pts]
+                err = [[y - lo for _, y, lo, _ in pts], [hi - y for _, y, _, hi in pts]]
+                name = ("causal" if causal else "not causal") + ("" if label == "default" else f", {label}")
+                ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, linestyle="-" if causal else "--", label=name)
+            ax.axhline(1.0, color="gray", linewidth=0.8)
+            ax.set_xticks(range(len(seqs)))
+            ax.set_xticklabels([f"{n // 1024}k" if n >= 1024 else str(n) for n in seqs])
+            ax.set_title(f"{'fwd+bwd' if pass_ == 'fwdbwd' else pass_}, D={d}", fontsize=9)
+            ax.grid(alpha=0.3)
+            if j == 0:
+                ax.set_ylabel(f"{rows[0].get('baseline', 'baseline')} ms / ours ms")
+            if i == len(passes) - 1:
+                ax.set_xlabel(f"sequence length N (batch x N = {rows[0]['batch'] * rows[0]['seq_q']} tokens)")
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=7)
+    fig.suptitle(
+        f"{rows[0]['device']}, {rows[0]['dtype']}: ratio to {rows[0].get('baseline', 'the baseline')} "
+        "(> 1: ours faster), median of interleaved pairs, ~95% interval",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    return fig
+
+
+def _plot_sparse(plt, rows, suite):
+    """Block-sparse time over dense time (same implementation) against the mask's density."""
+    passes = [p for p in PASS_ORDER if any(r["pass"] == p for r in rows)]
+    fig, axes = plt.subplots(1, len(passes), figsize=(5 * len(passes), 3.8), squeeze=False, sharey=True)
+    for ax, pass_ in zip(axes[0], passes):
+        sub = [r for r in rows if r["pass"] == pass_ and r["pattern"] != "full"]
+        sub = [r for r in sub if r.get("ratio_to_dense_same_impl")]
+        for key in sorted({(r["impl"], r["pattern"], r["seq_q"]) for r in sub}):
+            pts = sorted(
+                (r["density"], r["ratio_to_dense_same_impl"], r.get("dense_ratio_interval"))
+                for r in sub
+                if (r["impl"], r["pattern"], r["seq_q"]) == key
+            )
+            xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+            err = None
+            if all(p[2] for p in pts):
+                err = [[y - p[2][0] for y, p in zip(ys, pts)], [p[2][1] - y for y, p in zip(ys, pts)]]
+            ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=f"{key[0]} {key[1]} N={key[2]}")
+        ax.plot([0, 1], [0, 1], ":", color="gray", label="time proportional to density")
+        ax.set_xlim(0, 0.55)
+        ax.set_ylim(0, 0.7)
+        ax.set_xlabel("block-mask density")
+        ax.set_title(f"{'fwd+bwd' if pass_ == 'fwdbwd' else pass_}: ms / ms with a full mask", fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("time relative to dense")
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle(
+        f"{rows[0]['device']}, {rows[0]['dtype']}, D={rows[0]['head_dim']}: block-sparse attention", fontsize=10
+    )
     fig.tight_layout()
     return fig

@@ -1,74 +1,175 @@
-"""The benchmark harness's --smoke run: every suite at tiny sizes on CPU, so the harness never rots."""
+"""The benchmark harness (`python -m benchmarks`): every suite's --smoke run on CPU, so the harness never rots;
+its argument errors; where it writes by default; the paired timing."""
+
+import contextlib
+import datetime
+import io
 import json
 import os
+import re
 
 import pytest
 
-from benchmarks import attention
+from benchmarks import __main__ as harness
+from benchmarks import bar, suites, timing
+from benchmarks.inputs import PASSES
 
-REQUIRED = {"suite", "impl", "pass", "batch", "seq_q", "seq_k", "heads", "kv_heads", "head_dim", "causal", "dtype",
-            "ms", "tflops", "ratio_to_cudnn", "temp_bytes", "device", "jax_version"}
+REQUIRED = {
+    "suite",
+    "impl",
+    "pass",
+    "batch",
+    "seq_q",
+    "seq_k",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "causal",
+    "dtype",
+    "ms",
+    "tflops",
+    "baseline",
+    "ratio_to_baseline",
+    "ratio_interval",
+    "temp_bytes",
+    "device",
+    "jax_version",
+    "command",
+    "status",
+}
 
 
-def test_smoke_writes_every_suite(tmp_path, capsys):
-    out = attention.main(["--smoke", "--suite", "all", "--out", str(tmp_path)])
-    with open(os.path.join(out, "results.json")) as f:
-        records = json.load(f)
-    assert {r["suite"] for r in records} == set(attention.SUITES)
-    for r in records:
-        assert REQUIRED <= set(r), sorted(REQUIRED - set(r))
-        assert r["pass"] in attention.PASSES
-        assert r["status"] in ("ok", "fail", "skip"), r
-        assert r["status"] != "fail", r  # the reference implementations must agree with the reference
-    ok = [r for r in records if r["status"] == "ok"]
-    # Every suite and pass measured something; every timed number came after a passing check.
-    assert {(r["suite"], r["pass"]) for r in ok} >= {(r["suite"], r["pass"]) for r in records}
-    assert all(r["rel_err"] <= r["tolerance"] for r in ok)
-    assert all(r["ms"] > 0 for r in ok if r["suite"] != "memory")
-    assert {"pf:pallas", "pallas_triton_ref"} <= {r["impl"] for r in ok}  # interpret mode, seed fwd
-    assert {r["impl"] for r in records} >= {"cudnn", "xla", "pallas_mgpu_ref"}  # present, skipped off GPU
-    sparse = [r for r in ok if r["suite"] == "sparse"]
-    assert {r["pattern"] for r in sparse} == {"full", "local", "strided"}
-    for r in sparse:  # every block-sparse time is set against the same call with a full block mask
-        assert 0 < r["density"] <= 1 and r["ratio_to_dense_same_impl"] > 0, r
-    for name in ("results.md", "seed.png", "sweep.png", "memory.png", "backends.png"):
-        assert os.path.getsize(os.path.join(out, name)) > 0, name
-    printed = capsys.readouterr().out
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """`python -m benchmarks all --smoke` once: {suite: its records}, the folders, and what it printed."""
+    out = tmp_path_factory.mktemp("bench")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        folders = harness.main(["all", "--smoke", "--out", str(out)])
+    records = {}
+    for suite, folder in folders.items():
+        with open(os.path.join(folder, "results.json")) as f:
+            records[suite] = json.load(f)
+    return records, folders, printed.getvalue(), out
+
+
+def test_every_suite_writes_its_table_plot_and_command(smoke):
+    records, folders, printed, out = smoke
+    assert set(folders) == set(harness.SUITES)
+    for suite, folder in folders.items():
+        assert folder == os.path.join(str(out), suite)
+        for name in ("results.json", "results.md", f"{suite}.png"):
+            assert os.path.getsize(os.path.join(folder, name)) > 0, (suite, name)
+        assert f"regenerate: python -m benchmarks {suite} --smoke" in printed
+        assert {r["command"] for r in records[suite]} == {f"python -m benchmarks {suite} --smoke"}
     assert "### sweep" in printed and "smoke run" in printed
 
 
-def test_bad_arguments_are_named():
-    for argv, word in ((["--suite", "nope"], "nope"), (["--impls", "nope"], "nope"), (["--passes", "up"], "up")):
-        try:
-            attention.main(argv)
-        except SystemExit as e:
-            assert word in str(e)
-        else:
-            raise AssertionError(f"{argv} was accepted")
+def test_record_suites_check_before_they_time(smoke):
+    records, *_ = smoke
+    for suite in suites.SUITES:
+        rows = records[suite]
+        assert rows and {r["suite"] for r in rows} == {suite}
+        for r in rows:
+            assert REQUIRED <= set(r), sorted(REQUIRED - set(r))
+            assert r["pass"] in PASSES and r["status"] in ("ok", "skip"), r  # no FAIL: all agree with the reference
+        ok = [r for r in rows if r["status"] == "ok"]
+        assert {(r["pass"]) for r in ok} == {r["pass"] for r in rows}, suite  # every pass measured something
+        assert all(r["rel_err"] <= r["tolerance"] for r in ok)
+        if suite != "memory":
+            assert all(r["ms"] > 0 for r in ok)
+    seed = records["seed"]
+    assert {"pf:pallas", "pallas_triton_ref"} <= {r["impl"] for r in seed if r["status"] == "ok"}  # interpret mode
+    assert {r["impl"] for r in seed} >= {"cudnn", "xla", "pallas_mgpu_ref"}  # present, skipped off the GPU
+    # Every timed number but the baseline's own is a paired ratio with an interval around it.
+    paired = [
+        r for s in ("seed", "sweep", "backends") for r in records[s] if r["status"] == "ok" and r["impl"] != "pf:xla"
+    ]
+    assert paired
+    for r in paired:
+        low, high = r["ratio_interval"]
+        assert r["baseline"] == "pf:xla" and low <= r["ratio_to_baseline"] <= high, r
+    sparse = [r for r in records["sparse"] if r["status"] == "ok"]
+    assert {r["pattern"] for r in sparse} == {"full", "local", "strided"}
+    for r in sparse:  # every block-sparse time is paired with the same call under a full block mask
+        if r["pattern"] != "full":
+            low, high = r["dense_ratio_interval"]
+            assert 0 < r["density"] < 1 and low <= r["ratio_to_dense_same_impl"] <= high, r
 
 
-def test_bar_smoke_pairs_every_point(tmp_path):
-    """benchmarks/bar.py on CPU: every (pass, head_dim, causal) point compiled, compared and timed in pairs."""
-    from benchmarks import bar
-    out = tmp_path / "bar.jsonl"
-    bar.main(["--smoke", "--out", str(out)])
-    records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert {(r["pass"], r["head_dim"], r["causal"]) for r in records} == {
-        (p, d, c) for p in ("fwd", "fwdbwd") for d in (16, 32) for c in (False, True)}
-    for r in records:
-        assert r["max_abs_difference"] < 1e-4, r  # xla_chunked against the dense reference, float32
-        low, high = r["interval"]
-        assert low <= r["ratio"] <= high and r["verdict"] in ("ahead", "behind", "parity")
-        assert r["bitwise_repeatable"] == {"ours": True, "theirs": True}  # XLA on CPU: no atomics
+def test_bar_pairs_every_point(smoke):
+    records, *_ = smoke
+    rows = records["bar"]
+    assert {(r["pass"], r["head_dim"], r["causal"]) for r in rows} == {
+        (p, 32, c) for p in ("fwd", "fwdbwd") for c in (False, True)
+    }
+    for r in rows:
+        assert r["impl"] == "xla_chunked" and r["baseline"] == "xla"
+        assert r["max_abs_difference"] < 1e-4, r  # xla_chunked against the dense attention, float32
+        low, high = r["ratio_interval"]
+        assert low <= r["ratio_to_baseline"] <= high and r["verdict"] == timing.verdict(low, high)
+        assert r["bitwise_repeatable"] == {"ours": True, "baseline": True}  # XLA on CPU: no atomics
+
+
+def test_render_merges_and_redraws(smoke, tmp_path):
+    _, folders, *_ = smoke
+    with contextlib.redirect_stdout(io.StringIO()):
+        written = harness.main(["render", folders["seed"], folders["bar"], "--out", str(tmp_path)])
+    assert set(written) == {"seed", "bar"}
+    assert os.path.getsize(tmp_path / "bar" / "bar.png") > 0
+
+
+def test_default_output_folder_is_under_runs(tmp_path, monkeypatch):
+    assert harness.default_out("2026-01-02", "NVIDIA H100 80GB HBM3") == os.path.join(
+        "runs", "benchmarks", "2026-01-02-h100"
+    )
+    monkeypatch.chdir(tmp_path)  # a run without --out writes under ./runs/, ignored by git
+    with contextlib.redirect_stdout(io.StringIO()):
+        written = harness.main(["memory", "--smoke", "--passes", "fwd", "--seqs", "64"])
+    expected = os.path.join("runs", "benchmarks", f"{datetime.date.today().isoformat()}-cpu", "memory")
+    assert written == {"memory": expected}
+    assert (tmp_path / expected / "results.json").exists()
+    assert os.listdir(tmp_path) == ["runs"]
+
+
+@pytest.mark.parametrize(
+    "argv, word",
+    [
+        (["nope"], "nope"),
+        (["sweep", "--impls", "nope"], "nope"),
+        (["seed", "--passes", "up"], "up"),
+        (["bar", "--passes", "up"], "up"),
+        (["bar", "--causal", "maybe"], "maybe"),
+        (["bar", "--hopper", "64,x,2"], "--hopper: want"),
+        (["bar", "--bwd", "dq_overlaps=1"], "--bwd: want"),
+        (["bar", "--bwd", "", "--two-pass"], "--bwd excludes"),
+        (["bar", "--one-pass", "--two-pass"], "not allowed with"),
+        (["seed", "--nondeterministic"], "--nondeterministic"),  # a bar option, not a record suite's
+    ],
+)
+def test_bad_arguments_are_named(argv, word, capsys):
+    with pytest.raises(SystemExit) as error:
+        harness.main(argv)
+    assert error.value.code == 2
+    assert word in capsys.readouterr().err
+
+
+def test_paired_ratio_interval_holds_the_median():
+    import jax.numpy as jnp
+
+    x = [(jnp.ones((64, 64)),)]
+    p = timing.paired_ratio(lambda a: a @ a, x, lambda a: a + 1, reps=7, min_sample_s=0.0)
+    assert p.low <= p.ratio <= p.high and p.calls >= 1 and p.ours_ms > 0 and p.theirs_ms > 0
+    assert timing.median_interval(list(range(100))) == (40, 59)
+    assert [timing.verdict(*i) for i in ((1.01, 1.2), (0.8, 0.99), (0.9, 1.1))] == ["ahead", "behind", "parity"]
 
 
 def test_bar_hopper_tiles_parse_and_bad_ones_are_named():
     """`--hopper`: ";"-separated forward tiles, printed back as given; a malformed item is a named ValueError."""
-    from benchmarks import bar
-    from pallas_flash.config import HopperConfig
+    from pallas_flash.hopper.config import HopperConfig
+
     configs = bar.parse_hopper_configs("64,128,3,persistent;128,64,2;64,128,2,persistent,overlap")
-    assert configs == [HopperConfig(64, 128, 3, True), HopperConfig(128, 64, 2),
-                       HopperConfig(64, 128, 2, True, True)]
+    assert configs == [HopperConfig(64, 128, 3, True), HopperConfig(128, 64, 2), HopperConfig(64, 128, 2, True, True)]
     assert [bar.describe(c) for c in configs] == ["64,128,3,persistent", "128,64,2", "64,128,2,persistent,overlap"]
     assert bar.parse_hopper_configs(None) == [None] and bar.describe(None) == "default"
     for bad in ("64,128", "64,128,2,fast", "64,x,2"):
@@ -77,15 +178,51 @@ def test_bar_hopper_tiles_parse_and_bad_ones_are_named():
 
 
 def test_bar_bwd_overrides_parse_and_bad_ones_are_named():
-    """`--bwd`: ";"-separated HopperBwdConfig overrides (an empty item is the default), flags as 0/1, printed
-    back in the tiles column; an unknown field or a non-integer value is a named ValueError."""
-    from benchmarks import bar
-    items = bar.parse_bwd_overrides(";dq_overlap=1;dq_overlap=1,num_stages_dq=3;dq_atomic=0;dkv_overlap=1")
-    assert items == [{}, {"dq_overlap": True}, {"dq_overlap": True, "num_stages_dq": 3}, {"dq_atomic": False},
-                     {"dkv_overlap": True}]
+    """`--bwd`: ";"-separated HopperBwdConfig overrides (an empty item is the default), flags as 0/1; an unknown
+    field or a non-integer value is a named ValueError."""
+    items = bar.parse_bwd_overrides(";dq_overlap=1;dq_overlap=1,num_stages_dq=3;dq_atomic=0;portable=1")
+    assert items == [
+        {},
+        {"dq_overlap": True},
+        {"dq_overlap": True, "num_stages_dq": 3},
+        {"dq_atomic": False},
+        {"portable": True},
+    ]
     assert all(type(v) is bool for item in items for k, v in item.items() if not k.startswith("num_"))
     assert [bar.describe_bwd(x) for x in items[:3]] == ["", " bwd:dq_overlap=1", " bwd:dq_overlap=1,num_stages_dq=3"]
     assert bar.parse_bwd_overrides(None) == [None]
     for bad in ("dq_overlaps=1", "num_stages_dq=x", "num_stages_dq"):
         with pytest.raises(ValueError, match="--bwd: want"):
             bar.parse_bwd_overrides(bad)
+    # A forced backward replaces the head_dim's default; the portable backward after the Hopper forward is a
+    # HopperBwdConfig field like any other.
+    assert bar.kernel_config(64, 2048, True, True, backward="two-pass").hopper_bwd.dq_atomic is False
+    assert bar.kernel_config(128, 2048, True, True, bwd={"portable": True}).hopper_bwd.portable is True
+    assert bar.kernel_config(128, 2048, True, True) is None
+
+
+@pytest.mark.parametrize("tool", ["kernel_breakdown", "train_step_breakdown", "hopper_bwd_resources", "tune"])
+def test_tools_import_and_explain_themselves(tool, capsys):
+    """The GPU tools at least import against today's package layout and print their usage."""
+    import importlib
+
+    module = importlib.import_module(f"tools.{tool}")
+    with pytest.raises(SystemExit) as done:
+        module.main(["--help"])
+    assert done.value.code == 0 and f"python -m tools.{tool}" in capsys.readouterr().out
+
+
+def test_jaxpr_snapshot_is_deterministic(tmp_path):
+    """Two snapshots of the same code are byte for byte the same (what a refactor is checked against)."""
+    from tools import jaxpr_snapshot
+
+    argv = ["--seqs", "128", "--head-dims", "64", "--families", "portable,hopper"]
+    with contextlib.redirect_stdout(io.StringIO()):
+        jaxpr_snapshot.main([str(tmp_path / "a"), *argv])
+        jaxpr_snapshot.main([str(tmp_path / "b"), *argv])
+    names = sorted(os.listdir(tmp_path / "a"))
+    assert len(names) == 12 and names == sorted(os.listdir(tmp_path / "b"))
+    for name in names:
+        text = (tmp_path / "a" / name).read_text()
+        assert text == (tmp_path / "b" / name).read_text() and not text.startswith("ERROR"), name
+        assert "/tmp" not in text and not re.search(r" at 0x[0-9a-f]+", text)  # no source paths or addresses

@@ -1,21 +1,22 @@
-"""Compile one Hopper backward (`hopper_bwd.hopper_backward`) on the GPU and report what ptxas made of each
-Mosaic GPU kernel: registers, spill stores/loads, and (with --ptx) how many wgmma instructions
+"""Compile one Hopper backward (`pallas_flash.hopper.bwd.hopper_backward`) on the GPU and report what ptxas made of
+each Mosaic GPU kernel: registers, spill stores/loads, and (with --ptx) how many wgmma instructions
 (`wgmma.mma_async`) its PTX holds. Mosaic GPU prints these itself when MOSAIC_GPU_DUMP_PTXAS / MOSAIC_GPU_DUMP_PTX
-are set (names read from jaxlib's CUDA plugin; they go to the process's stdout from C++, hence the child
-process here).
+are set (names read from jaxlib's CUDA plugin; they go to the process's stdout from C++, hence the child process).
 
-    PYTHONPATH=. python benchmarks/hopper_bwd_resources.py --head-dim 128 --variant one-pass [--ptx] [--sass DIR]
+    python -m tools.hopper_bwd_resources --head-dim 128 --variant one-pass [--causal] [--ptx] [--sass DIR]
         [--registers 240,24] [--set delta_in_dp=1]
 
 Variants: two-pass (dK/dV and dQ kernels), two-pass-overlap (its dQ kernel pipelined: dq_overlap),
-two-pass-both-overlap (both kernels pipelined: dq_overlap, dkv_overlap), one-pass
-(dq_atomic), ordered (dq_atomic + dq_ordered).
---sass DIR: the kernels' SASS, for what ptxas's counts do not say (which values spill, which waits and fences
-a step holds). Mosaic GPU's own MOSAIC_GPU_DUMP_SASS could not start nvdisasm on the device (2026-11-24), so the
-PTX it dumps to DIR is assembled here with the CUDA toolkit's ptxas (-arch=sm_90a -O3) and disassembled with
-cuobjdump (both from /usr/local/cuda/bin or PATH); per kernel DIR gets .ptx, .cubin and .sass, and a
-summary of its instruction counts is printed (its IR dumps are left out).
-Needs an sm90 GPU."""
+two-pass-both-overlap (both kernels pipelined: dq_overlap, dkv_overlap), one-pass (dq_atomic), ordered
+(dq_atomic + dq_ordered). `--set`: HopperBwdConfig fields over the variant's (one item of the bar suite's --bwd).
+`--registers`: setmaxnreg budgets (consumer, producer) of the backward kernels instead of
+`pallas_flash.hopper.common.REGISTERS`.
+--sass DIR: the kernels' SASS, for what ptxas's counts do not say (which values spill, which waits and fences a step
+holds): the PTX Mosaic GPU dumps to DIR is assembled with the CUDA toolkit's ptxas (-arch=sm_90a -O3) and
+disassembled with cuobjdump (both from /usr/local/cuda/bin or PATH); per kernel DIR gets .ptx, .cubin and .sass,
+and a summary of its instruction counts is printed. Needs an sm90 GPU.
+"""
+
 import argparse
 import dataclasses
 import os
@@ -26,12 +27,15 @@ import sys
 import tempfile
 
 VARIANTS = {  # HopperBwdConfig fields over the head_dim's default
-    "two-pass": dict(dq_atomic=False, dq_ordered=False, dq_overlap=False, num_stages_dq=2, dkv_overlap=False,
-                     num_stages_dkv=2),
-    "two-pass-overlap": dict(dq_atomic=False, dq_ordered=False, dq_overlap=True, num_stages_dq=4, dkv_overlap=False,
-                             num_stages_dkv=2),
-    "two-pass-both-overlap": dict(dq_atomic=False, dq_ordered=False, dq_overlap=True, num_stages_dq=4,
-                                  dkv_overlap=True, num_stages_dkv=4),
+    "two-pass": dict(
+        dq_atomic=False, dq_ordered=False, dq_overlap=False, num_stages_dq=2, dkv_overlap=False, num_stages_dkv=2
+    ),
+    "two-pass-overlap": dict(
+        dq_atomic=False, dq_ordered=False, dq_overlap=True, num_stages_dq=4, dkv_overlap=False, num_stages_dkv=2
+    ),
+    "two-pass-both-overlap": dict(
+        dq_atomic=False, dq_ordered=False, dq_overlap=True, num_stages_dq=4, dkv_overlap=True, num_stages_dkv=4
+    ),
     "one-pass": dict(dq_atomic=True, dq_ordered=False, num_stages_dkv=2),
     "ordered": dict(dq_atomic=True, dq_ordered=True, num_stages_dkv=2),
 }
@@ -40,33 +44,44 @@ VARIANTS = {  # HopperBwdConfig fields over the head_dim's default
 def compile_once(head_dim: int, variant: str, is_causal: bool, registers: str | None, overrides: str | None) -> None:
     import jax
     import jax.numpy as jnp
-    from pallas_flash.config import HopperBwdConfig
-    from pallas_flash.kernels import hopper_bwd
-    if registers:
-        from benchmarks import impls
-        impls.set_hopper_bwd_registers(registers)
+
     from benchmarks.bar import parse_bwd_overrides
+    from pallas_flash.hopper import bwd, bwd_dkdv, bwd_dq
+    from pallas_flash.hopper.config import HopperBwdConfig
+
+    if registers:  # read when a kernel is traced, from each kernel module's own name
+        bwd_dkdv.REGISTERS = bwd_dq.REGISTERS = tuple(int(x) for x in registers.split(","))
     extra = parse_bwd_overrides(overrides)[0] or {}
     config = dataclasses.replace(HopperBwdConfig.default(head_dim), **{**VARIANTS[variant], **extra})
     x = jnp.zeros((1, 1024, 2, head_dim), jnp.bfloat16)
     lse = jnp.zeros((1, 2, 1024), jnp.float32)
-    jax.block_until_ready(hopper_bwd.hopper_backward(x, x, x, x, lse, x, None, scale=head_dim ** -0.5,
-                                                     is_causal=is_causal, config=config))
+    jax.block_until_ready(
+        bwd.hopper_backward(x, x, x, x, lse, x, None, scale=head_dim**-0.5, is_causal=is_causal, config=config)
+    )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.hopper_bwd_resources",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--variant", choices=sorted(VARIANTS), default="one-pass")
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--ptx", action="store_true", help="also count wgmma instructions in the PTX")
     parser.add_argument("--sass", metavar="DIR", help="dump PTX to DIR, assemble and disassemble it to SASS there")
-    parser.add_argument("--registers", metavar="CONSUMER,PRODUCER",
-                        help="setmaxnreg budgets of the kernels instead of theirs (bar.py's --bwd-registers)")
-    parser.add_argument("--set", metavar="FIELD=INT,...",
-                        help="HopperBwdConfig fields over the variant's (one item of bar.py's --bwd)")
+    parser.add_argument(
+        "--registers", metavar="CONSUMER,PRODUCER", help="setmaxnreg budgets of the backward kernels instead of theirs"
+    )
+    parser.add_argument(
+        "--set",
+        metavar="FIELD=INT,...",
+        help="HopperBwdConfig fields over the variant's (one item of the bar suite's --bwd)",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv)
     if args.child:
         compile_once(args.head_dim, args.variant, args.causal, args.registers, args.set)
         return
@@ -74,11 +89,19 @@ def main() -> None:
     dump = tempfile.mkdtemp() if args.sass else None  # Mosaic GPU dumps every pass's IR there too (~40 MB)
     if dump:
         env.update(MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_TO=dump)
-    out = subprocess.run([sys.executable, __file__, "--child", *sys.argv[1:]], env=env, capture_output=True,
-                         text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "tools.hopper_bwd_resources", "--child", *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     text = out.stdout + out.stderr
-    print(f"head_dim={args.head_dim} variant={args.variant} causal={args.causal}"
-          + (f" registers={args.registers}" if args.registers else "") + (f" set={args.set}" if args.set else ""))
+    print(
+        f"head_dim={args.head_dim} variant={args.variant} causal={args.causal}"
+        + (f" registers={args.registers}" if args.registers else "")
+        + (f" set={args.set}" if args.set else "")
+    )
     for line in text.splitlines():
         if re.search(r"spill|Used \d+ registers|injected", line):
             print(" ", line.strip())
@@ -95,24 +118,37 @@ def main() -> None:
 
 # SASS opcodes worth counting per kernel: tensor-core instructions and their waits, spills, and the fences and
 # named barriers that shared-memory stores for a TMA or a wgmma operand bring (`plgpu.commit_smem`).
-SASS_OPCODES = ("HGMMA", "WARPGROUP.DEPBAR", "WARPGROUP.ARRIVE", "STL", "LDL", "MEMBAR", "BAR.SYNC",
-                "SYNCS.PHASECHK", "UBLKRED", "UTMAREDG", "UTMASTG", "UTMALDG")
+SASS_OPCODES = (
+    "HGMMA",
+    "WARPGROUP.DEPBAR",
+    "WARPGROUP.ARRIVE",
+    "STL",
+    "LDL",
+    "MEMBAR",
+    "BAR.SYNC",
+    "SYNCS.PHASECHK",
+    "UBLKRED",
+    "UTMAREDG",
+    "UTMASTG",
+    "UTMALDG",
+)
 
 
 def summarize_sass(directory: str) -> None:
     tools = [os.path.join("/usr/local/cuda/bin", name) for name in ("ptxas", "cuobjdump")]
     ptxas, cuobjdump = (tool if os.path.exists(tool) else os.path.basename(tool) for tool in tools)
     for ptx in sorted(f for f in os.listdir(directory) if f.endswith(".ptx")):
-        stem = os.path.join(directory, ptx[:-len(".ptx")])
+        stem = os.path.join(directory, ptx[: -len(".ptx")])
         subprocess.run([ptxas, "-arch=sm_90a", "-O3", f"{stem}.ptx", "-o", f"{stem}.cubin"], check=True)
-        sass = subprocess.run([cuobjdump, "-sass", f"{stem}.cubin"], check=True, capture_output=True,
-                              text=True).stdout
+        sass = subprocess.run([cuobjdump, "-sass", f"{stem}.cubin"], check=True, capture_output=True, text=True).stdout
         with open(f"{stem}.sass", "w") as f:
             f.write(sass)
         opcodes = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass, re.MULTILINE)
         counts = {name: sum(op.startswith(name) for op in opcodes) for name in SASS_OPCODES}
-        print(f"  {os.path.basename(stem)}: {len(opcodes)} instructions;",
-              ", ".join(f"{name} {n}" for name, n in counts.items() if n))
+        print(
+            f"  {os.path.basename(stem)}: {len(opcodes)} instructions;",
+            ", ".join(f"{name} {n}" for name, n in counts.items() if n),
+        )
 
 
 if __name__ == "__main__":

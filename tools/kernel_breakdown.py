@@ -1,56 +1,87 @@
-"""Where forward+backward attention spends its GPU time, kernel by kernel: ours against cuDNN (bar shapes).
+"""Where attention spends its GPU time, kernel by kernel: ours against cuDNN at the bar's shapes, from a profile.
 
-  PYTHONPATH=. python benchmarks/kernel_breakdown.py [--head-dim 64] [--seqs 8192,16384] [--causal true]
-      [--pass fwdbwd] [--nondeterministic] [--calls 5] [--bwd ";delta_in_dp=0"] --trace-dir DIR
+    python -m tools.kernel_breakdown --trace-dir DIR [--head-dim 64] [--seqs 8192,16384] [--causal true]
+        [--pass fwdbwd] [--nondeterministic] [--calls 5] [--bwd ";delta_in_dp=0"]
 
-For each point, traces `--calls` queued calls of the jitted pass (after a warm-up) with `jax.profiler` and
-prints, per call, the device's busy time and the kernels that take it (`train_step_breakdown.
-gpu_kernel_summary`): the Mosaic GPU kernels by name (`flash_forward_sm90`, `flash_backward_dkdv_sm90`,
-`flash_backward_dq_sm90`), and the XLA fusions around them (the backward's
-delta = rowsum(dO * O), the float32 dQ buffer's zero fill and its conversion). The shapes are `bar.py`'s
-(B * N = 16k tokens, H * D = 2048, bf16); the timings come from a profiler and are not the bar's paired ratios.
-`--bwd`: backward variants as in `bar.py` (HopperBwdConfig field overrides of the call's default), each traced
-as its own "ours" row.
+For each point, traces `--calls` queued calls of the jitted pass (after a warm-up) with `jax.profiler` and prints,
+per call, the device's busy time and the kernels that take it (`gpu_kernel_summary`): the Mosaic GPU kernels by
+name (`flash_forward_sm90`, `flash_backward_dkdv_sm90`, `flash_backward_dq_sm90`) and the XLA fusions around them
+(the backward's delta = rowsum(dO * O), the float32 dQ buffer's zero fill and its conversion). Shapes, inputs and
+passes are the bar suite's (`benchmarks.inputs.anchor_point`: B * N = 16k tokens, H * D = 2048, bf16); the times
+come from a profiler, not from the bar's paired ratios. `--bwd`: backward variants as in the bar suite
+(HopperBwdConfig field overrides of the call's default), each traced as its own "ours" row. Needs a GPU.
 """
+
+from __future__ import annotations
+
 import argparse
-import dataclasses
+import gzip
+import json
+import pathlib
 
-import jax
 
-import pallas_flash as pf
-
-from benchmarks.attention import DTYPES, SWEEP_TOKENS, SWEEP_WIDTH, Point, _random_inputs
-from benchmarks.bar import attend, compile_pass, describe_bwd, overridden_bwd_config, parse_bwd_overrides
-from benchmarks.train_step_breakdown import gpu_kernel_summary
+def gpu_kernel_summary(trace_dir: str, steps: int, top: int = 12) -> str:
+    """The device's time per step (or call) from a perfetto trace: busy time, wall span, and the kernels that
+    take the most of it (name, ms per step, share of busy time)."""
+    path = sorted(pathlib.Path(trace_dir).glob("**/perfetto_trace.json.gz"))[-1]
+    events = json.load(gzip.open(path))["traceEvents"]
+    devices = {
+        e["pid"] for e in events if e.get("name") == "process_name" and e["args"]["name"].startswith("/device:GPU")
+    }
+    kernels = [e for e in events if e.get("ph") == "X" and e["pid"] in devices]
+    if not kernels:
+        names = sorted({e["args"]["name"] for e in events if e.get("name") == "process_name"})
+        return f"no device events in the trace; its processes: {names}"
+    by_name: dict[str, float] = {}
+    for e in kernels:
+        by_name[e["name"]] = by_name.get(e["name"], 0.0) + e["dur"]
+    busy, end = 0.0, -1.0
+    for e in sorted(kernels, key=lambda e: e["ts"]):  # the union of the kernels' intervals
+        start, stop = e["ts"], e["ts"] + e["dur"]
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    span = end - min(e["ts"] for e in kernels)
+    lines = [
+        f"device busy {busy / steps / 1e3:.2f} ms/step of a {span / steps / 1e3:.2f} ms/step span, "
+        f"{len(kernels) / steps:.0f} kernels/step"
+    ]
+    for name, total in sorted(by_name.items(), key=lambda item: -item[1])[:top]:
+        lines.append(f"  {total / steps / 1e3:7.3f} ms/step {100 * total / busy:5.1f}%  {name[:110]}")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.kernel_breakdown",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--trace-dir", required=True, help="where the traces go (one folder per point and row)")
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--seqs", default="8192,16384")
     parser.add_argument("--causal", choices=("true", "false"), default="true")
-    parser.add_argument("--pass", dest="pass_", choices=("fwd", "fwdbwd"), default="fwdbwd")
+    parser.add_argument("--pass", dest="pass_", choices=("fwd", "bwd", "fwdbwd"), default="fwdbwd")
     parser.add_argument("--nondeterministic", action="store_true", help="ours with deterministic=False")
-    parser.add_argument("--calls", type=int, default=5)
-    parser.add_argument("--bwd", help="backward variants (bar.py's --bwd), each traced as its own row")
-    parser.add_argument("--trace-dir", required=True)
+    parser.add_argument("--calls", type=int, default=5, help="queued calls traced per row")
+    parser.add_argument("--bwd", help="backward variants (the bar suite's --bwd), each traced as its own row")
     args = parser.parse_args(argv)
-    causal = args.causal == "true"
-    deterministic = not args.nondeterministic
+
+    import jax
+
+    from benchmarks import bar
+    from benchmarks.inputs import anchor_point, compile_pass, random_inputs
+
+    causal, deterministic = args.causal == "true", not args.nondeterministic
     print("jax", jax.__version__, jax.devices()[0].device_kind, flush=True)
     for seq in (int(s) for s in args.seqs.split(",")):
-        heads = SWEEP_WIDTH // args.head_dim
-        point = Point("bar", max(1, SWEEP_TOKENS // seq), seq, seq, heads, heads, args.head_dim, causal, "bfloat16")
-        inputs = [_random_inputs(point, DTYPES["bfloat16"], seed) for seed in range(3)]
+        point = anchor_point("kernel_breakdown", seq, args.head_dim, causal)
+        inputs = [random_inputs(point, seed) for seed in range(3)]
         rows = []
-        for overrides in parse_bwd_overrides(args.bwd):
-            config = None
-            if overrides:
-                config = dataclasses.replace(pf.KernelConfig.default(args.head_dim), hopper_bwd=overridden_bwd_config(
-                    args.head_dim, deterministic, seq, causal, overrides))
-            rows.append(("ours" + describe_bwd(overrides).replace(" bwd:", "_").replace(",", "_"),
-                         attend(None, causal, deterministic, config)))
-        for name, attention in (*rows, ("cudnn", attend("cudnn", causal, deterministic))):
+        for overrides in bar.parse_bwd_overrides(args.bwd):
+            config = bar.kernel_config(args.head_dim, seq, causal, deterministic, bwd=overrides)
+            name = "ours" + bar.describe_bwd(overrides).replace(" bwd:", "_").replace(",", "_")
+            rows.append((name, bar.attend(None, causal, deterministic, config)))
+        for name, attention in (*rows, ("cudnn", bar.attend("cudnn", causal))):
             fn, arg_sets = compile_pass(attention, args.pass_, inputs)
             for _ in range(3):
                 jax.block_until_ready(fn(*arg_sets[0]))
@@ -59,8 +90,11 @@ def main(argv=None) -> None:
                 for call in range(args.calls):
                     out = fn(*arg_sets[call % len(arg_sets)])
                 jax.block_until_ready(out)
-            print(f"\n{args.pass_} D={args.head_dim} N={seq} batch={point.batch} heads={heads} causal={causal} "
-                  f"{name}:\n{gpu_kernel_summary(trace_dir, args.calls, top=16)}", flush=True)
+            print(
+                f"\n{args.pass_} D={args.head_dim} N={seq} batch={point.batch} heads={point.heads} causal={causal} "
+                f"{name}:\n{gpu_kernel_summary(trace_dir, args.calls, top=16)}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

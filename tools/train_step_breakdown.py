@@ -1,24 +1,25 @@
 """Where a training step of the trainer's `small` preset spends its time, on the GPU (issue 4's 2x bar).
 
-  PYTHONPATH=. python benchmarks/train_step_breakdown.py [--seq-len 4096] [--batch-size 4]
+    python -m tools.train_step_breakdown [--seq-len 4096] [--batch-size 4] [--profile DIR]
+        [--compiler-option NAME=VALUE ...]
 
-Times the jitted train step (forward, backward, AdamW update) of the `small` GPT at the given context with
-three attentions: "flash" (what the trainer runs), "dense" (XLA), and "none" (attention replaced by
-returning the values: the cost of everything but attention). Prints ms per step three ways: synchronised
-after each step (median and minimum of 20), queued back to back as the trainer runs them, and the host's
-dispatch time per call (if it is as long as a queued step, the step is bound by the host, not the GPU); then
-XLA's cost analysis (FLOPs, bytes accessed) and how many kernels the step launches. The summary's speed-up
-and shares are from the queued times. With --profile DIR, also the device's busy time per step and the
-kernels that take it, from a trace of 5 queued steps. Each line ends with a hash of the parameters after 5 steps
-from the seed's initialisation, taken twice: compare them within the process, and across two runs of the
-script, to see whether training there is bitwise reproducible (and with which --compiler-option).
+Times the jitted train step (forward, backward, AdamW update) of the `small` GPT at the given context with three
+attentions: "flash" (what the trainer runs), "dense" (XLA), and "none" (attention replaced by returning the
+values: the cost of everything but attention). Prints ms per step three ways: synchronised after each step
+(median and minimum of 20), queued back to back as the trainer runs them, and the host's dispatch time per call
+(if it is as long as a queued step, the step is bound by the host, not the GPU); then XLA's cost analysis (FLOPs,
+bytes accessed) and how many kernels the step launches. The step threads its parameters and optimiser state
+from call to call, so it is timed here rather than by `benchmarks.timing` (which repeats fixed arguments). The
+summary's speed-up and shares are from the queued times. With --profile DIR, also the device's busy time per step
+and the kernels that take it, from a trace of 5 queued steps (`tools.kernel_breakdown.gpu_kernel_summary`). Each
+line ends with a hash of the parameters after 5 steps from the seed's initialisation, taken twice: compare them
+within the process, and across two runs, to see whether training there is bitwise reproducible (and with which
+--compiler-option).
 """
+
 import argparse
 import dataclasses
-import gzip
 import hashlib
-import json
-import pathlib
 import re
 import statistics
 import time
@@ -26,6 +27,7 @@ import time
 import jax
 import numpy as np
 
+from tools.kernel_breakdown import gpu_kernel_summary
 from train import data as data_lib
 from train.config import PRESETS
 from train.loop import init_model, make_optimizer, make_steps
@@ -41,7 +43,7 @@ def kernel_count(compiled) -> dict[str, int]:
     """Instructions of the compiled step's entry computation that launch work: fusions, custom calls
     (the Pallas kernels, cuBLAS, cuDNN) and the rest; a rough count of the kernels one step launches."""
     text = compiled.as_text() or ""
-    entry = text[text.rfind("ENTRY"):]
+    entry = text[text.rfind("ENTRY") :]
     counts = {"fusion": 0, "custom-call": 0, "other": 0}
     for line in entry.splitlines()[1:]:
         match = re.search(r"= [^ ]+ ([a-z-]+)\(", line)
@@ -49,33 +51,6 @@ def kernel_count(compiled) -> dict[str, int]:
             continue
         counts[match.group(1) if match.group(1) in counts else "other"] += 1
     return counts
-
-
-def gpu_kernel_summary(trace_dir: str, steps: int, top: int = 12) -> str:
-    """The device's time per step from a perfetto trace: busy time, wall span, and the kernels that take
-    the most of it (name, ms per step, share of busy time)."""
-    path = sorted(pathlib.Path(trace_dir).glob("**/perfetto_trace.json.gz"))[-1]
-    events = json.load(gzip.open(path))["traceEvents"]
-    devices = {e["pid"] for e in events if e.get("name") == "process_name"
-               and e["args"]["name"].startswith("/device:GPU")}
-    kernels = [e for e in events if e.get("ph") == "X" and e["pid"] in devices]
-    if not kernels:
-        names = sorted({e["args"]["name"] for e in events if e.get("name") == "process_name"})
-        return f"no device events in the trace; its processes: {names}"
-    by_name: dict[str, float] = {}
-    for e in kernels:
-        by_name[e["name"]] = by_name.get(e["name"], 0.0) + e["dur"]
-    busy, end = 0.0, -1.0
-    for e in sorted(kernels, key=lambda e: e["ts"]):  # the union of the kernels' intervals
-        start, stop = e["ts"], e["ts"] + e["dur"]
-        busy += max(0.0, stop - max(start, end))
-        end = max(end, stop)
-    span = end - min(e["ts"] for e in kernels)
-    lines = [f"device busy {busy / steps / 1e3:.2f} ms/step of a {span / steps / 1e3:.2f} ms/step span, "
-             f"{len(kernels) / steps:.0f} kernels/step"]
-    for name, total in sorted(by_name.items(), key=lambda item: -item[1])[:top]:
-        lines.append(f"  {total / steps / 1e3:7.3f} ms/step {100 * total / busy:5.1f}%  {name[:110]}")
-    return "\n".join(lines)
 
 
 def fingerprint(compiled, cfg, attention, batches, steps=5) -> str:
@@ -106,7 +81,7 @@ def time_step(cfg, attention, compiler_options, steps=20, profile_dir=None):
     batches = [jax.device_put(dataset.train_batch(i)) for i in range(2 * steps + 3)]
     prints = [fingerprint(compiled, cfg, attention, batches) for _ in range(2)]
     synced = []
-    for i, b in enumerate(batches[:steps + 3]):
+    for i, b in enumerate(batches[: steps + 3]):
         start = time.perf_counter()
         params, opt_state, rest, metrics = compiled(params, opt_state, rest, b)
         jax.block_until_ready(metrics["loss"])
@@ -114,7 +89,7 @@ def time_step(cfg, attention, compiler_options, steps=20, profile_dir=None):
             synced.append(time.perf_counter() - start)
     dispatch = []
     start = time.perf_counter()
-    for b in batches[steps + 3:]:
+    for b in batches[steps + 3 :]:
         call_start = time.perf_counter()
         params, opt_state, rest, metrics = compiled(params, opt_state, rest, b)
         dispatch.append(time.perf_counter() - call_start)
@@ -134,34 +109,54 @@ def time_step(cfg, attention, compiler_options, steps=20, profile_dir=None):
     flops = (cost or {}).get("flops", float("nan"))
     bytes_accessed = (cost or {}).get("bytes accessed", float("nan"))
     name = attention if isinstance(attention, str) else "none"
-    print(f"STEP attention={name} seq={cfg.seq_len} batch={cfg.batch_size}: synchronised {ms:.2f} ms/step "
-          f"(min {1e3 * min(synced):.2f}); queued {queued_ms:.2f} ms/step ({tokens / queued_ms * 1e3:,.0f} tokens/s); "
-          f"host dispatch {1e3 * statistics.median(dispatch):.2f} ms/call; XLA cost: {flops / 1e12:.2f} TFLOP, "
-          f"{bytes_accessed / 1e9:.2f} GB accessed; launches {kernel_count(compiled)}; parameters after 5 steps "
-          f"{' / '.join(prints)} ({'the same' if prints[0] == prints[1] else 'DIFFERENT'} in this process)"
-          f"{summary}", flush=True)
+    print(
+        f"STEP attention={name} seq={cfg.seq_len} batch={cfg.batch_size}: synchronised {ms:.2f} ms/step "
+        f"(min {1e3 * min(synced):.2f}); queued {queued_ms:.2f} ms/step ({tokens / queued_ms * 1e3:,.0f} tokens/s); "
+        f"host dispatch {1e3 * statistics.median(dispatch):.2f} ms/call; XLA cost: {flops / 1e12:.2f} TFLOP, "
+        f"{bytes_accessed / 1e9:.2f} GB accessed; launches {kernel_count(compiled)}; parameters after 5 steps "
+        f"{' / '.join(prints)} ({'the same' if prints[0] == prints[1] else 'DIFFERENT'} in this process)"
+        f"{summary}",
+        flush=True,
+    )
     return queued_ms
 
 
-def main():
-    parser = argparse.ArgumentParser()
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.train_step_breakdown",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--compiler-option", action="append", default=[], metavar="NAME=VALUE",
-                        help="an XLA option for the step's compilation, e.g. xla_gpu_graph_min_graph_size=1")
-    parser.add_argument("--profile", metavar="DIR", help="also trace 5 queued steps of each into DIR and print "
-                        "the device's busy time and top kernels")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--compiler-option",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an XLA option for the step's compilation, e.g. xla_gpu_graph_min_graph_size=1",
+    )
+    parser.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="also trace 5 queued steps of each into DIR and print the device's busy time and top kernels",
+    )
+    args = parser.parse_args(argv)
+    jax.numpy.zeros(())  # initialise the backend before timing
     compiler_options = dict(option.split("=", 1) for option in args.compiler_option)
     cfg = dataclasses.replace(PRESETS["small"], seq_len=args.seq_len, batch_size=args.batch_size)
     print("jax", jax.__version__, jax.devices()[0].device_kind, "compiler options", compiler_options, flush=True)
-    results = {name: time_step(cfg, attention, compiler_options, profile_dir=args.profile) for name, attention in
-               (("flash", "flash"), ("dense", "dense"), ("none", values_only))}
-    print(f"SUMMARY flash/dense speed-up {results['dense'] / results['flash']:.2f}x; without attention "
-          f"{results['none']:.2f} ms: attention takes {results['flash'] - results['none']:.2f} ms (flash) and "
-          f"{results['dense'] - results['none']:.2f} ms (dense) of a step", flush=True)
+    results = {
+        name: time_step(cfg, attention, compiler_options, profile_dir=args.profile)
+        for name, attention in (("flash", "flash"), ("dense", "dense"), ("none", values_only))
+    }
+    print(
+        f"SUMMARY flash/dense speed-up {results['dense'] / results['flash']:.2f}x; without attention "
+        f"{results['none']:.2f} ms: attention takes {results['flash'] - results['none']:.2f} ms (flash) and "
+        f"{results['dense'] - results['none']:.2f} ms (dense) of a step",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":
-    jax.numpy.zeros(())  # initialise the backend before timing
     main()

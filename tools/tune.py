@@ -1,183 +1,289 @@
-"""Tune the portable kernels on the GPU: time each kernel's block-size variants on its own, pick the best per
-kernel, then time the combined config end to end against cuDNN, all in one run.
+"""Tune a kernel family's tiles on the GPU: each candidate against the default, paired; then the best against cuDNN.
 
-    python -m benchmarks.portable_tune [--out DIR] [--cases d128_n8192,seed]
+    python -m tools.tune portable [--head-dims 64,128] [--seqs 8192] [--causal false,true] [--reps 11] [--out DIR]
+    python -m tools.tune hopper [--head-dims 64,128] [--seqs 2048,8192,16384] [--causal false,true] [--nondeterministic]
 
-Each variant's result is checked against the float32 dense reference (on the first batch element) before it
-is timed; a wrong variant gets no number. FLOPs: forward 4*B*H*Nq*Nk*D (halved when causal); forward+backward
-3.5x that. The single kernels are reported in ms only.
+portable: block-size candidates of each portable kernel (forward; dK/dV; dQ: block_q, block_kv, num_warps,
+num_stages) as `KernelConfig` fields over the head_dim's default, run by `flash_attention(implementation="pallas")`.
+hopper: `HopperConfig` forward tiles and `HopperBwdConfig` backward variants over the call's default, run by
+`implementation="mosaic"`. Forward candidates are timed on the fwd pass, backward ones on the bwd pass (the VJP
+alone). Shapes and inputs are the bar's (`benchmarks.inputs.anchor_point`: B * N = 16k tokens, H * D = 2048, bf16).
+
+Each candidate's outputs are checked against the default's (relative error within the bf16 gradient tolerance of
+tests/tolerances.py) and then timed in interleaved pairs against the default (`benchmarks.timing.paired_ratio`):
+`ratio` = default ms / candidate ms, > 1 faster, with its ~95% interval. A kernel's best candidate is the fastest
+whose interval lies above 1 (else the default); the best of every kernel combined is then paired with cuDNN on
+fwd and fwd+bwd, beside the default. Writes results.json to --out (default runs/tune/<date>-<device>/). A default
+changes in pallas_flash/config.py (portable) or pallas_flash/hopper/config.py (Hopper) after a bar run confirms it.
 """
+
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import datetime
-import functools
 import json
 import os
-import statistics
+import shlex
 import sys
-import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
-import pallas_flash as pf
-from pallas_flash.kernels import portable_bwd, portable_fwd, tiles
-
-CASES = {  # name: (batch, seq, heads, head_dim, dtype)
-    "d128_n8192": (2, 8192, 16, 128, jnp.bfloat16),
-    "seed": (32, 512, 16, 64, jnp.float16),
-    "d64_n8192": (2, 8192, 32, 64, jnp.bfloat16),
+# (block_q, block_kv, num_warps, num_stages) per portable kernel.
+PORTABLE = {
+    "fwd": {
+        128: [(128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 4, 3)],
+        64: [(128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 128, 4, 3), (128, 32, 4, 4)],
+    },
+    "dkdv": [
+        (64, 64, 4, 3),
+        (32, 64, 4, 3),
+        (64, 128, 8, 2),
+        (32, 128, 8, 2),
+        (32, 128, 4, 2),
+        (64, 64, 4, 2),
+        (64, 64, 8, 3),
+        (32, 64, 4, 4),
+        (64, 128, 8, 3),
+    ],
+    "dq": [
+        (64, 64, 4, 3),
+        (128, 64, 8, 2),
+        (128, 32, 4, 3),
+        (64, 32, 4, 3),
+        (128, 64, 8, 3),
+        (64, 64, 4, 2),
+        (128, 32, 8, 2),
+        (64, 64, 8, 3),
+    ],
 }
-# (block_q, block_kv, num_warps, num_stages) per kernel.
-FWD = {128: [(128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 4, 3)],
-       64: [(128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 128, 4, 3), (128, 32, 4, 4)]}
-DKDV = [(64, 64, 4, 3), (32, 64, 4, 3), (64, 128, 8, 2), (32, 128, 8, 2), (32, 128, 4, 2), (64, 64, 4, 2),
-        (64, 64, 8, 3), (32, 64, 4, 4), (64, 128, 8, 3)]
-DQ = [(64, 64, 4, 3), (128, 64, 8, 2), (128, 32, 4, 3), (64, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 2),
-      (128, 32, 8, 2), (64, 64, 8, 3)]
+PORTABLE_FIELDS = {
+    "fwd": ("block_q", "block_kv", "num_warps", "num_stages"),
+    "dkdv": ("block_q_dkv", "block_kv_dkv", "num_warps_dkv", "num_stages_dkv"),
+    "dq": ("block_q_dq", "block_kv_dq", "num_warps_dq", "num_stages_dq"),
+}
+# (block_q, block_kv, num_stages[, flags]) Hopper forward tiles per head_dim.
+HOPPER_FWD = {
+    64: [
+        "64,128,3",
+        "64,256,2",
+        "64,192,2",
+        "64,192,3",
+        "64,256,3",
+        "64,128,2",
+        "64,256,2,persistent",
+        "64,128,3,persistent",
+    ],
+    128: [
+        "64,128,2",
+        "64,128,2,overlap",
+        "64,128,2,persistent",
+        "64,128,2,persistent,overlap",
+        "64,192,2",
+        "64,64,3",
+        "64,64,4",
+    ],
+}
+# HopperBwdConfig field overrides of the call's default backward.
+HOPPER_BWD = [
+    "dq_atomic=0,dq_ordered=0",
+    "dq_atomic=1,dq_ordered=0,block_q_dkv=128",
+    "delta_in_dp=0",
+    "delta_in_dp=1",
+    "dq_overlap=1,num_stages_dq=4",
+    "dq_overlap=0",
+    "dkv_overlap=1,num_stages_dkv=4",
+    "dkv_overlap=0",
+    "num_stages_dkv=2",
+    "num_stages_dkv=3",
+    "portable=1",
+]
 
 
-def median_ms(fn, inputs, samples=15):
-    for args in inputs:
-        jax.block_until_ready(fn(*args))
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*inputs[0]))
-    calls = max(1, int(0.02 / max(time.perf_counter() - start, 1e-6)))  # ~20 ms per sample
-    times = []
-    for i in range(samples):
-        args = inputs[i % len(inputs)]
-        start = time.perf_counter()
-        for _ in range(calls):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - start) / calls * 1e3)
-    return statistics.median(times)
+def candidates(family: str, head_dim: int, seq: int, causal: bool, deterministic: bool):
+    """(kernel, pass, label, KernelConfig) for every candidate of the family at this point."""
+    import pallas_flash as pf
+    from benchmarks import bar
+
+    base = pf.KernelConfig.default(head_dim)
+    if family == "portable":
+        padded = 128 if head_dim > 64 else 64
+        for kernel in ("fwd", "dkdv", "dq"):
+            values = PORTABLE[kernel][padded] if kernel == "fwd" else PORTABLE[kernel]
+            for v in values:
+                fields = dict(zip(PORTABLE_FIELDS[kernel], v))
+                yield kernel, "fwd" if kernel == "fwd" else "bwd", str(v), dataclasses.replace(base, **fields)
+        return
+    for tiles in HOPPER_FWD[128 if head_dim > 64 else 64]:
+        yield "fwd", "fwd", tiles, dataclasses.replace(base, hopper=bar.parse_hopper_configs(tiles)[0])
+    for overrides in HOPPER_BWD:
+        fields = bar.parse_bwd_overrides(overrides)[0]
+        try:
+            config = bar.overridden_bwd_config(head_dim, deterministic, seq, causal, fields)
+        except ValueError as e:  # a combination HopperBwdConfig rejects over this default
+            print(f"skipped bwd {overrides} at D={head_dim}: {e}", flush=True)
+            continue
+        yield "bwd", "bwd", overrides, dataclasses.replace(base, hopper_bwd=config)
 
 
-def rel_err(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    if not np.all(np.isfinite(a)):
-        return float("inf")
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-2 * np.sqrt(b.size)))
+def _relative_error(a, b) -> float:
+    import jax
+    import numpy as np
+
+    from tests import tolerances
+
+    errors = [
+        tolerances.relative_error(np.asarray(x, np.float64), np.asarray(y, np.float64))
+        if np.all(np.isfinite(np.asarray(x, np.float32)))
+        else float("inf")
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+    ]
+    return max(errors)
 
 
-def fwd_flops(batch, seq, heads, head_dim, causal):
-    return 4 * batch * heads * seq * seq * head_dim / (2 if causal else 1)
+def tune_point(family, head_dim, seq, causal, deterministic, *, reps, min_sample_s, emit):
+    """Every candidate at one point against the default, then the best combination against cuDNN."""
+    import jax.numpy as jnp
 
+    import pallas_flash as pf
+    from benchmarks import bar, timing
+    from benchmarks.inputs import anchor_point, compile_pass, outputs, random_inputs
+    from tests import tolerances
 
-def tune_case(name, causal, stamp, records):
-    batch, seq, heads, head_dim, dtype = CASES[name]
-    scale = head_dim ** -0.5
-    tol = 3e-2 if dtype == jnp.bfloat16 else 1e-2
-    keys = jax.random.split(jax.random.key(0), 12)
-    sets = [tuple(jax.random.normal(keys[4 * r + j], (batch, seq, heads, head_dim), jnp.float32).astype(dtype)
-                  for j in range(4)) for r in range(3)]
-    # Reference on the first batch element, float32.
-    f32 = [x[:1].astype(jnp.float32) for x in sets[0]]
-    ref_fn = lambda q, k, v: pf.attention_reference(q, k, v, scale=scale, is_causal=causal)[0]
-    ref_out, ref_vjp = jax.vjp(ref_fn, *f32[:3])
-    ref_dq, ref_dk, ref_dv = ref_vjp(f32[3])
-    # Residuals of each input set, from the default forward.
-    residuals = []
-    for q, k, v, do in sets:
-        out, lse = pf.flash_attention(q, k, v, is_causal=causal, return_lse=True, implementation="pallas")
-        delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), out.astype(jnp.float32))
-        residuals.append((q, k, v, do, lse * tiles.LOG2E, delta))
-    base = dict(suite="portable_tune", case=name, batch=batch, seq_q=seq, seq_k=seq, heads=heads, kv_heads=heads,
-                head_dim=head_dim, causal=causal, dtype=jnp.dtype(dtype).name, **stamp)
-    best = {}
-    kernels = {
-        "fwd": (FWD[head_dim], lambda v: jax.jit(functools.partial(
-            portable_fwd.forward, scale=scale, is_causal=causal, kv_len=seq, block_q=v[0], block_kv=v[1],
-            num_warps=v[2], num_stages=v[3], interpret=False)), [r[:3] for r in residuals]),
-        "dkdv": (DKDV, lambda v: jax.jit(functools.partial(
-            portable_bwd.dkdv, scale=scale, is_causal=causal, kv_len=seq, block_q=v[0], block_kv=v[1],
-            num_warps=v[2], num_stages=v[3], interpret=False)), residuals),
-        "dq": (DQ, lambda v: jax.jit(functools.partial(
-            portable_bwd.dq, scale=scale, is_causal=causal, kv_len=seq, block_q=v[0], block_kv=v[1],
-            num_warps=v[2], num_stages=v[3], interpret=False)), residuals),
-    }
-    checks = {"fwd": lambda r: [rel_err(r[0][:1], ref_out)],
-              "dkdv": lambda r: [rel_err(r[0][:1], ref_dk), rel_err(r[1][:1], ref_dv)],
-              "dq": lambda r: [rel_err(r[:1], ref_dq)]}
-    for kernel, (variants, build, inputs) in kernels.items():
-        for variant in variants:
-            try:
-                fn = build(variant)
-                errs = checks[kernel](fn(*inputs[0]))
-                if max(errs) > tol:
-                    print(f"FAIL {name} causal={int(causal)} {kernel} {variant}: errors {errs}", flush=True)
-                    continue
-                ms = median_ms(fn, inputs)
-            except Exception as e:  # noqa: BLE001 - a variant that does not compile is reported and skipped
-                print(f"ERROR {name} causal={int(causal)} {kernel} {variant}: {type(e).__name__}: {str(e)[:160]}")
+    implementation = "pallas" if family == "portable" else "mosaic"
+    point = anchor_point("tune", seq, head_dim, causal)
+    inputs = [random_inputs(point, seed) for seed in range(3)]
+    base = dict(
+        family=family,
+        head_dim=head_dim,
+        seq=seq,
+        batch=point.batch,
+        heads=point.heads,
+        causal=causal,
+        deterministic=deterministic,
+    )
+    defaults, best = {}, {}
+    for kernel, pass_, label, config in candidates(family, head_dim, seq, causal, deterministic):
+        if pass_ not in defaults:
+            defaults[pass_] = compile_pass(bar.attend(implementation, causal, deterministic), pass_, inputs)
+        default, default_args = defaults[pass_]
+        record = dict(base, kernel=kernel, candidate=label, status="ok", note="")
+        record["pass"] = pass_
+        try:
+            fn, args = compile_pass(bar.attend(implementation, causal, deterministic, config), pass_, inputs)
+            error = _relative_error(outputs(pass_, fn(*args[0])), outputs(pass_, default(*default_args[0])))
+            record["rel_err_to_default"] = error
+            if error > tolerances.GRADIENT[jnp.bfloat16]:
+                emit(dict(record, status="fail", note=f"relative error {error:.1e} to the default"))
                 continue
-            records.append(dict(base, impl=f"pallas:{kernel}", variant=variant, ms=ms, max_rel_err=max(errs),
-                                **{"pass": kernel}))
-            print(f"{name} causal={int(causal)} {kernel:5s} {str(variant):18s} {ms:8.3f} ms", flush=True)
-            if kernel not in best or ms < best[kernel][1]:
-                best[kernel] = (variant, ms)
-    config = pf.KernelConfig(
-        block_q=best["fwd"][0][0], block_kv=best["fwd"][0][1], num_warps=best["fwd"][0][2],
-        num_stages=best["fwd"][0][3],
-        block_q_dkv=best["dkdv"][0][0], block_kv_dkv=best["dkdv"][0][1], num_warps_dkv=best["dkdv"][0][2],
-        num_stages_dkv=best["dkdv"][0][3],
-        block_q_dq=best["dq"][0][0], block_kv_dq=best["dq"][0][1], num_warps_dq=best["dq"][0][2],
-        num_stages_dq=best["dq"][0][3])
-    impls = {
-        "cudnn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn"),
-        "pallas_default": lambda q, k, v: pf.flash_attention(q, k, v, is_causal=causal, implementation="pallas"),
-        "pallas_tuned": lambda q, k, v: pf.flash_attention(q, k, v, is_causal=causal, implementation="pallas",
-                                                           config=config),
-    }
-    cudnn_ms = {}
-    for impl, fn in impls.items():
-        fwd = jax.jit(fn)
+            p = timing.paired_ratio(fn, args, default, default_args, reps=reps, min_sample_s=min_sample_s)
+        except Exception as e:  # noqa: BLE001 - a candidate that does not compile (registers, shared memory)
+            emit(dict(record, status="skip", note=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"))
+            continue
+        emit(dict(record, ms=p.ours_ms, default_ms=p.theirs_ms, ratio=p.ratio, interval=[p.low, p.high]))
+        if p.low > 1.0 and p.ratio > best.get(kernel, (None, 1.0))[1]:
+            best[kernel] = (config, p.ratio, label)
+    # The best of every kernel combined: the portable kernels' fields are disjoint; Hopper's are hopper / hopper_bwd.
+    combined = pf.KernelConfig.default(head_dim)
+    for kernel, (config, _, _) in best.items():
+        if family == "portable":
+            fields = {f: getattr(config, f) for f in PORTABLE_FIELDS[kernel]}
+        else:
+            fields = {
+                "hopper" if kernel == "fwd" else "hopper_bwd": getattr(
+                    config, "hopper" if kernel == "fwd" else "hopper_bwd"
+                )
+            }
+        combined = dataclasses.replace(combined, **fields)
+    label = "; ".join(f"{kernel} {value[2]}" for kernel, value in sorted(best.items())) or "the default"
+    for pass_ in ("fwd", "fwdbwd"):
+        cudnn, cudnn_args = compile_pass(bar.attend("cudnn", causal), pass_, inputs)
+        for name, config in (("default", None), ("best", combined if best else None)):
+            if name == "best" and config is None:
+                continue
+            fn, args = compile_pass(bar.attend(implementation, causal, deterministic, config), pass_, inputs)
+            p = timing.paired_ratio(fn, args, cudnn, cudnn_args, reps=reps, min_sample_s=min_sample_s)
+            emit(
+                dict(
+                    base,
+                    kernel="all",
+                    candidate=label if name == "best" else "default",
+                    status="ok",
+                    note="",
+                    ms=p.ours_ms,
+                    cudnn_ms=p.theirs_ms,
+                    ratio_to_cudnn=p.ratio,
+                    interval=[p.low, p.high],
+                    **{"pass": pass_},
+                )
+            )
+    print(f"BEST {family} D={head_dim} N={seq} causal={causal}: {label}", flush=True)
 
-        @jax.jit
-        def fwdbwd(q, k, v, do, fn=fn):
-            _, vjp = jax.vjp(fn, q, k, v)
-            return vjp(do)
 
-        for pass_, f, inputs in (("fwd", fwd, [s[:3] for s in sets]), ("fwdbwd", fwdbwd, sets)):
-            ms = median_ms(f, inputs)
-            mem = f.lower(*inputs[0]).compile().memory_analysis()
-            temp = getattr(mem, "temp_size_in_bytes", None) if mem is not None else None
-            cudnn_ms.setdefault(pass_, ms)
-            tflops = fwd_flops(batch, seq, heads, head_dim, causal) * (3.5 if pass_ == "fwdbwd" else 1) / ms / 1e9
-            rec = dict(base, impl=impl, ms=ms, tflops=tflops, ratio_to_cudnn=cudnn_ms[pass_] / ms, temp_bytes=temp,
-                       config=dataclasses.asdict(config) if impl == "pallas_tuned" else None, **{"pass": pass_})
-            records.append(rec)
-            print(f"{name} causal={int(causal)} {impl:15s} {pass_:6s} {ms:8.3f} ms {tflops:6.1f} TFLOP/s "
-                  f"x{rec['ratio_to_cudnn']:.2f} cuDNN temp {temp}", flush=True)
-    print(f"BEST {name} causal={int(causal)}: {config}", flush=True)
+def _line(r) -> str:
+    head = f"{r['family']} D={r['head_dim']} N={r['seq']} causal={int(r['causal'])} {r['kernel']:4s} {r['pass']:6s}"
+    if r["status"] != "ok":
+        return f"{head} {r['candidate']:40s} {r['status'].upper()}: {r['note']}"
+    low, high = r["interval"]
+    against = "cuDNN" if "ratio_to_cudnn" in r else "default"
+    ratio = r.get("ratio_to_cudnn", r.get("ratio"))
+    return f"{head} {r['candidate']:40s} {r['ms']:8.3f} ms  {against} / this {ratio:.3f} ({low:.3f}-{high:.3f})"
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--cases", default="d128_n8192,seed")
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.tune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("family", choices=("portable", "hopper"))
+    parser.add_argument("--head-dims", default="64,128")
+    parser.add_argument("--seqs", help="default: 8192 (portable), 2048,8192,16384 (hopper)")
+    parser.add_argument("--causal", default="false,true", help="false, true or false,true")
+    parser.add_argument("--nondeterministic", action="store_true", help="tune with deterministic=False")
+    parser.add_argument("--reps", type=int, default=11, help="interleaved pairs per candidate")
+    parser.add_argument("--min-sample-ms", type=float, default=20.0)
+    parser.add_argument("--out", help="output folder (default runs/tune/<date>-<device>, ignored by git)")
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
-    argv = sys.argv[1:] if argv is None else argv
-    stamp = dict(date=datetime.date.today().isoformat(), device=jax.devices()[0].device_kind,
-                 jax_version=jax.__version__, command="python -m benchmarks.portable_tune " + " ".join(argv))
+    causals = args.causal.lower().split(",")
+    if not set(causals) <= {"false", "true"}:
+        parser.error(f"--causal takes false, true or false,true; got {args.causal!r}")
+
+    import jax
+
+    from benchmarks import report
+
+    seqs = args.seqs or ("8192" if args.family == "portable" else "2048,8192,16384")
+    device = jax.devices()[0].device_kind
+    date = datetime.date.today().isoformat()
+    out = args.out or os.path.join("runs", "tune", f"{date}-{report.slug(device)}")
+    os.makedirs(out, exist_ok=True)
+    stamp = dict(
+        device=device,
+        jax_version=jax.__version__,
+        date=date,
+        command=" ".join(["python -m tools.tune", *map(shlex.quote, argv)]),
+    )
     records = []
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"portable_tune-{stamp['date']}.json")
-    for name in args.cases.split(","):
-        for causal in (True, False):
-            tune_case(name, causal, stamp, records)
-            with open(path, "w") as f:  # after every case, so a cut-off run keeps what it measured
-                json.dump(records, f, indent=1)
-    print("\n| case | causal | impl | pass | ms | TFLOP/s | x cuDNN | temp MB |\n|---|---|---|---|---|---|---|---|")
-    for r in records:
-        if "tflops" in r:
-            print(f"| {r['case']} | {int(r['causal'])} | {r['impl']} | {r['pass']} | {r['ms']:.3f} | {r['tflops']:.0f} "
-                  f"| {r['ratio_to_cudnn']:.2f} | {(r['temp_bytes'] or 0) / 2**20:.0f} |")
-    print(f"\nwrote {path}; {stamp}")
+
+    def emit(record):
+        records.append(dict(record, **stamp))
+        print(_line(record), flush=True)
+        with open(os.path.join(out, "results.json"), "w") as f:  # after every record: a cut-off run keeps them
+            json.dump(records, f, indent=1)
+
+    print("jax", jax.__version__, device, flush=True)
+    for head_dim in (int(d) for d in args.head_dims.split(",")):
+        for seq in (int(n) for n in seqs.split(",")):
+            for causal in (c == "true" for c in causals):
+                tune_point(
+                    args.family,
+                    head_dim,
+                    seq,
+                    causal,
+                    not args.nondeterministic,
+                    reps=args.reps,
+                    min_sample_s=args.min_sample_ms / 1e3,
+                    emit=emit,
+                )
+    print(f"wrote {os.path.join(out, 'results.json')}", flush=True)
 
 
 if __name__ == "__main__":
