@@ -20,7 +20,7 @@ Method, for every implementation, point and pass:
 Block-sparse points (the sparse suite) carry a block-mask `pattern` and the mask's `density`; their FLOPs count
 the computed blocks only, the reference applies the same mask, and each is paired with the same implementation,
 pass and shape under a full block mask: `ratio_to_dense_same_impl` = this ms / that ms (below 1 is faster than
-dense; issue 8 asks at most 0.35 at density 0.25), with `dense_ratio_interval`.
+dense), with `dense_ratio_interval`.
 """
 
 from __future__ import annotations

@@ -28,8 +28,7 @@ INIT_STD = 0.02  # GPT-2's initialiser; residual projections are further scaled 
 # Vocabularies up to this size look tokens up by a one-hot matmul, not a gather. A gather's gradient is a
 # scatter-add, and on a GPU a scatter-add with many repeats of few tokens (bytes of text: spaces, "e") is
 # serialised by atomics on the same rows: on the H100 it took 41-76 ms of a 47-91 ms step of the trainer's
-# `small` GPT (byte vocabulary, bf16), ten times its flash attention
-# (benchmarks/results/2026-11-23-h100/train_step/). The matmul's gradient is a matmul: well under 1 ms there.
+# `small` GPT (byte vocabulary, bf16), ten times its flash attention (tools/train_step_breakdown.py). The matmul's gradient is a matmul: well under 1 ms there.
 ONE_HOT_MAX_VOCAB = 4096
 
 

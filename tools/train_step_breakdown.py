@@ -1,4 +1,4 @@
-"""Where a training step of the trainer's `small` preset spends its time, on the GPU (issue 4's 2x bar).
+"""Where a training step of the trainer's `small` preset spends its time, on the GPU (flash's tokens/s against dense's).
 
     python -m tools.train_step_breakdown [--seq-len 4096] [--batch-size 4] [--profile DIR]
         [--compiler-option NAME=VALUE ...]

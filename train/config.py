@@ -191,7 +191,7 @@ PRESETS: dict[str, TrainConfig] = {
                                                   mlp_dim=256), seq_len=128, batch_size=16, steps=200,
                         max_context=512),
     # GPU: flash vs dense at 4k context on the stdlib corpus. The search doubles up to 64x the context: on the
-    # H100 dense's longest is 8k (16k out of memory, train/results/2026-11-23-h100-run4-hopper), so 16x needs flash
+    # H100 dense's longest is 8k (16k out of memory; train/results/speed), so 16x needs flash
     # at 128k and 32x at 256k (a 131k step planned 14 GB, one step ~1.2 s; 256k ~28 GB, ~5 s).
     "small": TrainConfig(name="small", model=_model("small", dtype="bfloat16"), seq_len=4096, batch_size=4,
                          steps=200, learning_rate=1e-3, warmup_steps=20, eval_every=100, eval_tokens=65536,
@@ -199,8 +199,8 @@ PRESETS: dict[str, TrainConfig] = {
     # GPU: the long-range recall task with the defaults above; compare --seq_len 1024 --batch_size 32 with the
     # default 4096 x 8 (the same 33M tokens, 1,000 steps of 32,768, and the same 2M validation tokens: ~1,400
     # answers whose key was last shown more than 1k tokens back). On the H100 each run takes ~40 s (8.4-9.5M
-    # tokens/s; train/results/2026-11-23-h100-run7-onehot); the 4k run recalled far answers at 99.7% by step 500
-    # and 100% at 1,000, the 1k run at chance (4.5%). It is the CPU comparison in train/results/2026-11-23-cpu-recall
+    # tokens/s; train/results/recall); the 4k run recalled far answers at 99.7% by step 500
+    # and 100% at 1,000, the 1k run at chance (4.5%). It is the CPU comparison in train/results/cpu_recall
     # scaled 8x: documents, contexts and the gaps between a key's showings 8x longer (facts 8x sparser), so a
     # context holds as many facts as there; its learning rate.
     "long": TrainConfig(name="long", model=_model("small", num_layers=2, num_heads=4, num_kv_heads=4,

@@ -30,7 +30,7 @@ VOCAB_SIZE = 256
 # A value symbol belongs to one key, so a repeated value is found by one attention hop (the key's query
 # matches earlier values of its family) plus a key -> family bigram. With any value symbol after any key,
 # recall needs a two-layer induction circuit (match the key, copy the token after it), which did not form
-# within CPU budgets (train/results/2026-11-23-cpu-recall).
+# within CPU budgets (train/results/cpu_recall).
 FILLER = 0
 SLOT_LEN = 2
 # Separate seed namespaces: validation documents do not depend on the training seed, so runs with

@@ -1,28 +1,21 @@
 #!/usr/bin/env bash
-# Issue 4's results on one GPU (H100), in three parts that each fit a 10-minute call:
-#   speed:  flash vs dense on the stdlib corpus at 4k context, same seed and data order: loss curves,
-#           tokens/s, memory, and the longest context each trains at (doubling until out of memory, flash
-#           up to 262,144); 5-7 minutes (run 8, train/results/2026-11-23-h100-run8-speed, passed 300 s in
-#           dense's search);
-#   agree:  the same flash vs dense run with seeds 1 and 2, no context search: GPU training is not bitwise
-#           reproducible (one attention's final val loss, same code and seed, varied by 0.07-0.09 nats over
-#           runs 1-4, and by 0.022 between two flash runs of run 7 without the embedding's scatter-add), so "the
-#           curves agree" is judged per seed against the spread between seeds (train/report.py,
+# The trainer's flash-vs-dense results on one GPU (H100), in three parts that each fit a 10-minute call:
+#   speed:  flash vs dense on the stdlib corpus at 4k context, same seed and data order: loss curves, tokens/s,
+#           memory, and the longest context each trains at (doubling until out of memory, flash up to 262,144);
+#           5-7 minutes;
+#   agree:  the same run with seeds 1 and 2, no context search: GPU training is not bitwise reproducible, so
+#           "the curves agree" is judged per seed against the spread between seeds (train/report.py,
 #           seed_paired_verdict); about 2 x 1 minute;
-#   recall: the associative-recall task (the `long` preset: 4,096-token documents of sparse key-value facts,
-#           a key's showings ~512 tokens apart; train/data.py) trained at 1k and at 4k context on the same
-#           tokens: validation loss, and accuracy on values whose key was last shown more than 1k tokens back
-#           (a 1-in-16 guess without it); about 2 x 40 s on the H100 since the one-hot token lookup (run 7,
-#           train/results/2026-11-23-h100-run7-onehot: 8.4-9.5M tokens/s; it was ~240k with the gather's
-#           scatter-add gradient), under a 240 s limit each. The same comparison 8x smaller learned on CPU
-#           (train/results/2026-11-23-cpu-recall).
+#   recall: the associative-recall task (the `long` preset; train/data.py) trained at 1k and at 4k context on
+#           the same tokens: validation loss, and accuracy on values whose key was last shown more than 1k
+#           tokens back (a 1-in-16 guess without it); about 2 x 40 s, under a 240 s limit each.
 # Usage: bash train/gpu_experiments.sh [OUT_DIR] [speed|agree|recall|all]   (default: $OUT, else
-#        train/results/<date>; all = speed, agree, recall in that order). The summary is rebuilt from
-#        whatever parts OUT_DIR holds.
+#        runs/gpu_experiments/<date>, outside the source tree; all = speed, agree, recall in that order). The
+#        summary is rebuilt from whatever parts OUT_DIR holds. Published results: train/results/.
 # Writes OUT_DIR/results.{md,json}, agreement.png, long_range.png, small_both{,_seed1,_seed2}/{report.md,
 # report.json,loss.png}, logs/.
 set -uo pipefail
-OUT_DIR="${1:-${OUT:-train/results/$(date -u +%Y-%m-%d)}}"
+OUT_DIR="${1:-${OUT:-runs/gpu_experiments/$(date -u +%Y-%m-%d)}}"
 PART="${2:-all}"
 case "$PART" in
   speed|agree|recall|all) ;;

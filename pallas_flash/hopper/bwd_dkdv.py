@@ -47,10 +47,8 @@ from pallas_flash.hopper.common import (
 from pallas_flash.hopper.config import NUM_CONSUMERS, HopperBwdConfig
 
 # The ordered one pass's producer warp by warp: warp 1 adds dQ in order, the others issue a step's copies ("q": Q
-# and the segment ids; "lse2", "do", "delta"). On a full band one warp issues them all: two cost 4-7% there
-# (session 11's c13). Under a band (the split step order) dO and delta from a second warp gained 0.5% at 8k and
-# 0.7% at 16k (head_dim 64 causal; session 14's c1, three interleaved pairs; session 11's c10: +0.3-1.2%);
-# three warps (lse2 and/or delta from warp 3) tied with two (session 14's c2).
+# and the segment ids; "lse2", "do", "delta"). On a full band one warp issues them all (two cost 4-7% there);
+# under a band dO and delta come from a second warp (0.5-0.7% faster on the H100; a third warp tied).
 ALL_COPIES = ("q", "lse2", "do", "delta")
 
 
@@ -130,14 +128,14 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
         # The order of a step's wgmmas. Split: S^T; then dV with dP^T; then dK (and dQ): three groups, the
         # elementwise work between them. Fused: S^T with dP^T (neither needs P^T); then dV, dK (and dQ): two
         # groups, one wait fewer per step, at the price of dP^T's registers live through the softmax. On the
-        # H100 (fwd+bwd x cuDNN, head_dim 64; NOTES.md "Order of the wgmmas") fused put the ordered one pass
+        # H100 (fwd+bwd x cuDNN, head_dim 64) fused put the ordered one pass
         # 2-3% nearer cuDNN on a full band but 8% further under a causal band, the free-order one pass 4-6%
         # further on a full band, and the two passes no nearer. So: fused for the ordered one pass on a full
         # band only.
         fused = dq_order is not None and band.is_full
         # `config.delta_in_dp`: where the split order's or dkv_overlap's dP^T wgmma runs (not fused, not
         # interpreting), its accumulator starts at -delta, so it yields dP^T - delta and delta is not live beside
-        # P^T, dP^T, dK and dV when dS^T is formed (fewer spills: NOTES.md "delta in dP's accumulator").
+        # P^T, dP^T, dK and dV when dS^T is formed (fewer spills).
         delta_in_dp = config.delta_in_dp and not fused and not interpreting
 
         def probabilities(s, q_block, slot, *, masked: bool):

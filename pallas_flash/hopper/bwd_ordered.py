@@ -93,7 +93,7 @@ def dq_visited_rows(visits, block_q: int):
 # for all the group's pairs. A tile waits only on higher tiles of its own pair, which launched before it
 # (deadlock-free under in-order dispatch). A wave of CTAs reduce-adds into the dQ of every pair in its group,
 # so groups are sized to keep that dQ in L2: at most DQ_L2_BYTES of it (of the H100's 50 MiB), and at most
-# MAX_PAIRS_PER_GROUP pairs (a wave then holds ~132 / 32 tiles per pair). On the H100 (2026-11-23, head_dim 64,
+# MAX_PAIRS_PER_GROUP pairs (a wave then holds ~132 / 32 tiles per pair). On the H100 (head_dim 64,
 # fwd+bwd x cuDNN): groups of 32 pairs at 16k keys (128 MiB of dQ) 0.65-0.77x, of 4 (16 MiB) 0.99-1.01x; at 8k
 # and 16k a 32 MiB budget fell to 0.82-0.89x causal, 16 and 8 MiB measured alike (8 equal or better at 3 of 4
 # points), so 8, the furthest from that cliff.

