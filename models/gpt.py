@@ -1,5 +1,6 @@
 """GPT: a decoder-only, causal Transformer with tied input/output embeddings (nanoGPT's shape, rotary
 positions instead of a learned table), with a KV cache for generation (`prefill`, `decode_step`, `generate`)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,6 +17,7 @@ from models.transformer import TiedTokenModel, TransformerConfig, require_positi
 class GPTConfig(TransformerConfig):
     """A GPT. `attention` picks "flash", "dense" or a callable; parameters are the same for every choice,
     so `dataclasses.replace(cfg, attention="dense")` runs the same checkpoint densely."""
+
     vocab_size: int = 256  # byte-level
     max_seq_len: int = 1024  # validated against inputs; rotary embeddings have no table to size
 
@@ -27,8 +29,9 @@ class GPTConfig(TransformerConfig):
 PRESETS: dict[str, GPTConfig] = {
     "tiny": GPTConfig(num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=64, mlp_dim=128, max_seq_len=64),
     "small": GPTConfig(num_layers=6, num_heads=8, num_kv_heads=8, embed_dim=512, mlp_dim=1408),
-    "gpt2_small": GPTConfig(num_layers=12, num_heads=12, num_kv_heads=12, embed_dim=768, mlp_dim=3072,
-                            mlp="gelu", norm="layernorm"),
+    "gpt2_small": GPTConfig(
+        num_layers=12, num_heads=12, num_kv_heads=12, embed_dim=768, mlp_dim=3072, mlp="gelu", norm="layernorm"
+    ),
 }
 
 
@@ -47,8 +50,15 @@ class GPT(TiedTokenModel):
     def init_cache(self, batch: int, max_len: int, *, page_size: int | None = None) -> KVCache:
         """An empty `KVCache` for `batch` sequences of up to `max_len` tokens, in the compute dtype."""
         cfg = self.config
-        return KVCache.create(num_layers=cfg.num_layers, batch=batch, max_len=max_len, kv_heads=cfg.num_kv_heads,
-                              head_dim=cfg.head_dim, dtype=jnp.dtype(cfg.dtype), page_size=page_size)
+        return KVCache.create(
+            num_layers=cfg.num_layers,
+            batch=batch,
+            max_len=max_len,
+            kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            dtype=jnp.dtype(cfg.dtype),
+            page_size=page_size,
+        )
 
     def _cached(self, tokens, cache: KVCache, step) -> tuple[jax.Array, KVCache]:
         x = self.embed_tokens(tokens)
@@ -80,8 +90,16 @@ class GPT(TiedTokenModel):
         x, cache = self._cached(tokens, cache, cache.step(tokens.shape[1], prefill=False))
         return self._head(x), cache
 
-    def generate(self, prompt_tokens, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 rng: jax.Array | None = None, *, page_size: int | None = None):
+    def generate(
+        self,
+        prompt_tokens,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        rng: jax.Array | None = None,
+        *,
+        page_size: int | None = None,
+    ):
         """Sampled continuation of prompts, with a KV cache; the decode loop runs under one jit.
 
         Args:
@@ -98,5 +116,6 @@ class GPT(TiedTokenModel):
         """
         from models import generate
 
-        return generate.generate(self, prompt_tokens, max_new_tokens, temperature=temperature, top_k=top_k,
-                                 rng=rng, page_size=page_size)
+        return generate.generate(
+            self, prompt_tokens, max_new_tokens, temperature=temperature, top_k=top_k, rng=rng, page_size=page_size
+        )

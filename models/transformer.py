@@ -5,6 +5,7 @@ The attention is one config field: "flash" (`pallas_flash.flax`), "dense" (Flax'
 parameters, so parameters and their initialisation do not depend on that choice: one checkpoint runs with
 either.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,13 +29,15 @@ INIT_STD = 0.02  # GPT-2's initialiser; residual projections are further scaled 
 # Vocabularies up to this size look tokens up by a one-hot matmul, not a gather. A gather's gradient is a
 # scatter-add, and on a GPU a scatter-add with many repeats of few tokens (bytes of text: spaces, "e") is
 # serialised by atomics on the same rows: on the H100 it took 41-76 ms of a 47-91 ms step of the trainer's
-# `small` GPT (byte vocabulary, bf16), ten times its flash attention (tools/train_step_breakdown.py). The matmul's gradient is a matmul: well under 1 ms there.
+# `small` GPT (byte vocabulary, bf16), ten times its flash attention
+# (tools/train_step_breakdown.py). The matmul's gradient is a matmul: well under 1 ms there.
 ONE_HOT_MAX_VOCAB = 4096
 
 
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
     """The fields every model's config shares (GPTConfig, EncoderConfig, ViTConfig extend it)."""
+
     num_layers: int = 2
     num_heads: int = 4
     num_kv_heads: int = 4
@@ -56,13 +59,13 @@ class TransformerConfig:
     def __post_init__(self):
         require_positive_ints(self, "num_layers", "num_heads", "num_kv_heads", "embed_dim", "mlp_dim")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_kv_heads is {self.num_kv_heads}; num_heads {self.num_heads} must be a "
-                             "multiple of it")
+            raise ValueError(
+                f"num_kv_heads is {self.num_kv_heads}; num_heads {self.num_heads} must be a multiple of it"
+            )
         if self.embed_dim % self.num_heads:
             raise ValueError(f"embed_dim {self.embed_dim} must be a multiple of num_heads {self.num_heads}")
         if self.head_dim % 2:
-            raise ValueError(f"head_dim (embed_dim / num_heads) is {self.head_dim}; rotary embeddings need "
-                             "it even")
+            raise ValueError(f"head_dim (embed_dim / num_heads) is {self.head_dim}; rotary embeddings need it even")
         if not 0.0 <= self.dropout_rate < 1.0:
             raise ValueError(f"dropout_rate must be in [0, 1), got {self.dropout_rate!r}")
         if self.norm not in NORMS:
@@ -70,11 +73,15 @@ class TransformerConfig:
         if self.mlp not in MLPS:
             raise ValueError(f"mlp must be one of {MLPS}, got {self.mlp!r}")
         if not callable(self.attention) and self.attention not in ATTENTIONS:
-            raise ValueError(f"attention must be one of {ATTENTIONS} or a callable with Flax's attention_fn "
-                             f"signature, got {self.attention!r}")
+            raise ValueError(
+                f"attention must be one of {ATTENTIONS} or a callable with Flax's attention_fn "
+                f"signature, got {self.attention!r}"
+            )
         if self.attention_implementation not in (None, *IMPLEMENTATIONS):
-            raise ValueError(f"attention_implementation must be None or one of {IMPLEMENTATIONS}, "
-                             f"got {self.attention_implementation!r}")
+            raise ValueError(
+                f"attention_implementation must be None or one of {IMPLEMENTATIONS}, "
+                f"got {self.attention_implementation!r}"
+            )
         for name in ("dtype", "param_dtype"):
             value = getattr(self, name)
             if value not in ("float32", "bfloat16", "float16"):
@@ -90,8 +97,9 @@ class TransformerConfig:
     def attention_fn(self) -> Callable:
         """The configured attention as a Flax `attention_fn`."""
         if self.attention == "flash":
-            return make_attention_fn(implementation=self.attention_implementation,
-                                     deterministic_gradients=self.deterministic_gradients)
+            return make_attention_fn(
+                implementation=self.attention_implementation, deterministic_gradients=self.deterministic_gradients
+            )
         if self.attention == "dense":
             return nnx.dot_product_attention
         return self.attention
@@ -106,15 +114,22 @@ def require_positive_ints(config, *names: str) -> None:
 
 
 def _dense(cfg: TransformerConfig, in_features: int, out_features: int, *, rngs, std=INIT_STD):
-    return nnx.Linear(in_features, out_features, use_bias=False, dtype=jnp.dtype(cfg.dtype),
-                      param_dtype=jnp.dtype(cfg.param_dtype),
-                      kernel_init=nnx.initializers.normal(std), rngs=rngs)
+    return nnx.Linear(
+        in_features,
+        out_features,
+        use_bias=False,
+        dtype=jnp.dtype(cfg.dtype),
+        param_dtype=jnp.dtype(cfg.param_dtype),
+        kernel_init=nnx.initializers.normal(std),
+        rngs=rngs,
+    )
 
 
 def norm_layer(cfg: TransformerConfig, *, rngs) -> nnx.Module:
     cls = nnx.RMSNorm if cfg.norm == "rmsnorm" else nnx.LayerNorm
-    return cls(cfg.embed_dim, epsilon=1e-6, dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype),
-               rngs=rngs)
+    return cls(
+        cfg.embed_dim, epsilon=1e-6, dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype), rngs=rngs
+    )
 
 
 def rotary(x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
@@ -159,9 +174,20 @@ class Attention(nnx.Module):
     def _attend(self, q, k, v, mask):
         # Dropout lives on the residual branches, not on the attention weights, so a model with dropout
         # still runs the flash kernels (the same call nnx.MultiHeadAttention makes, with dropout_rate 0).
-        return self.attention_fn(q, k, v, mask=mask, dropout_rng=None, dropout_rate=0.0, broadcast_dropout=True,
-                                 deterministic=True, dtype=jnp.dtype(self.cfg.dtype), precision=None, module=None,
-                                 is_causal=self.is_causal)
+        return self.attention_fn(
+            q,
+            k,
+            v,
+            mask=mask,
+            dropout_rng=None,
+            dropout_rate=0.0,
+            broadcast_dropout=True,
+            deterministic=True,
+            dtype=jnp.dtype(self.cfg.dtype),
+            precision=None,
+            module=None,
+            is_causal=self.is_causal,
+        )
 
     def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
         """x [batch, seq, embed_dim]; mask broadcastable to [batch, heads, seq, seq] (True = attend)."""
@@ -188,8 +214,7 @@ class MLP(nnx.Module):
         self.kind = cfg.mlp
         self.up = _dense(cfg, cfg.embed_dim, cfg.mlp_dim, rngs=rngs)
         self.gate = _dense(cfg, cfg.embed_dim, cfg.mlp_dim, rngs=rngs) if cfg.mlp == "swiglu" else None
-        self.down = _dense(cfg, cfg.mlp_dim, cfg.embed_dim, rngs=rngs,
-                           std=INIT_STD / math.sqrt(2 * cfg.num_layers))
+        self.down = _dense(cfg, cfg.mlp_dim, cfg.embed_dim, rngs=rngs, std=INIT_STD / math.sqrt(2 * cfg.num_layers))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if self.kind == "swiglu":
@@ -270,9 +295,14 @@ class TiedTokenModel(nnx.Module):
 
     def __init__(self, config, *, is_causal: bool, rngs: nnx.Rngs):
         self.config = config
-        self.embed = nnx.Embed(config.vocab_size, config.embed_dim, dtype=jnp.dtype(config.dtype),
-                               param_dtype=jnp.dtype(config.param_dtype),
-                               embedding_init=nnx.initializers.normal(INIT_STD), rngs=rngs)
+        self.embed = nnx.Embed(
+            config.vocab_size,
+            config.embed_dim,
+            dtype=jnp.dtype(config.dtype),
+            param_dtype=jnp.dtype(config.param_dtype),
+            embedding_init=nnx.initializers.normal(INIT_STD),
+            rngs=rngs,
+        )
         self.dropout = nnx.Dropout(config.dropout_rate, rngs=rngs)
         self.stack = Stack(config, is_causal=is_causal, rngs=rngs)
         self.norm = norm_layer(config, rngs=rngs)

@@ -1,4 +1,5 @@
 """The few Pallas names that moved between the JAX versions we support (0.10.2 on CPU, 0.11+ on GPU)."""
+
 from __future__ import annotations
 
 import contextlib

@@ -3,6 +3,7 @@
 Each implementation declares what it cannot serve (a reason, or None) and what it would rather leave to another
 (a reason to skip it when `implementation=None`); dispatch takes the first that may run and logs why the ones
 before it did not."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,8 +28,18 @@ logger = logging.getLogger("pallas_flash")
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 # flash_attention's arguments that pick the computation rather than feed it: static under jit.
-STATIC_ARGNAMES = ("is_causal", "local_window_size", "block_mask", "logits_soft_cap", "dropout_rate",
-                   "broadcast_dropout", "return_lse", "implementation", "config", "deterministic")
+STATIC_ARGNAMES = (
+    "is_causal",
+    "local_window_size",
+    "block_mask",
+    "logits_soft_cap",
+    "dropout_rate",
+    "broadcast_dropout",
+    "return_lse",
+    "implementation",
+    "config",
+    "deterministic",
+)
 
 _logged: set = set()
 
@@ -101,8 +112,7 @@ class Implementation:
 
 
 def _mosaic_cannot_serve(call: Call) -> str | None:
-    return hopper.unsupported_reason(call.query, call.key, band=call.band, unserved=call.features,
-                                     config=call.config)
+    return hopper.unsupported_reason(call.query, call.key, band=call.band, unserved=call.features, config=call.config)
 
 
 def _never(call: Call) -> None:
@@ -112,8 +122,15 @@ def _never(call: Call) -> None:
 # In order of preference: the first entry that serves a call and does not defer it runs.
 REGISTRY = (
     Implementation("mosaic", _mosaic_cannot_serve, _never),
-    Implementation("pallas", _never, lambda call: None if device.on_nvidia_gpu() else (
-        "no NVIDIA GPU: its kernels would run in Pallas interpret mode (a test path)")),
+    Implementation(
+        "pallas",
+        _never,
+        lambda call: (
+            None
+            if device.on_nvidia_gpu()
+            else ("no NVIDIA GPU: its kernels would run in Pallas interpret mode (a test path)")
+        ),
+    ),
     Implementation("xla_chunked", _never, _never),
     Implementation("xla", _never, lambda call: "the dense reference holds q_len x kv_len logits: only on request"),
 )
@@ -128,8 +145,9 @@ def dispatch(implementation: str | None, call: Call) -> str:
             reason = impl.cannot_serve(call) or impl.defers(call)
             if reason is None:
                 why = "; ".join(f"not {name!r}: {why}" for name, why in passed) or "the first choice"
-                _log_once(f"pallas_flash: implementation=None ran {impl.name!r} on backend "
-                          f"{jax.default_backend()!r} ({why})")
+                _log_once(
+                    f"pallas_flash: implementation=None ran {impl.name!r} on backend {jax.default_backend()!r} ({why})"
+                )
                 return impl.name
             passed.append((impl.name, reason))
         raise AssertionError("the registry ends with implementations that serve every call")
@@ -150,12 +168,19 @@ def _check_window(local_window_size):
         return None
     if isinstance(local_window_size, int) and not isinstance(local_window_size, bool):
         local_window_size = (local_window_size, local_window_size)
-    ok = isinstance(local_window_size, tuple) and len(local_window_size) == 2 and all(
-        side is None or (isinstance(side, int) and not isinstance(side, bool) and side >= 0)
-        for side in local_window_size)
+    ok = (
+        isinstance(local_window_size, tuple)
+        and len(local_window_size) == 2
+        and all(
+            side is None or (isinstance(side, int) and not isinstance(side, bool) and side >= 0)
+            for side in local_window_size
+        )
+    )
     if not ok:
-        raise ValueError("local_window_size must be None, an int >= 0, or a tuple (left, right) of ints >= 0 "
-                         f"(or None for an unbounded side), got {local_window_size!r}")
+        raise ValueError(
+            "local_window_size must be None, an int >= 0, or a tuple (left, right) of ints >= 0 "
+            f"(or None for an unbounded side), got {local_window_size!r}"
+        )
     return local_window_size
 
 
@@ -206,17 +231,20 @@ def _broadcast_dims(name, x, full_shape):
     """Which of [batch, heads, q_len, kv_len] an array broadcastable to `full_shape` spans, and the array
     as rank 4 with each dim 1 or full (NumPy broadcasting: missing leading dims are 1)."""
     if x.ndim > 4:
-        raise ValueError(f"{name} must have rank <= 4, broadcastable to [batch, heads, q_len, kv_len] = "
-                         f"{full_shape}, got shape {tuple(x.shape)}")
+        raise ValueError(
+            f"{name} must have rank <= 4, broadcastable to [batch, heads, q_len, kv_len] = "
+            f"{full_shape}, got shape {tuple(x.shape)}"
+        )
     x = x.reshape((1,) * (4 - x.ndim) + tuple(x.shape))
     if any(n not in (1, full) for n, full in zip(x.shape, full_shape)):
-        raise ValueError(f"{name} has shape {tuple(x.shape)}; it must broadcast to [batch, heads, q_len, kv_len] "
-                         f"= {full_shape} (each dim 1 or full)")
+        raise ValueError(
+            f"{name} has shape {tuple(x.shape)}; it must broadcast to [batch, heads, q_len, kv_len] "
+            f"= {full_shape} (each dim 1 or full)"
+        )
     return tuple(n != 1 or full == 1 for n, full in zip(x.shape, full_shape)), x
 
 
-def _score_mods(query, key, bias, mask, alibi_slopes, logits_soft_cap, dropout_rate, dropout_rng,
-                broadcast_dropout):
+def _score_mods(query, key, bias, mask, alibi_slopes, logits_soft_cap, dropout_rate, dropout_rng, broadcast_dropout):
     """Checked score modifiers: (masks.ScoreMods, masks.ModArrays)."""
     batch, q_len, heads, _ = query.shape
     full_shape = (batch, heads, q_len, key.shape[1])
@@ -227,25 +255,31 @@ def _score_mods(query, key, bias, mask, alibi_slopes, logits_soft_cap, dropout_r
         bias_dims, bias = _broadcast_dims("bias", bias, full_shape)
     if mask is not None:
         if not hasattr(mask, "dtype") or mask.dtype != jnp.bool_:
-            raise TypeError(f"mask must be a bool array (True = attend), got "
-                            f"{getattr(mask, 'dtype', type(mask).__name__)}")
+            raise TypeError(
+                f"mask must be a bool array (True = attend), got {getattr(mask, 'dtype', type(mask).__name__)}"
+            )
         mask_dims, mask = _broadcast_dims("mask", mask, full_shape)
     if alibi_slopes is not None:
         if not hasattr(alibi_slopes, "dtype") or not jnp.issubdtype(alibi_slopes.dtype, jnp.floating):
-            raise TypeError("alibi_slopes must be a float array, got "
-                            f"{getattr(alibi_slopes, 'dtype', type(alibi_slopes).__name__)}")
+            raise TypeError(
+                f"alibi_slopes must be a float array, got {getattr(alibi_slopes, 'dtype', type(alibi_slopes).__name__)}"
+            )
         if tuple(alibi_slopes.shape) not in ((heads,), (batch, heads)):
-            raise ValueError(f"alibi_slopes must have shape ({heads},) or ({batch}, {heads}), "
-                             f"got {tuple(alibi_slopes.shape)}")
+            raise ValueError(
+                f"alibi_slopes must have shape ({heads},) or ({batch}, {heads}), got {tuple(alibi_slopes.shape)}"
+            )
         # Slopes are constants of the model: no gradient flows into them.
         alibi_slopes = jnp.broadcast_to(jax.lax.stop_gradient(alibi_slopes).astype(jnp.float32), (batch, heads))
     if logits_soft_cap is not None:
-        if (not isinstance(logits_soft_cap, (int, float)) or isinstance(logits_soft_cap, bool)
-                or not math.isfinite(logits_soft_cap) or logits_soft_cap <= 0):
+        if (
+            not isinstance(logits_soft_cap, (int, float))
+            or isinstance(logits_soft_cap, bool)
+            or not math.isfinite(logits_soft_cap)
+            or logits_soft_cap <= 0
+        ):
             raise ValueError(f"logits_soft_cap must be None or a finite Python float > 0, got {logits_soft_cap!r}")
         logits_soft_cap = float(logits_soft_cap)
-    if (not isinstance(dropout_rate, (int, float)) or isinstance(dropout_rate, bool)
-            or not 0.0 <= dropout_rate < 1.0):
+    if not isinstance(dropout_rate, (int, float)) or isinstance(dropout_rate, bool) or not 0.0 <= dropout_rate < 1.0:
         raise ValueError(f"dropout_rate must be a Python float in [0, 1), got {dropout_rate!r}")
     if not isinstance(broadcast_dropout, bool):
         raise TypeError(f"broadcast_dropout must be a bool, got {broadcast_dropout!r}")
@@ -256,13 +290,20 @@ def _score_mods(query, key, bias, mask, alibi_slopes, logits_soft_cap, dropout_r
         is_key = hasattr(dropout_rng, "dtype") and jnp.issubdtype(dropout_rng.dtype, jax.dtypes.prng_key)
         is_raw = hasattr(dropout_rng, "dtype") and dropout_rng.dtype == jnp.uint32 and dropout_rng.shape == (2,)
         if not (is_key and dropout_rng.shape == ()) and not is_raw:
-            raise TypeError("dropout_rng must be one JAX PRNG key (jax.random.key) or uint32 [2] key data, got "
-                            f"{getattr(dropout_rng, 'dtype', type(dropout_rng).__name__)} "
-                            f"{tuple(getattr(dropout_rng, 'shape', ()))}")
+            raise TypeError(
+                "dropout_rng must be one JAX PRNG key (jax.random.key) or uint32 [2] key data, got "
+                f"{getattr(dropout_rng, 'dtype', type(dropout_rng).__name__)} "
+                f"{tuple(getattr(dropout_rng, 'shape', ()))}"
+            )
         seed = masks.dropout_seed(dropout_rng)
-    mods = masks.ScoreMods(bias_dims=bias_dims, mask_dims=mask_dims, alibi=alibi_slopes is not None,
-                           soft_cap=logits_soft_cap, dropout_rate=float(dropout_rate),
-                           broadcast_dropout=broadcast_dropout and dropout_rate > 0.0)
+    mods = masks.ScoreMods(
+        bias_dims=bias_dims,
+        mask_dims=mask_dims,
+        alibi=alibi_slopes is not None,
+        soft_cap=logits_soft_cap,
+        dropout_rate=float(dropout_rate),
+        broadcast_dropout=broadcast_dropout and dropout_rate > 0.0,
+    )
     return mods, masks.ModArrays(bias, mask, alibi_slopes, seed)
 
 
@@ -273,22 +314,47 @@ def _python_scalar(name, x, kind):
         raise TypeError(
             f"{name} is a traced value, but it selects the computation and must be static. Under jax.jit pass "
             f"flash_attention's options as static arguments: jax.jit(flash_attention, "
-            f"static_argnames=pallas_flash.STATIC_ARGNAMES), or close over them with functools.partial")
+            f"static_argnames=pallas_flash.STATIC_ARGNAMES), or close over them with functools.partial"
+        )
     if kind is bool and isinstance(x, np.bool_):
         return bool(x)
     if kind is float and isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_)):
         return float(x)
-    if kind is float and isinstance(x, (np.ndarray, jax.Array)) and x.shape == () and jnp.issubdtype(
-            x.dtype, jnp.floating):
+    if (
+        kind is float
+        and isinstance(x, (np.ndarray, jax.Array))
+        and x.shape == ()
+        and jnp.issubdtype(x.dtype, jnp.floating)
+    ):
         return float(x)
     return x
 
 
-def flash_attention(query, key, value, *, scale=None, is_causal=False, segment_ids=None, kv_segment_ids=None,
-                    query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None, block_mask=None,
-                    bias=None, mask=None, alibi_slopes=None, logits_soft_cap=None, dropout_rate=0.0,
-                    dropout_rng=None, broadcast_dropout=False, return_lse=False, implementation=None, config=None,
-                    deterministic=True):
+def flash_attention(
+    query,
+    key,
+    value,
+    *,
+    scale=None,
+    is_causal=False,
+    segment_ids=None,
+    kv_segment_ids=None,
+    query_seq_lengths=None,
+    key_value_seq_lengths=None,
+    local_window_size=None,
+    block_mask=None,
+    bias=None,
+    mask=None,
+    alibi_slopes=None,
+    logits_soft_cap=None,
+    dropout_rate=0.0,
+    dropout_rng=None,
+    broadcast_dropout=False,
+    return_lse=False,
+    implementation=None,
+    config=None,
+    deterministic=True,
+):
     """Exact scaled dot-product attention in O(seq) memory.
 
     Args:
@@ -342,9 +408,18 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, segment_i
     Each call runs one compiled function per shape, dtype and set of options (`STATIC_ARGNAMES`), so eager
     calls are cached as under `jit`; under `jax.jit` those options must be static.
     """
-    options = dict(is_causal=is_causal, local_window_size=local_window_size, block_mask=block_mask,
-                   logits_soft_cap=logits_soft_cap, dropout_rate=dropout_rate, broadcast_dropout=broadcast_dropout,
-                   return_lse=return_lse, implementation=implementation, config=config, deterministic=deterministic)
+    options = dict(
+        is_causal=is_causal,
+        local_window_size=local_window_size,
+        block_mask=block_mask,
+        logits_soft_cap=logits_soft_cap,
+        dropout_rate=dropout_rate,
+        broadcast_dropout=broadcast_dropout,
+        return_lse=return_lse,
+        implementation=implementation,
+        config=config,
+        deterministic=deterministic,
+    )
     for name, option in options.items():
         _python_scalar(name, option, None)  # a traced option: a TypeError that says how to make it static
     is_causal = _python_scalar("is_causal", is_causal, bool)
@@ -366,8 +441,12 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, segment_i
             raise TypeError(f"scale must be a float or a float scalar array, got {scale!r}")
     if scale is not None and (isinstance(scale, bool) or not math.isfinite(scale)):
         raise TypeError(f"scale must be a finite float, got {scale!r}")
-    for name, flag in (("is_causal", is_causal), ("broadcast_dropout", broadcast_dropout),
-                       ("deterministic", deterministic), ("return_lse", return_lse)):
+    for name, flag in (
+        ("is_causal", is_causal),
+        ("broadcast_dropout", broadcast_dropout),
+        ("deterministic", deterministic),
+        ("return_lse", return_lse),
+    ):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {flag!r}")
     if config is not None and not isinstance(config, KernelConfig):
@@ -379,28 +458,81 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, segment_i
     except TypeError as e:
         raise TypeError(f"flash_attention's options must be hashable (they are static): {e}") from None
     out, lse = _attention(
-        query, key, value, scale_value, segment_ids, kv_segment_ids, query_seq_lengths, key_value_seq_lengths,
-        bias, mask, alibi_slopes, dropout_rng, scale=None if scale is None else float(scale), is_causal=is_causal,
-        local_window_size=local_window_size, block_mask=block_mask, logits_soft_cap=logits_soft_cap,
-        dropout_rate=dropout_rate, broadcast_dropout=broadcast_dropout, implementation=implementation,
-        config=config, deterministic=deterministic)
+        query,
+        key,
+        value,
+        scale_value,
+        segment_ids,
+        kv_segment_ids,
+        query_seq_lengths,
+        key_value_seq_lengths,
+        bias,
+        mask,
+        alibi_slopes,
+        dropout_rng,
+        scale=None if scale is None else float(scale),
+        is_causal=is_causal,
+        local_window_size=local_window_size,
+        block_mask=block_mask,
+        logits_soft_cap=logits_soft_cap,
+        dropout_rate=dropout_rate,
+        broadcast_dropout=broadcast_dropout,
+        implementation=implementation,
+        config=config,
+        deterministic=deterministic,
+    )
     return (out, lse) if return_lse else out
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "is_causal", "local_window_size", "block_mask",
-                                             "logits_soft_cap", "dropout_rate", "broadcast_dropout",
-                                             "implementation", "config", "deterministic"))
-def _attention(query, key, value, scale_value, segment_ids, kv_segment_ids, query_seq_lengths,
-               key_value_seq_lengths, bias, mask, alibi_slopes, dropout_rng, *, scale, is_causal, local_window_size,
-               block_mask, logits_soft_cap, dropout_rate, broadcast_dropout, implementation, config, deterministic):
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "scale",
+        "is_causal",
+        "local_window_size",
+        "block_mask",
+        "logits_soft_cap",
+        "dropout_rate",
+        "broadcast_dropout",
+        "implementation",
+        "config",
+        "deterministic",
+    ),
+)
+def _attention(
+    query,
+    key,
+    value,
+    scale_value,
+    segment_ids,
+    kv_segment_ids,
+    query_seq_lengths,
+    key_value_seq_lengths,
+    bias,
+    mask,
+    alibi_slopes,
+    dropout_rng,
+    *,
+    scale,
+    is_causal,
+    local_window_size,
+    block_mask,
+    logits_soft_cap,
+    dropout_rate,
+    broadcast_dropout,
+    implementation,
+    config,
+    deterministic,
+):
     """`flash_attention` once its options are static Python values: checks, dispatch and the kernels, traced
     once per shape and option set. Returns (out, lse)."""
     _check_inputs(query, key, value)
     band = masks.Band.of(is_causal, _check_window(local_window_size))
     q_ids, kv_ids = _segments(query, key, segment_ids, kv_segment_ids, query_seq_lengths, key_value_seq_lengths)
     block_mask = _check_block_mask(block_mask, query, key)
-    mods, mod_arrays = _score_mods(query, key, bias, mask, alibi_slopes, logits_soft_cap, dropout_rate,
-                                   dropout_rng, broadcast_dropout)
+    mods, mod_arrays = _score_mods(
+        query, key, bias, mask, alibi_slopes, logits_soft_cap, dropout_rate, dropout_rng, broadcast_dropout
+    )
     head_dim = query.shape[-1]
     if scale_value is not None:  # a traced scale: fold it into the query, the kernels scale by 1
         query = (query.astype(jnp.float32) * scale_value.astype(jnp.float32)).astype(query.dtype)
@@ -408,30 +540,62 @@ def _attention(query, key, value, scale_value, segment_ids, kv_segment_ids, quer
     elif scale is None:
         scale = 1.0 / math.sqrt(head_dim)
     if config is None:
-        config = KernelConfig.default(head_dim, jnp.dtype(query.dtype).itemsize, device.shared_memory_bytes(),
-                                      _score_tile_bytes(mods, mod_arrays))
+        config = KernelConfig.default(
+            head_dim, jnp.dtype(query.dtype).itemsize, device.shared_memory_bytes(), _score_tile_bytes(mods, mod_arrays)
+        )
 
     # Features the Hopper kernel does not have yet; a call using any of them runs elsewhere.
-    features = (("block_mask", block_mask is not None),
-                ("bias", mods.bias_dims is not None), ("mask", mods.mask_dims is not None),
-                ("alibi_slopes", mods.alibi), ("logits_soft_cap", mods.soft_cap is not None),
-                ("dropout", mods.dropout_rate > 0.0))
-    call = Call(jax.ShapeDtypeStruct(query.shape, query.dtype), jax.ShapeDtypeStruct(key.shape, key.dtype), band,
-                config, tuple(name for name, used in features if used))
+    features = (
+        ("block_mask", block_mask is not None),
+        ("bias", mods.bias_dims is not None),
+        ("mask", mods.mask_dims is not None),
+        ("alibi_slopes", mods.alibi),
+        ("logits_soft_cap", mods.soft_cap is not None),
+        ("dropout", mods.dropout_rate > 0.0),
+    )
+    call = Call(
+        jax.ShapeDtypeStruct(query.shape, query.dtype),
+        jax.ShapeDtypeStruct(key.shape, key.dtype),
+        band,
+        config,
+        tuple(name for name, used in features if used),
+    )
     impl = dispatch(implementation, call)
-    masking = dict(q_segment_ids=q_ids, kv_segment_ids=kv_ids, block_mask=block_mask, mods=mods,
-                   mod_arrays=mod_arrays)
+    masking = dict(q_segment_ids=q_ids, kv_segment_ids=kv_ids, block_mask=block_mask, mods=mods, mod_arrays=mod_arrays)
     if impl == "mosaic":
-        return hopper.flash_attention_hopper(query, key, value, scale=scale, band=band, config=config,
-                                             q_segment_ids=q_ids, kv_segment_ids=kv_ids, deterministic=deterministic)
+        return hopper.flash_attention_hopper(
+            query,
+            key,
+            value,
+            scale=scale,
+            band=band,
+            config=config,
+            q_segment_ids=q_ids,
+            kv_segment_ids=kv_ids,
+            deterministic=deterministic,
+        )
     if impl == "pallas":
         return portable.flash_attention_portable(
-            query, key, value, scale=scale, band=band, config=config, interpret=not device.on_nvidia_gpu(), **masking)
+            query, key, value, scale=scale, band=band, config=config, interpret=not device.on_nvidia_gpu(), **masking
+        )
     if impl == "xla_chunked":
         return xla_chunked.attention_chunked(
-            query, key, value, scale=scale, band=band, block_kv=config.xla_block_kv, **masking)
+            query, key, value, scale=scale, band=band, block_kv=config.xla_block_kv, **masking
+        )
     return reference.attention_reference(
-        query, key, value, scale=scale, band=band, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
-        block_mask=block_mask, bias=mod_arrays.bias, mask=mod_arrays.mask, alibi_slopes=mod_arrays.alibi_slopes,
-        logits_soft_cap=mods.soft_cap, dropout_rate=mods.dropout_rate, dropout_seed=mod_arrays.dropout_seed,
-        broadcast_dropout=mods.broadcast_dropout)
+        query,
+        key,
+        value,
+        scale=scale,
+        band=band,
+        q_segment_ids=q_ids,
+        kv_segment_ids=kv_ids,
+        block_mask=block_mask,
+        bias=mod_arrays.bias,
+        mask=mod_arrays.mask,
+        alibi_slopes=mod_arrays.alibi_slopes,
+        logits_soft_cap=mods.soft_cap,
+        dropout_rate=mods.dropout_rate,
+        dropout_seed=mod_arrays.dropout_seed,
+        broadcast_dropout=mods.broadcast_dropout,
+    )

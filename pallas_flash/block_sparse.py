@@ -10,6 +10,7 @@ The kernels' side lives here too (`visit_tables`): per kernel row (a query block
 kernels, a key block in the dK/dV kernel) the list of blocks to visit, computed on the host from the block
 mask, the band, the padded tail and the kernels' own block sizes, which must divide the mask's.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -64,22 +65,29 @@ class BlockMask:
         try:
             mask = np.asarray(self.mask)
         except Exception as e:  # a tracer: the structure must be known on the host
-            raise TypeError(f"BlockMask.mask must be a concrete boolean array (numpy), got {type(self.mask).__name__}"
-                            ) from e
+            raise TypeError(
+                f"BlockMask.mask must be a concrete boolean array (numpy), got {type(self.mask).__name__}"
+            ) from e
         if mask.dtype != np.bool_:
             raise TypeError(f"BlockMask.mask must have dtype bool, got {mask.dtype}")
         if mask.ndim == 2:
             mask = mask[None, None]
         if mask.ndim != 4 or 0 in mask.shape:
-            raise ValueError("BlockMask.mask must be [num_q_blocks, num_kv_blocks] or [batch or 1, heads or 1, "
-                             f"num_q_blocks, num_kv_blocks] with no empty axis, got shape {tuple(mask.shape)}")
+            raise ValueError(
+                "BlockMask.mask must be [num_q_blocks, num_kv_blocks] or [batch or 1, heads or 1, "
+                f"num_q_blocks, num_kv_blocks] with no empty axis, got shape {tuple(mask.shape)}"
+            )
         mask = np.array(mask, dtype=bool, copy=True)
         mask.flags.writeable = False
         object.__setattr__(self, "mask", mask)
 
     def __eq__(self, other):
-        return (isinstance(other, BlockMask) and (self.block_q, self.block_kv) == (other.block_q, other.block_kv)
-                and self.mask.shape == other.mask.shape and bool(np.array_equal(self.mask, other.mask)))
+        return (
+            isinstance(other, BlockMask)
+            and (self.block_q, self.block_kv) == (other.block_q, other.block_kv)
+            and self.mask.shape == other.mask.shape
+            and bool(np.array_equal(self.mask, other.mask))
+        )
 
     def __hash__(self):
         return hash((self.block_q, self.block_kv, self.mask.shape, self.mask.tobytes()))
@@ -103,44 +111,51 @@ class BlockMask:
     def check_lengths(self, q_len: int, kv_len: int) -> None:
         want = (_num_blocks(q_len, self.block_q), _num_blocks(kv_len, self.block_kv))
         if self.mask.shape[2:] != want:
-            raise ValueError(f"block_mask has {self.mask.shape[2]} x {self.mask.shape[3]} blocks of "
-                             f"{self.block_q} x {self.block_kv}; q_len={q_len}, kv_len={kv_len} need "
-                             f"{want[0]} x {want[1]}")
+            raise ValueError(
+                f"block_mask has {self.mask.shape[2]} x {self.mask.shape[3]} blocks of "
+                f"{self.block_q} x {self.block_kv}; q_len={q_len}, kv_len={kv_len} need "
+                f"{want[0]} x {want[1]}"
+            )
 
     def check(self, batch: int, heads: int, q_len: int, kv_len: int) -> None:
         """ValueError unless the mask fits queries [batch, q_len, heads, ...] and keys of kv_len."""
         self.check_lengths(q_len, kv_len)
         if self.mask.shape[0] not in (1, batch) or self.mask.shape[1] not in (1, heads):
-            raise ValueError(f"block_mask has batch {self.mask.shape[0]} and heads {self.mask.shape[1]}; "
-                             f"they must be 1 or the query's batch {batch} and heads {heads}")
+            raise ValueError(
+                f"block_mask has batch {self.mask.shape[0]} and heads {self.mask.shape[1]}; "
+                f"they must be 1 or the query's batch {batch} and heads {heads}"
+            )
 
     # ------------------------------------------------------------------------------------------ builders
 
     @classmethod
-    def full(cls, q_len: int, kv_len: int, *, block_q: int = 128, block_kv: int = 128) -> "BlockMask":
+    def full(cls, q_len: int, kv_len: int, *, block_q: int = 128, block_kv: int = 128) -> BlockMask:
         """Every block: the dense baseline of a block-sparse call."""
         return cls._build(q_len, kv_len, block_q, block_kv, lambda first, last, j: np.ones_like(j, bool))
 
     @classmethod
-    def causal(cls, q_len: int, kv_len: int, *, block_q: int = 128, block_kv: int = 128) -> "BlockMask":
+    def causal(cls, q_len: int, kv_len: int, *, block_q: int = 128, block_kv: int = 128) -> BlockMask:
         """The blocks that hold a key j <= query i (top-left alignment, as `is_causal`). At block level the
         diagonal blocks are whole: pass `is_causal=True` too for the token-level causal mask."""
         return cls._build(q_len, kv_len, block_q, block_kv, lambda first, last, j: j <= last)
 
     @classmethod
-    def local(cls, q_len: int, kv_len: int, window_blocks, *, causal: bool = False, block_q: int = 128,
-              block_kv: int = 128) -> "BlockMask":
+    def local(
+        cls, q_len: int, kv_len: int, window_blocks, *, causal: bool = False, block_q: int = 128, block_kv: int = 128
+    ) -> BlockMask:
         """A sliding window of key blocks: those overlapping a query block's own positions plus `left` key
         blocks before and `right` after. `window_blocks`: int w (left = right = w) or (left, right);
         `causal` sets right = 0."""
         left, right = _window(window_blocks)
         right = 0 if causal else right
-        return cls._build(q_len, kv_len, block_q, block_kv,
-                          lambda first, last, j: (j >= first - left) & (j <= last + right))
+        return cls._build(
+            q_len, kv_len, block_q, block_kv, lambda first, last, j: (j >= first - left) & (j <= last + right)
+        )
 
     @classmethod
-    def strided(cls, q_len: int, kv_len: int, stride: int, *, causal: bool = False, block_q: int = 128,
-                block_kv: int = 128) -> "BlockMask":
+    def strided(
+        cls, q_len: int, kv_len: int, stride: int, *, causal: bool = False, block_q: int = 128, block_kv: int = 128
+    ) -> BlockMask:
         """Sparse Transformer's strided pattern at block level: key blocks j with (d - j) % stride == 0,
         where d is the key block on the query block's diagonal, so every query block sees its own
         diagonal block and every stride-th block from it (density about 1 / stride)."""
@@ -150,8 +165,17 @@ class BlockMask:
         return mask._and_causal(q_len, kv_len) if causal else mask
 
     @classmethod
-    def global_local(cls, q_len: int, kv_len: int, num_global: int, window, *, causal: bool = False,
-                     block_q: int = 128, block_kv: int = 128) -> "BlockMask":
+    def global_local(
+        cls,
+        q_len: int,
+        kv_len: int,
+        num_global: int,
+        window,
+        *,
+        causal: bool = False,
+        block_q: int = 128,
+        block_kv: int = 128,
+    ) -> BlockMask:
         """BigBird/Longformer-style: a local window of `window` key blocks (int or (left, right), as in
         `local`), plus `num_global` global blocks: every query block sees the first `num_global` key
         blocks, and the first `num_global` query blocks see every key block."""
@@ -164,7 +188,7 @@ class BlockMask:
         return mask._and_causal(q_len, kv_len) if causal else mask
 
     @classmethod
-    def _build(cls, q_len, kv_len, block_q, block_kv, keep) -> "BlockMask":
+    def _build(cls, q_len, kv_len, block_q, block_kv, keep) -> BlockMask:
         """`keep(first, last, j)` -> bool [num_q_blocks, num_kv_blocks], with first/last the key blocks that
         hold query block i's first and last positions (the block diagonal when block_q != block_kv)."""
         q_len, kv_len = _positive_int("q_len", q_len), _positive_int("kv_len", kv_len)
@@ -175,7 +199,7 @@ class BlockMask:
         j = np.arange(_num_blocks(kv_len, block_kv))[None, :]
         return cls(np.broadcast_to(keep(first, last, j), (rows.size, j.size)), block_q, block_kv)
 
-    def _and_causal(self, q_len, kv_len) -> "BlockMask":
+    def _and_causal(self, q_len, kv_len) -> BlockMask:
         causal = BlockMask.causal(q_len, kv_len, block_q=self.block_q, block_kv=self.block_kv)
         return BlockMask(self.mask & causal.mask, self.block_q, self.block_kv)
 
@@ -183,15 +207,20 @@ class BlockMask:
 def _window(window_blocks):
     if _is_int(window_blocks):
         window_blocks = (window_blocks, window_blocks)
-    ok = isinstance(window_blocks, tuple) and len(window_blocks) == 2 and all(
-        _is_int(w) and w >= 0 for w in window_blocks)
+    ok = (
+        isinstance(window_blocks, tuple)
+        and len(window_blocks) == 2
+        and all(_is_int(w) and w >= 0 for w in window_blocks)
+    )
     if not ok:
-        raise ValueError(f"window must be an int >= 0 or a tuple (left, right) of ints >= 0 (in blocks), "
-                         f"got {window_blocks!r}")
+        raise ValueError(
+            f"window must be an int >= 0 or a tuple (left, right) of ints >= 0 (in blocks), got {window_blocks!r}"
+        )
     return int(window_blocks[0]), int(window_blocks[1])
 
 
 # ------------------------------------------------------------------------- the XLA paths' token-level mask
+
 
 def token_mask(block_mask: BlockMask, q_pos, k_pos, kv_heads: int):
     """Token-level visibility of keys `k_pos` [k] to queries `q_pos` [q] (int arrays; positions past the
@@ -218,6 +247,7 @@ def combine(mask, block_tokens):
 
 # ------------------------------------------------------------------------------------ the kernels' tables
 
+
 def kernel_block(block: int, mask_block: int) -> int:
     """The largest power of two <= `block` that divides `mask_block`: a kernel tile then never straddles
     two mask blocks, so the block mask is uniform over it."""
@@ -229,16 +259,27 @@ def visible_tiles(block_mask: BlockMask, *, block_q: int, block_kv: int, q_pad: 
     [batch or 1, heads or 1, q_pad // block_q, kv_pad // block_kv]. The kernel blocks must divide the mask's,
     so each tile lies in one mask block."""
     if block_mask.block_q % block_q or block_mask.block_kv % block_kv:
-        raise ValueError(f"kernel blocks {block_q} x {block_kv} must divide the block mask's "
-                         f"{block_mask.block_q} x {block_mask.block_kv}")
+        raise ValueError(
+            f"kernel blocks {block_q} x {block_kv} must divide the block mask's "
+            f"{block_mask.block_q} x {block_mask.block_kv}"
+        )
     rows = np.arange(q_pad // block_q) * block_q // block_mask.block_q
     cols = np.arange(kv_pad // block_kv) * block_kv // block_mask.block_kv
     return block_mask.mask[:, :, rows][:, :, :, cols]
 
 
 @functools.lru_cache(maxsize=64)
-def visit_tables(block_mask: BlockMask, *, block_q: int, block_kv: int, q_pad: int, kv_pad: int, kv_len: int,
-                 band: masks.Band, always_mask: bool):
+def visit_tables(
+    block_mask: BlockMask,
+    *,
+    block_q: int,
+    block_kv: int,
+    q_pad: int,
+    kv_pad: int,
+    kv_len: int,
+    band: masks.Band,
+    always_mask: bool,
+):
     """The blocks each kernel row visits, for kernel tiles of block_q x block_kv over padded lengths.
 
     Returns (by_query, by_key), int32 numpy arrays [batch or 1, heads or 1, rows, width]: by_query has a row
@@ -272,5 +313,5 @@ def _table(kind):
     width = 1 << (VISITS_HEADER + longest - 1).bit_length()
     table = np.zeros(kind.shape[:3] + (width,), np.int32)
     table[..., 0], table[..., 1] = n_full, n_visits
-    table[..., VISITS_HEADER:VISITS_HEADER + longest] = order[..., :longest]
+    table[..., VISITS_HEADER : VISITS_HEADER + longest] = order[..., :longest]
     return table

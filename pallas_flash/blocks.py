@@ -1,5 +1,6 @@
 """Tile geometry every kernel family shares: which key blocks a query block visits (and which of them need the
 mask), the transpose of that for the backward, and the exp2-domain constants of the online softmax."""
+
 from __future__ import annotations
 
 import math
@@ -16,8 +17,9 @@ def _clip(x, lo, hi):
     return jnp.minimum(jnp.maximum(x, lo), hi)
 
 
-def kv_block_range(q_block, *, block_q: int, block_kv: int, num_kv_blocks: int, kv_len: int,
-                   band: masks.Band, always_mask: bool):
+def kv_block_range(
+    q_block, *, block_q: int, block_kv: int, num_kv_blocks: int, kv_len: int, band: masks.Band, always_mask: bool
+):
     """Key blocks a query block visits: lo <= unmasked_lo <= unmasked_hi <= hi. Blocks outside [lo, hi) are
     invisible to every row and never loaded; [unmasked_lo, unmasked_hi) are visible to every row and skip
     the mask; the rest need it. (Only min/max and non-negative floor division: the Triton lowering cannot
@@ -39,8 +41,9 @@ def kv_block_range(q_block, *, block_q: int, block_kv: int, num_kv_blocks: int, 
     return lo, unmasked_lo, unmasked_hi, hi
 
 
-def q_block_range(kv_block, *, block_q: int, block_kv: int, num_q_blocks: int, kv_len: int,
-                  band: masks.Band, always_mask: bool):
+def q_block_range(
+    kv_block, *, block_q: int, block_kv: int, num_q_blocks: int, kv_len: int, band: masks.Band, always_mask: bool
+):
     """Query blocks that see a key block, in the same form as `kv_block_range`."""
     k_first = kv_block * block_kv
     k_last = k_first + block_kv - 1

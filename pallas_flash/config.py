@@ -1,5 +1,6 @@
 """The configuration one call passes to every implementation: the portable kernels' blocks, the XLA chunked
 path's key chunk, and the Hopper kernels' tiles, as a frozen dataclass passed statically."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -50,8 +51,9 @@ class KernelConfig:
         if self.hopper is not None and not isinstance(self.hopper, HopperConfig):
             raise TypeError(f"KernelConfig.hopper must be a HopperConfig or None, got {type(self.hopper).__name__}")
         if self.hopper_bwd is not None and not isinstance(self.hopper_bwd, HopperBwdConfig):
-            raise TypeError("KernelConfig.hopper_bwd must be a HopperBwdConfig or None, got "
-                            f"{type(self.hopper_bwd).__name__}")
+            raise TypeError(
+                f"KernelConfig.hopper_bwd must be a HopperBwdConfig or None, got {type(self.hopper_bwd).__name__}"
+            )
         for field in dataclasses.fields(self):
             if field.name in ("hopper", "hopper_bwd"):
                 continue
@@ -64,14 +66,16 @@ class KernelConfig:
                 raise ValueError(f"KernelConfig.{field.name} must be at least 16 (a tensor-core tile), got {value}")
 
     @classmethod
-    def default(cls, head_dim: int, itemsize: int = 2, shared_memory_bytes: int = H100_SHARED_MEMORY,
-                score_tile_bytes: int = 0) -> "KernelConfig":
+    def default(
+        cls, head_dim: int, itemsize: int = 2, shared_memory_bytes: int = H100_SHARED_MEMORY, score_tile_bytes: int = 0
+    ) -> KernelConfig:
         """The fastest variants measured on the H100 for 2-byte inputs (docs/performance.md), shrunk
         until their pipelined tiles fit `shared_memory_bytes` at this `itemsize` (float32 doubles the tiles;
         smaller GPUs have less shared memory). `score_tile_bytes`: bytes per logit of the score-modifier
         tiles streamed beside K and V (a bias or mask spanning both queries and keys; 0 without)."""
-        return _tuned(head_dim).fit_shared_memory(_padded_head_dim(head_dim), itemsize, shared_memory_bytes,
-                                                  score_tile_bytes)
+        return _tuned(head_dim).fit_shared_memory(
+            _padded_head_dim(head_dim), itemsize, shared_memory_bytes, score_tile_bytes
+        )
 
     def shared_memory(self, head_dim: int, itemsize: int, score_tile_bytes: int = 0) -> dict:
         """Estimated bytes of shared memory per kernel: num_stages copies of the tiles its loop streams
@@ -79,21 +83,24 @@ class KernelConfig:
         bias/mask tile of `score_tile_bytes` per logit) plus the tiles it keeps resident (Q; K and V; Q and
         dO), which the matmuls may stage through shared memory too."""
         row = head_dim * itemsize
-        return {"forward": (self.num_stages * 2 * self.block_kv + self.block_q) * row
-                           + self.num_stages * self.block_q * self.block_kv * score_tile_bytes,
-                "dkdv": (self.num_stages_dkv * 2 * self.block_q_dkv + 2 * self.block_kv_dkv) * row
-                        + self.num_stages_dkv * self.block_q_dkv * self.block_kv_dkv * score_tile_bytes,
-                "dq": (self.num_stages_dq * 2 * self.block_kv_dq + 2 * self.block_q_dq) * row
-                      + self.num_stages_dq * self.block_q_dq * self.block_kv_dq * score_tile_bytes}
+        return {
+            "forward": (self.num_stages * 2 * self.block_kv + self.block_q) * row
+            + self.num_stages * self.block_q * self.block_kv * score_tile_bytes,
+            "dkdv": (self.num_stages_dkv * 2 * self.block_q_dkv + 2 * self.block_kv_dkv) * row
+            + self.num_stages_dkv * self.block_q_dkv * self.block_kv_dkv * score_tile_bytes,
+            "dq": (self.num_stages_dq * 2 * self.block_kv_dq + 2 * self.block_q_dq) * row
+            + self.num_stages_dq * self.block_q_dq * self.block_kv_dq * score_tile_bytes,
+        }
 
-    def fit_shared_memory(self, head_dim: int, itemsize: int, budget: int,
-                          score_tile_bytes: int = 0) -> "KernelConfig":
+    def fit_shared_memory(self, head_dim: int, itemsize: int, budget: int, score_tile_bytes: int = 0) -> KernelConfig:
         """Fewer stages (down to 2), then smaller streamed blocks, then smaller resident blocks, until every
         kernel's estimate fits `budget`."""
         config = self
-        shrinkable = {"forward": ("num_stages", "block_kv", "block_q"),
-                      "dkdv": ("num_stages_dkv", "block_q_dkv", "block_kv_dkv"),
-                      "dq": ("num_stages_dq", "block_kv_dq", "block_q_dq")}
+        shrinkable = {
+            "forward": ("num_stages", "block_kv", "block_q"),
+            "dkdv": ("num_stages_dkv", "block_q_dkv", "block_kv_dkv"),
+            "dq": ("num_stages_dq", "block_kv_dq", "block_q_dq"),
+        }
         for kernel, (stages, streamed, resident) in shrinkable.items():
             while config.shared_memory(head_dim, itemsize, score_tile_bytes)[kernel] > budget:
                 if getattr(config, stages) > 2:
@@ -114,12 +121,34 @@ def _padded_head_dim(head_dim: int) -> int:
 
 def _tuned(head_dim: int) -> KernelConfig:
     if head_dim <= 64:
-        return KernelConfig(block_q=64, block_kv=64, num_warps=4, num_stages=3,
-                            block_q_dkv=64, block_kv_dkv=64, num_warps_dkv=4, num_stages_dkv=3,
-                            block_q_dq=64, block_kv_dq=64, num_warps_dq=4, num_stages_dq=3)
+        return KernelConfig(
+            block_q=64,
+            block_kv=64,
+            num_warps=4,
+            num_stages=3,
+            block_q_dkv=64,
+            block_kv_dkv=64,
+            num_warps_dkv=4,
+            num_stages_dkv=3,
+            block_q_dq=64,
+            block_kv_dq=64,
+            num_warps_dq=4,
+            num_stages_dq=3,
+        )
     if head_dim <= 128:
         return KernelConfig()
     # head_dim 256: smaller tiles so the accumulators fit in registers (not yet tuned on H100).
-    return KernelConfig(block_q=64, block_kv=32, num_warps=4, num_stages=2,
-                        block_q_dkv=32, block_kv_dkv=32, num_warps_dkv=4, num_stages_dkv=2,
-                        block_q_dq=32, block_kv_dq=32, num_warps_dq=4, num_stages_dq=2)
+    return KernelConfig(
+        block_q=64,
+        block_kv=32,
+        num_warps=4,
+        num_stages=2,
+        block_q_dkv=32,
+        block_kv_dkv=32,
+        num_warps_dkv=4,
+        num_stages_dkv=2,
+        block_q_dq=32,
+        block_kv_dq=32,
+        num_warps_dq=4,
+        num_stages_dq=2,
+    )

@@ -1,4 +1,5 @@
 """What this process runs on: the one place that asks JAX about the device."""
+
 from __future__ import annotations
 
 import jax

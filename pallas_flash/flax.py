@@ -13,6 +13,7 @@ kernels regenerate theirs tile by tile from a counter-based hash of (dropout_rng
 (`pallas_flash.masks.dropout_keep_mask`). Each weight is kept with the same probability 1 - dropout_rate and
 scaled by 1 / (1 - dropout_rate), and `broadcast_dropout` shares one mask across batch and heads as in Flax.
 """
+
 from __future__ import annotations
 
 import logging
@@ -35,8 +36,9 @@ def _log_once(argument: str, message: str, level: int = logging.WARNING) -> None
         logger.log(level, "pallas_flash.flax: %s", message)
 
 
-def make_attention_fn(*, is_causal: bool = False, implementation: str | None = None, config=None,
-                      deterministic_gradients: bool = True):
+def make_attention_fn(
+    *, is_causal: bool = False, implementation: str | None = None, config=None, deterministic_gradients: bool = True
+):
     """An `attention_fn` for Flax's attention modules, with structure the caller knows up front.
 
     Args:
@@ -58,10 +60,24 @@ def make_attention_fn(*, is_causal: bool = False, implementation: str | None = N
         raise TypeError(f"deterministic_gradients must be a bool, got {deterministic_gradients!r}")
     mask_is_causal = is_causal
 
-    def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True, dropout_rng=None,
-                     dropout_rate=0.0, deterministic=False, dtype=None, precision=None, module=None,
-                     force_fp32_for_softmax=False, qk_attn_weights_einsum=None,
-                     attn_weights_value_einsum=None, is_causal=False):
+    def attention_fn(
+        query,
+        key,
+        value,
+        bias=None,
+        mask=None,
+        broadcast_dropout=True,
+        dropout_rng=None,
+        dropout_rate=0.0,
+        deterministic=False,
+        dtype=None,
+        precision=None,
+        module=None,
+        force_fp32_for_softmax=False,
+        qk_attn_weights_einsum=None,
+        attn_weights_value_einsum=None,
+        is_causal=False,
+    ):
         """Exact attention with the signature and semantics of Flax's `dot_product_attention`.
 
         Args:
@@ -84,40 +100,84 @@ def make_attention_fn(*, is_causal: bool = False, implementation: str | None = N
           [batch..., q_len, heads, head_dim] in `dtype`.
         """
         if mask_is_causal and mask is not None:
-            _log_once("mask:causal", "`mask` is taken to be the causal mask that "
-                      "make_attention_fn(is_causal=True) declared, and is not read", logging.INFO)
+            _log_once(
+                "mask:causal",
+                "`mask` is taken to be the causal mask that "
+                "make_attention_fn(is_causal=True) declared, and is not read",
+                logging.INFO,
+            )
             mask = None
         causal = is_causal or mask_is_causal
         dropout = not deterministic and dropout_rate > 0.0
         if dropout and dropout_rng is None:
-            raise ValueError("dropout_rng is None, but attention dropout is active "
-                             f"(dropout_rate={dropout_rate}, deterministic={deterministic})")
+            raise ValueError(
+                "dropout_rng is None, but attention dropout is active "
+                f"(dropout_rate={dropout_rate}, deterministic={deterministic})"
+            )
         if not query.ndim == key.ndim == value.ndim >= 3:
-            raise ValueError("query, key and value must be [batch..., seq, heads, head_dim] with the same "
-                             f"batch dims, got shapes {query.shape}, {key.shape} and {value.shape}")
+            raise ValueError(
+                "query, key and value must be [batch..., seq, heads, head_dim] with the same "
+                f"batch dims, got shapes {query.shape}, {key.shape} and {value.shape}"
+            )
         dtype = jnp.result_type(query, key, value) if dtype is None else jnp.dtype(dtype)
         query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
 
-        reasons = _dense_reasons(query, key, value, module=module,
-                                 einsums=(qk_attn_weights_einsum, attn_weights_value_einsum))
+        reasons = _dense_reasons(
+            query, key, value, module=module, einsums=(qk_attn_weights_einsum, attn_weights_value_einsum)
+        )
         if not reasons:
-            dropout_args = dict(dropout_rate=float(dropout_rate), dropout_rng=dropout_rng,
-                                broadcast_dropout=bool(broadcast_dropout)) if dropout else {}
-            return _flash(query, key, value, mask=mask, bias=bias, is_causal=causal, implementation=implementation,
-                          config=config, deterministic=deterministic_gradients, **dropout_args)
+            dropout_args = (
+                dict(
+                    dropout_rate=float(dropout_rate), dropout_rng=dropout_rng, broadcast_dropout=bool(broadcast_dropout)
+                )
+                if dropout
+                else {}
+            )
+            return _flash(
+                query,
+                key,
+                value,
+                mask=mask,
+                bias=bias,
+                is_causal=causal,
+                implementation=implementation,
+                config=config,
+                deterministic=deterministic_gradients,
+                **dropout_args,
+            )
         for argument, why in reasons:
             _log_once(argument, f"{why}; computing this attention densely (memory grows as q_len * kv_len)")
         if causal:
             mask = _causal_and(mask, query.shape[-3], key.shape[-3])
         if qk_attn_weights_einsum is not None or attn_weights_value_einsum is not None:
             return linen.dot_product_attention(
-                query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate, deterministic,
-                dtype, precision, module, force_fp32_for_softmax,
+                query,
+                key,
+                value,
+                bias,
+                mask,
+                broadcast_dropout,
+                dropout_rng,
+                dropout_rate,
+                deterministic,
+                dtype,
+                precision,
+                module,
+                force_fp32_for_softmax,
                 qk_attn_weights_einsum=qk_attn_weights_einsum,
-                attn_weights_value_einsum=attn_weights_value_einsum)
-        return _dense(query, key, value, bias=bias, mask=mask,
-                      dropout_rate=dropout_rate if dropout else 0.0, dropout_rng=dropout_rng,
-                      broadcast_dropout=broadcast_dropout, module=module)
+                attn_weights_value_einsum=attn_weights_value_einsum,
+            )
+        return _dense(
+            query,
+            key,
+            value,
+            bias=bias,
+            mask=mask,
+            dropout_rate=dropout_rate if dropout else 0.0,
+            dropout_rng=dropout_rng,
+            broadcast_dropout=broadcast_dropout,
+            module=module,
+        )
 
     return attention_fn
 
@@ -131,13 +191,17 @@ def _dense_reasons(query, key, value, *, module, einsums):
     if module is not None:
         reasons.append(("module", "`module` asks for the attention weights to be sown, which flash never forms"))
     if any(e is not None for e in einsums):
-        reasons.append(("einsum", "custom `qk_attn_weights_einsum`/`attn_weights_value_einsum` replace the "
-                                  "matmuls"))
+        reasons.append(("einsum", "custom `qk_attn_weights_einsum`/`attn_weights_value_einsum` replace the matmuls"))
     if not any(query.dtype == d for d in SUPPORTED_DTYPES):
         reasons.append(("dtype", f"dtype {query.dtype} is not served by the flash kernels"))
     if not (MIN_HEAD_DIM <= query.shape[-1] <= MAX_HEAD_DIM) or value.shape[-1] != query.shape[-1]:
-        reasons.append(("head_dim", f"head_dim {query.shape[-1]} (value {value.shape[-1]}) is outside the "
-                                    f"kernels' {MIN_HEAD_DIM}..{MAX_HEAD_DIM} or differs between query and value"))
+        reasons.append(
+            (
+                "head_dim",
+                f"head_dim {query.shape[-1]} (value {value.shape[-1]}) is outside the "
+                f"kernels' {MIN_HEAD_DIM}..{MAX_HEAD_DIM} or differs between query and value",
+            )
+        )
     return reasons
 
 
@@ -160,10 +224,10 @@ def _fold(x, batch_dims):
     dims fold into one, kept at size 1 when x does not span them (a mask or bias shared by the batch stays
     unbroadcast; one that spans only some batch dims is broadcast over the rest)."""
     x = x.reshape((1,) * (len(batch_dims) + 3 - x.ndim) + x.shape)
-    x_batch = x.shape[:len(batch_dims)]
+    x_batch = x.shape[: len(batch_dims)]
     if any(n != 1 for n in x_batch) and x_batch != batch_dims:
-        x = jnp.broadcast_to(x, batch_dims + x.shape[len(batch_dims):])
-    return x.reshape((math.prod(x.shape[:len(batch_dims)]),) + x.shape[len(batch_dims):])
+        x = jnp.broadcast_to(x, batch_dims + x.shape[len(batch_dims) :])
+    return x.reshape((math.prod(x.shape[: len(batch_dims)]),) + x.shape[len(batch_dims) :])
 
 
 def _flash(query, key, value, *, mask, bias, is_causal, implementation, config, deterministic=True, **dropout):
@@ -171,20 +235,30 @@ def _flash(query, key, value, *, mask, bias, is_causal, implementation, config, 
     kv segment ids (query id 0; hidden keys 1); any other mask and the bias are passed as they are."""
     batch_dims = query.shape[:-3]
     batch = math.prod(batch_dims)
-    fold = lambda x: x.reshape((batch,) + x.shape[len(batch_dims):])
+    fold = lambda x: x.reshape((batch,) + x.shape[len(batch_dims) :])
     key_mask = _key_padding(mask, query, key)
     kwargs = dict(dropout)
     if bias is not None:
         kwargs["bias"] = _fold(jnp.asarray(bias), batch_dims)
     if key_mask is not None:
         key_mask = fold(key_mask)
-        kwargs.update(segment_ids=jnp.zeros((batch, query.shape[-3]), jnp.int32),
-                      kv_segment_ids=jnp.where(key_mask, 0, 1).astype(jnp.int32))
+        kwargs.update(
+            segment_ids=jnp.zeros((batch, query.shape[-3]), jnp.int32),
+            kv_segment_ids=jnp.where(key_mask, 0, 1).astype(jnp.int32),
+        )
         visible = key_mask[:, None, None, :]  # [batch, 1, 1, kv_len]
     elif mask is not None:
         visible = kwargs["mask"] = _fold(jnp.asarray(mask).astype(bool), batch_dims)
-    out = flash_attention(fold(query), fold(key), fold(value), is_causal=is_causal,
-                          implementation=implementation, config=config, deterministic=deterministic, **kwargs)
+    out = flash_attention(
+        fold(query),
+        fold(key),
+        fold(value),
+        is_causal=is_causal,
+        implementation=implementation,
+        config=config,
+        deterministic=deterministic,
+        **kwargs,
+    )
     if mask is not None:
         # Flax replaces hidden logits by the lowest float, so a query that sees no key attends uniformly to
         # all keys; the kernels give such a row zeros. Restore Flax's value for those rows, from the mask

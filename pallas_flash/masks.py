@@ -10,6 +10,7 @@ Visibility is the conjunction of
 The dense reference, the XLA chunked path and the Pallas kernels all call `visible` on whatever tile of
 positions they hold, so the semantics cannot drift between them.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,7 +35,7 @@ class Band:
     right: int | None = None
 
     @classmethod
-    def of(cls, is_causal: bool, local_window_size=None) -> "Band":
+    def of(cls, is_causal: bool, local_window_size=None) -> Band:
         left, right = (None, None) if local_window_size is None else local_window_size
         if is_causal:
             right = 0 if right is None else min(right, 0)
@@ -78,8 +79,7 @@ def pad_segment_ids(q_ids, kv_ids, q_pad: int, kv_pad: int):
 
     def pad(ids, size, value):
         ids = ids.astype(jnp.int32)
-        return ids if ids.shape[1] == size else jnp.pad(ids, ((0, 0), (0, size - ids.shape[1])),
-                                                        constant_values=value)
+        return ids if ids.shape[1] == size else jnp.pad(ids, ((0, 0), (0, size - ids.shape[1])), constant_values=value)
 
     return pad(q_ids, q_pad, QUERY_PADDING_ID), pad(kv_ids, kv_pad, KEY_PADDING_ID)
 
@@ -143,7 +143,7 @@ class ModArrays(typing.NamedTuple):
     alibi_slopes: typing.Any = None
     dropout_seed: typing.Any = None
 
-    def cotangents(self, dbias=None) -> "ModArrays":
+    def cotangents(self, dbias=None) -> ModArrays:
         """The cotangent of these arrays in a custom_vjp: `dbias` for the bias, float0 for the mask and seed
         (not differentiable), zeros for the ALiBi slopes (constants: the API stops their gradient)."""
         slopes = None if self.alibi_slopes is None else jnp.zeros_like(self.alibi_slopes)

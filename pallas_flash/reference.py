@@ -3,6 +3,7 @@
 It materialises the [batch, heads, q_len, kv_len] logits, so its memory grows as N^2; it is also the
 `implementation="xla"` path.
 """
+
 from __future__ import annotations
 
 import jax
@@ -11,10 +12,25 @@ import jax.numpy as jnp
 from pallas_flash import block_sparse, masks
 
 
-def attention_reference(query, key, value, *, scale: float, is_causal: bool = False, band=None,
-                        q_segment_ids=None, kv_segment_ids=None, block_mask=None, bias=None, mask=None,
-                        alibi_slopes=None, logits_soft_cap=None, dropout_rate: float = 0.0, dropout_seed=None,
-                        broadcast_dropout: bool = False):
+def attention_reference(
+    query,
+    key,
+    value,
+    *,
+    scale: float,
+    is_causal: bool = False,
+    band=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    block_mask=None,
+    bias=None,
+    mask=None,
+    alibi_slopes=None,
+    logits_soft_cap=None,
+    dropout_rate: float = 0.0,
+    dropout_seed=None,
+    broadcast_dropout: bool = False,
+):
     """Exact attention, computed densely in float32.
 
     Args:
@@ -48,12 +64,14 @@ def attention_reference(query, key, value, *, scale: float, is_causal: bool = Fa
         slope = jnp.broadcast_to(alibi_slopes.astype(jnp.float32), (batch, heads))[:, :, None, None]
     if logits_soft_cap is not None:
         logits = masks.soft_cap(logits, logits_soft_cap)
-    logits = masks.add_biases(logits.reshape(batch, heads, q_len, kv_len), q_pos=q_pos, k_pos=k_pos, bias=bias,
-                              slope=slope).reshape(logits.shape)
+    logits = masks.add_biases(
+        logits.reshape(batch, heads, q_len, kv_len), q_pos=q_pos, k_pos=k_pos, bias=bias, slope=slope
+    ).reshape(logits.shape)
     segments = {}
     if q_segment_ids is not None:  # [batch, 1, 1, q_len, 1] against [batch, 1, 1, 1, kv_len]
-        segments = dict(q_segment=q_segment_ids[:, None, None, :, None],
-                        kv_segment=kv_segment_ids[:, None, None, None, :])
+        segments = dict(
+            q_segment=q_segment_ids[:, None, None, :, None], kv_segment=kv_segment_ids[:, None, None, None, :]
+        )
     seen = masks.visible(q_pos, k_pos, band=band, **segments)
     if block_mask is not None:
         block_mask.check(batch, heads, q_len, kv_len)
@@ -71,8 +89,11 @@ def attention_reference(query, key, value, *, scale: float, is_causal: bool = Fa
     denom = jnp.sum(weights, axis=-1, keepdims=True)
     probs = weights / jnp.where(denom == 0.0, 1.0, denom)
     if dropout_rate > 0.0:
-        b, h = (0, 0) if broadcast_dropout else (jnp.arange(batch)[:, None, None, None],
-                                                 jnp.arange(heads)[None, :, None, None])
+        b, h = (
+            (0, 0)
+            if broadcast_dropout
+            else (jnp.arange(batch)[:, None, None, None], jnp.arange(heads)[None, :, None, None])
+        )
         keep = masks.dropout_keep_mask(dropout_seed, b, h, q_pos, k_pos, dropout_rate)
         keep = jnp.broadcast_to(keep, (batch, heads, q_len, kv_len)).reshape(probs.shape)
         probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)

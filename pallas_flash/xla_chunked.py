@@ -7,6 +7,7 @@ recomputes the probabilities from the saved log-sum-exp, so neither pass holds m
 same key blocks (so it is never broadcast to [batch, heads, q_len, kv_len]); the dropout keep mask is
 regenerated per block from `masks.dropout_keep_mask`.
 """
+
 from __future__ import annotations
 
 import functools
@@ -49,15 +50,19 @@ def _last_axis_blocks(x, block_kv, num_blocks):
 
 def _mod_blocks(mods, mod_arrays, kv_heads, block_kv, num_blocks):
     """The bias and mask as ([num_blocks, ...] scanned, or unblocked when they do not span kv_len)."""
-    bias, mask = (None if x is None else block_sparse.grouped(x, kv_heads)
-                  for x in (mod_arrays.bias, mod_arrays.mask))
+    bias, mask = (None if x is None else block_sparse.grouped(x, kv_heads) for x in (mod_arrays.bias, mod_arrays.mask))
     spans = lambda dims: dims is not None and dims[3]
-    return ((_last_axis_blocks(bias, block_kv, num_blocks) if spans(mods.bias_dims) else None),
-            (_last_axis_blocks(mask, block_kv, num_blocks) if spans(mods.mask_dims) else None), bias, mask)
+    return (
+        (_last_axis_blocks(bias, block_kv, num_blocks) if spans(mods.bias_dims) else None),
+        (_last_axis_blocks(mask, block_kv, num_blocks) if spans(mods.mask_dims) else None),
+        bias,
+        mask,
+    )
 
 
-def _block_logits2(q, k_blk, start, seg_blk, q_segment_ids, bias_blk, mask_blk, mod_arrays, *, scale, band,
-                   kv_len, mods, block_mask):
+def _block_logits2(
+    q, k_blk, start, seg_blk, q_segment_ids, bias_blk, mask_blk, mod_arrays, *, scale, band, kv_len, mods, block_mask
+):
     """Logits of one key block in the log2 domain, masked to -inf: [batch, kv_heads, group, q_len, block],
     and d logits / d (scaled q.k) for a soft cap (else None)."""
     batch, q_len, kv_heads, group, _ = q.shape
@@ -95,8 +100,9 @@ def _dropout_scale(mods, mod_arrays, shape, start, block):
     if not mods.broadcast_dropout:
         b = jnp.arange(batch)[:, None, None, None, None]
         h = jnp.arange(kv_heads * group).reshape(1, kv_heads, group, 1, 1)
-    keep = masks.dropout_keep_mask(mod_arrays.dropout_seed, b, h, jnp.arange(q_len)[:, None],
-                                   start + jnp.arange(block)[None, :], mods.dropout_rate)
+    keep = masks.dropout_keep_mask(
+        mod_arrays.dropout_seed, b, h, jnp.arange(q_len)[:, None], start + jnp.arange(block)[None, :], mods.dropout_rate
+    )
     return jnp.where(keep, 1.0 / (1.0 - mods.dropout_rate), 0.0)
 
 
@@ -104,23 +110,41 @@ def _scan_inputs(k, v, kv_segment_ids, mods, mod_arrays, kv_heads, block_kv):
     k_blocks, v_blocks = _blocks(k, block_kv), _blocks(v, block_kv)
     num_blocks = k_blocks.shape[0]
     bias_blocks, mask_blocks, bias, mask = _mod_blocks(mods, mod_arrays, kv_heads, block_kv, num_blocks)
-    xs = (jnp.arange(num_blocks), k_blocks, v_blocks, _segment_blocks(kv_segment_ids, block_kv), bias_blocks,
-          mask_blocks)
+    xs = (
+        jnp.arange(num_blocks),
+        k_blocks,
+        v_blocks,
+        _segment_blocks(kv_segment_ids, block_kv),
+        bias_blocks,
+        mask_blocks,
+    )
     # A bias or mask that does not span kv_len is the same for every block.
     return xs, (bias if bias_blocks is None else None), (mask if mask_blocks is None else None)
 
 
-def _visit(blk, q, q_segment_ids, mod_arrays, bias_const, mask_const, *, scale, band, kv_len, block_kv, mods,
-           block_mask):
+def _visit(
+    blk, q, q_segment_ids, mod_arrays, bias_const, mask_const, *, scale, band, kv_len, block_kv, mods, block_mask
+):
     """One scanned key block -> (k block, v block, log2 logits, soft-cap factor or None, dropout
     multiplier or None)."""
     batch, q_len, kv_heads, group, _ = q.shape
     idx, k_blk, v_blk, seg_blk, bias_blk, mask_blk = blk
     start = idx * block_kv
-    s, grad_factor = _block_logits2(q, k_blk, start, seg_blk, q_segment_ids,
-                                    bias_const if bias_blk is None else bias_blk,
-                                    mask_const if mask_blk is None else mask_blk, mod_arrays,
-                                    scale=scale, band=band, kv_len=kv_len, mods=mods, block_mask=block_mask)
+    s, grad_factor = _block_logits2(
+        q,
+        k_blk,
+        start,
+        seg_blk,
+        q_segment_ids,
+        bias_const if bias_blk is None else bias_blk,
+        mask_const if mask_blk is None else mask_blk,
+        mod_arrays,
+        scale=scale,
+        band=band,
+        kv_len=kv_len,
+        mods=mods,
+        block_mask=block_mask,
+    )
     dropout = _dropout_scale(mods, mod_arrays, (batch, kv_heads, group, q_len), start, block_kv)
     return k_blk, v_blk, s, grad_factor, dropout
 
@@ -130,9 +154,20 @@ def _forward(q, k, v, q_segment_ids, kv_segment_ids, mod_arrays, scale, band, bl
     kv_len = k.shape[1]
     block_kv = min(block_kv, kv_len)
     xs, bias_const, mask_const = _scan_inputs(k, v, kv_segment_ids, mods, mod_arrays, kv_heads, block_kv)
-    visit = functools.partial(_visit, q=q, q_segment_ids=q_segment_ids, mod_arrays=mod_arrays,
-                              bias_const=bias_const, mask_const=mask_const, scale=scale, band=band, kv_len=kv_len,
-                              block_kv=block_kv, mods=mods, block_mask=block_mask)
+    visit = functools.partial(
+        _visit,
+        q=q,
+        q_segment_ids=q_segment_ids,
+        mod_arrays=mod_arrays,
+        bias_const=bias_const,
+        mask_const=mask_const,
+        scale=scale,
+        band=band,
+        kv_len=kv_len,
+        block_kv=block_kv,
+        mods=mods,
+        block_mask=block_mask,
+    )
 
     def step(carry, blk):
         acc, m, l = carry
@@ -148,9 +183,11 @@ def _forward(q, k, v, q_segment_ids, kv_segment_ids, mod_arrays, scale, band, bl
         pv = _einsum("bhgqk,bkhd->bhgqd", p.astype(v_blk.dtype), v_blk)
         return (alpha[..., None] * acc + pv, m_new, l), None
 
-    init = (jnp.zeros((batch, kv_heads, group, q_len, dim), jnp.float32),
-            jnp.full((batch, kv_heads, group, q_len), -jnp.inf, jnp.float32),
-            jnp.zeros((batch, kv_heads, group, q_len), jnp.float32))
+    init = (
+        jnp.zeros((batch, kv_heads, group, q_len, dim), jnp.float32),
+        jnp.full((batch, kv_heads, group, q_len), -jnp.inf, jnp.float32),
+        jnp.zeros((batch, kv_heads, group, q_len), jnp.float32),
+    )
     (acc, m, l), _ = jax.lax.scan(step, init, xs)
     empty = l == 0.0
     out = acc / jnp.where(empty, 1.0, l)[..., None]
@@ -164,8 +201,7 @@ def _chunked(q, k, v, q_segment_ids, kv_segment_ids, mod_arrays, scale, band, bl
 
 
 def _chunked_fwd(q, k, v, q_segment_ids, kv_segment_ids, mod_arrays, scale, band, block_kv, mods, block_mask):
-    out, lse = _forward(q, k, v, q_segment_ids, kv_segment_ids, mod_arrays, scale, band, block_kv, mods,
-                        block_mask)
+    out, lse = _forward(q, k, v, q_segment_ids, kv_segment_ids, mod_arrays, scale, band, block_kv, mods, block_mask)
     return (out, lse), (q, k, v, q_segment_ids, kv_segment_ids, mod_arrays, out, lse)
 
 
@@ -190,9 +226,20 @@ def _chunked_bwd(scale, band, block_kv, mods, block_mask, residuals, cotangents)
     bias_blocked = has_bias and xs[4] is not None
     bias_shape = None if not has_bias else (bias_const.shape if not bias_blocked else xs[4].shape[1:])
 
-    visit = functools.partial(_visit, q=q, q_segment_ids=q_segment_ids, mod_arrays=mod_arrays,
-                              bias_const=bias_const, mask_const=mask_const, scale=scale, band=band, kv_len=kv_len,
-                              block_kv=block_kv, mods=mods, block_mask=block_mask)
+    visit = functools.partial(
+        _visit,
+        q=q,
+        q_segment_ids=q_segment_ids,
+        mod_arrays=mod_arrays,
+        bias_const=bias_const,
+        mask_const=mask_const,
+        scale=scale,
+        band=band,
+        kv_len=kv_len,
+        block_kv=block_kv,
+        mods=mods,
+        block_mask=block_mask,
+    )
 
     def step(carry, blk):
         dq, dbias_acc = carry
@@ -229,16 +276,33 @@ def _chunked_bwd(scale, band, block_kv, mods, block_mask, residuals, cotangents)
             dbias = dbias.reshape(*dbias.shape[:-2], -1)[..., :kv_len]
         dbias = dbias.reshape(mod_arrays.bias.shape).astype(mod_arrays.bias.dtype)
     d_mods = mod_arrays.cotangents(dbias if has_bias else None)
-    return ((dq * scale).astype(q.dtype), (unblock(dk) * scale).astype(k.dtype), unblock(dv).astype(v.dtype),
-            masks.integer_cotangent(q_segment_ids), masks.integer_cotangent(kv_segment_ids), d_mods)
+    return (
+        (dq * scale).astype(q.dtype),
+        (unblock(dk) * scale).astype(k.dtype),
+        unblock(dv).astype(v.dtype),
+        masks.integer_cotangent(q_segment_ids),
+        masks.integer_cotangent(kv_segment_ids),
+        d_mods,
+    )
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
 
-def attention_chunked(query, key, value, *, scale: float, band: masks.Band, block_kv: int,
-                      q_segment_ids=None, kv_segment_ids=None, block_mask=None,
-                      mods: masks.ScoreMods = masks.ScoreMods(), mod_arrays: masks.ModArrays = masks.ModArrays()):
+def attention_chunked(
+    query,
+    key,
+    value,
+    *,
+    scale: float,
+    band: masks.Band,
+    block_kv: int,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    block_mask=None,
+    mods: masks.ScoreMods = masks.ScoreMods(),
+    mod_arrays: masks.ModArrays = masks.ModArrays(),
+):
     """Blocked online-softmax attention. Shapes and results as `reference.attention_reference`; the score
     modifiers as checked by `api.flash_attention` (`masks.ScoreMods` and its `masks.ModArrays`). A
     `block_mask` is applied as a token mask per key chunk (no block is skipped: XLA's scan has a fixed
@@ -246,7 +310,8 @@ def attention_chunked(query, key, value, *, scale: float, band: masks.Band, bloc
     batch, q_len, heads, dim = query.shape
     kv_heads = key.shape[2]
     q = query.reshape(batch, q_len, kv_heads, heads // kv_heads, dim)
-    out, lse = _chunked(q, key, value, q_segment_ids, kv_segment_ids, mod_arrays, scale, band, block_kv, mods,
-                        block_mask)
+    out, lse = _chunked(
+        q, key, value, q_segment_ids, kv_segment_ids, mod_arrays, scale, band, block_kv, mods, block_mask
+    )
     out = jnp.moveaxis(out.reshape(batch, heads, q_len, dim), 1, 2).astype(query.dtype)
     return out, lse.reshape(batch, heads, q_len)

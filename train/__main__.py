@@ -1,4 +1,5 @@
 """`python -m train [--preset tiny|small|long] [--attention flash|dense|both] [--<field> VALUE ...]`."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -9,8 +10,8 @@ import sys
 from train import loop, report
 from train.config import choose_run_dir, parse_args
 
-INTERRUPTED_EXIT = 130   # a shell's status for a program stopped by Ctrl-C (128 + SIGINT)
-BOOLS = ("1", "true", "yes", "on", "0", "false", "no", "off")   # the values a bare --resume may be given
+INTERRUPTED_EXIT = 130  # a shell's status for a program stopped by Ctrl-C (128 + SIGINT)
+BOOLS = ("1", "true", "yes", "on", "0", "false", "no", "off")  # the values a bare --resume may be given
 
 
 def resume_command(argv: list[str], run_dir: pathlib.Path) -> str:
@@ -44,14 +45,19 @@ def main(argv=None) -> None:
         raise SystemExit(2) from None
     cfg = dataclasses.replace(cfg, run_dir=str(out))
     out.mkdir(parents=True, exist_ok=True)
-    print(f"run {cfg.name}: {cfg.attention} attention, data {cfg.data}, context {cfg.seq_len}, batch "
-          f"{cfg.batch_size}, {cfg.steps} steps -> {out}", file=sys.stderr)
+    print(
+        f"run {cfg.name}: {cfg.attention} attention, data {cfg.data}, context {cfg.seq_len}, batch "
+        f"{cfg.batch_size}, {cfg.steps} steps -> {out}",
+        file=sys.stderr,
+    )
     try:
         train_and_report(cfg, out)
     except KeyboardInterrupt as err:
-        where = (f"after step {err.step} of {cfg.steps}; checkpoint saved in {err.run_dir / 'checkpoints'}"
-                 if isinstance(err, loop.TrainingInterrupted)
-                 else "without saving a checkpoint (a resume continues from the latest one, if any)")
+        where = (
+            f"after step {err.step} of {cfg.steps}; checkpoint saved in {err.run_dir / 'checkpoints'}"
+            if isinstance(err, loop.TrainingInterrupted)
+            else "without saving a checkpoint (a resume continues from the latest one, if any)"
+        )
         print(f"\ninterrupted {where}. Resume with: {resume_command(argv, out)}", file=sys.stderr)
         raise SystemExit(INTERRUPTED_EXIT) from None
 
@@ -61,7 +67,7 @@ def train_and_report(cfg, out: pathlib.Path) -> None:
     if cfg.attention == "both":
         results = {a: run_one(cfg, a, out / a) for a in ("flash", "dense")}
         searches: dict = {}
-        summary = report.write_comparison(out, cfg, results, searches)   # kept if the search is cut short
+        summary = report.write_comparison(out, cfg, results, searches)  # kept if the search is cut short
         for attention in ("flash", "dense") if cfg.max_context else ():
             searches[attention] = loop.find_max_context(cfg, attention)
             summary = report.write_comparison(out, cfg, results, searches)
@@ -73,9 +79,11 @@ def train_and_report(cfg, out: pathlib.Path) -> None:
         report.write_run(out, cfg, result, loop.find_max_context(cfg, cfg.attention))
     last = result.evals[-1]
     resumed = f" in {len(result.sessions)} sessions" if len(result.sessions) > 1 else ""
-    print(f"done: {result.steps[-1]} steps, {result.tokens:,} tokens, {result.wall_s:.0f} s{resumed}; train loss "
-          f"{result.losses[0]:.3f} -> {result.losses[-1]:.3f}, val loss {last['val_loss']:.4f}, "
-          f"{result.tokens_per_s or 0:,.0f} tokens/s -> {out}")
+    print(
+        f"done: {result.steps[-1]} steps, {result.tokens:,} tokens, {result.wall_s:.0f} s{resumed}; train loss "
+        f"{result.losses[0]:.3f} -> {result.losses[-1]:.3f}, val loss {last['val_loss']:.4f}, "
+        f"{result.tokens_per_s or 0:,.0f} tokens/s -> {out}"
+    )
 
 
 if __name__ == "__main__":

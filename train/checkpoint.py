@@ -2,6 +2,7 @@
 model's other state (its dropout RNG) and the step, which is also the data position (`data.py` makes batch
 `step` from the seed and the step alone).
 """
+
 from __future__ import annotations
 
 import pathlib
@@ -35,8 +36,10 @@ class Checkpointer:
         return self.manager.latest_step()
 
     def save(self, step: int, state: dict, record: dict) -> None:
-        self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(_key_data(state)), record=ocp.args.JsonSave(record)))
+        self.manager.save(
+            step,
+            args=ocp.args.Composite(state=ocp.args.StandardSave(_key_data(state)), record=ocp.args.JsonSave(record)),
+        )
 
     def restore(self, like: dict, step: int | None = None) -> tuple[dict, dict]:
         """The state saved at `step` (default: latest), shaped and placed like `like`, and its record."""
@@ -44,11 +47,16 @@ class Checkpointer:
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _key_data(like))
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract), record=ocp.args.JsonRestore()))
+        restored = self.manager.restore(
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), record=ocp.args.JsonRestore())
+        )
         state = jax.tree.map(
-            lambda saved, ref: jax.random.wrap_key_data(saved, impl=jax.random.key_impl(ref)) if _is_key(ref) else saved,
-            restored.state, like)
+            lambda saved, ref: (
+                jax.random.wrap_key_data(saved, impl=jax.random.key_impl(ref)) if _is_key(ref) else saved
+            ),
+            restored.state,
+            like,
+        )
         return state, restored.record
 
     def close(self) -> None:

@@ -6,6 +6,7 @@ they differ) and its choices. Two model fields are not flags because the trainer
 `--attention`) and `max_seq_len` (the context the run trains at, `--seq_len`, or a probe's context in the
 longest-context search).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,15 +39,19 @@ def _field(default, help: str, choices: tuple[str, ...] = ()):
 class TrainConfig:
     """What one `python -m train` run does; every field but `model` is a flag, and model fields are
     `--model.<field>`."""
+
     name: str = _field("tiny", "run name: outputs go to runs/<name>/<date>-<time>/ unless run_dir is set")
     model: GPTConfig = _field(GPTConfig(), "the GPT trained (its fields: --model.<field>)")
-    data: str = _field("stdlib", "training data: the Python standard library's sources, the synthetic recall "
-                                 "task (train/data.py) or a text file's path", BUILTIN_DATA + ("PATH",))
+    data: str = _field(
+        "stdlib",
+        "training data: the Python standard library's sources, the synthetic recall "
+        "task (train/data.py) or a text file's path",
+        BUILTIN_DATA + ("PATH",),
+    )
     seq_len: int = _field(128, "training context in tokens")
     batch_size: int = _field(16, "sequences per training step")
     steps: int = _field(200, "training steps of the whole run; a resumed run continues up to this")
-    learning_rate: float = _field(2e-3, "peak learning rate, after linear warm-up; cosine decay to "
-                                        "min_lr_ratio * peak")
+    learning_rate: float = _field(2e-3, "peak learning rate, after linear warm-up; cosine decay to min_lr_ratio * peak")
     warmup_steps: int = _field(20, "steps of linear learning-rate warm-up from 0")
     min_lr_ratio: float = _field(0.1, "final learning rate as a fraction of the peak")
     weight_decay: float = _field(0.1, "AdamW weight decay, on matrices only (ndim >= 2): not on norm scales")
@@ -58,28 +63,32 @@ class TrainConfig:
     log_every: int = _field(10, "steps between writes of the train loss and tokens/s to metrics.jsonl")
     checkpoint_every: int = _field(100, "steps between checkpoints; 0: none (Ctrl-C still saves one)")
     keep_checkpoints: int = _field(2, "how many of the newest checkpoints to keep")
-    resume: bool = _field(False, "continue the run in run_dir (without run_dir: the newest run of this name) "
-                                 "from its latest checkpoint")
+    resume: bool = _field(
+        False, "continue the run in run_dir (without run_dir: the newest run of this name) from its latest checkpoint"
+    )
     seed: int = _field(0, "seed of the parameters, data order and dropout")
-    attention: str = _field("flash", "attention to train with; both: flash and dense on the same data, then a "
-                                     "comparison report", ATTENTIONS)
-    find_max_context: bool = _field(False, "also search the longest trainable context; always on with "
-                                           "--attention both unless max_context is 0")
+    attention: str = _field(
+        "flash", "attention to train with; both: flash and dense on the same data, then a comparison report", ATTENTIONS
+    )
+    find_max_context: bool = _field(
+        False, "also search the longest trainable context; always on with --attention both unless max_context is 0"
+    )
     max_context: int = _field(1024, "the context search doubles the context from seq_len up to this")
     search_batch_size: int = _field(1, "batch size of the context search's probe steps")
-    run_dir: str = _field("", "output folder, which must be new or empty unless resuming; empty: a new "
-                              "runs/<name>/<date>-<time>/")
+    run_dir: str = _field(
+        "", "output folder, which must be new or empty unless resuming; empty: a new runs/<name>/<date>-<time>/"
+    )
     progress: bool = _field(True, "show a tqdm progress bar")
     corpus_bytes: int = _field(4_000_000, "stdlib corpus size in bytes; 0: all of it")
     val_fraction: float = _field(0.05, "fraction of the data held out for validation")
     recall_doc_len: int = _field(4096, "recall task (train/data.py): tokens per document, in 2-token slots")
     recall_num_keys: int = _field(4, "recall task: keys per document")
-    recall_values_per_key: int = _field(16, "recall task: value symbols of each key; a value out of sight is a "
-                                            "guess among them")
+    recall_values_per_key: int = _field(
+        16, "recall task: value symbols of each key; a value out of sight is a guess among them"
+    )
     # With the default 4 keys, a key's showings are 4 * 64 slots (512 tokens) apart on average.
     recall_fact_probability: float = _field(1 / 64, "recall task: chance a slot is a fact, not filler")
-    recall_far_distance: int = _field(1024, "recall task: values bound further back than this many tokens "
-                                            "score as far")
+    recall_far_distance: int = _field(1024, "recall task: values bound further back than this many tokens score as far")
 
     def __post_init__(self):
         def require(ok, field, message):
@@ -88,13 +97,25 @@ class TrainConfig:
 
         if not isinstance(self.model, GPTConfig):
             raise TypeError(f"model must be a GPTConfig, got {type(self.model).__name__}")
-        for field in ("seq_len", "batch_size", "steps", "eval_tokens", "log_every", "keep_checkpoints",
-                      "search_batch_size", "recall_doc_len"):
-            require(isinstance(getattr(self, field), int) and getattr(self, field) >= 1, field,
-                    "must be a positive integer")
+        for field in (
+            "seq_len",
+            "batch_size",
+            "steps",
+            "eval_tokens",
+            "log_every",
+            "keep_checkpoints",
+            "search_batch_size",
+            "recall_doc_len",
+        ):
+            require(
+                isinstance(getattr(self, field), int) and getattr(self, field) >= 1, field, "must be a positive integer"
+            )
         for field in ("warmup_steps", "eval_every", "checkpoint_every", "corpus_bytes", "max_context", "seed"):
-            require(isinstance(getattr(self, field), int) and getattr(self, field) >= 0, field,
-                    "must be a non-negative integer")
+            require(
+                isinstance(getattr(self, field), int) and getattr(self, field) >= 0,
+                field,
+                "must be a non-negative integer",
+            )
         require(self.seq_len >= 2, "seq_len", "must be at least 2")
         require(self.warmup_steps < self.steps, "warmup_steps", f"must be less than steps={self.steps}")
         require(self.learning_rate > 0, "learning_rate", "must be positive")
@@ -105,23 +126,37 @@ class TrainConfig:
         require(self.grad_clip > 0, "grad_clip", "must be positive")
         require(0 < self.val_fraction < 1, "val_fraction", "must be in (0, 1)")
         require(self.attention in ATTENTIONS, "attention", f"must be one of {ATTENTIONS}")
-        require(self.data in BUILTIN_DATA or pathlib.Path(self.data).is_file(), "data",
-                f"must be one of {BUILTIN_DATA} or the path of an existing text file")
+        require(
+            self.data in BUILTIN_DATA or pathlib.Path(self.data).is_file(),
+            "data",
+            f"must be one of {BUILTIN_DATA} or the path of an existing text file",
+        )
         for field in ("recall_num_keys", "recall_values_per_key"):
-            require(isinstance(getattr(self, field), int) and getattr(self, field) >= 1, field,
-                    "must be a positive integer")
-        require(1 + self.recall_num_keys * (1 + self.recall_values_per_key) <= VOCAB_SIZE, "recall_num_keys",
-                f"with recall_values_per_key={self.recall_values_per_key} needs more than {VOCAB_SIZE} tokens")
+            require(
+                isinstance(getattr(self, field), int) and getattr(self, field) >= 1, field, "must be a positive integer"
+            )
+        require(
+            1 + self.recall_num_keys * (1 + self.recall_values_per_key) <= VOCAB_SIZE,
+            "recall_num_keys",
+            f"with recall_values_per_key={self.recall_values_per_key} needs more than {VOCAB_SIZE} tokens",
+        )
         require(0 < self.recall_fact_probability <= 1, "recall_fact_probability", "must be in (0, 1]")
-        require(isinstance(self.recall_far_distance, int) and self.recall_far_distance >= 1, "recall_far_distance",
-                "must be a positive integer")
-        require(self.recall_doc_len % SLOT_LEN == 0, "recall_doc_len", f"must be a multiple of the slot length {SLOT_LEN}")
+        require(
+            isinstance(self.recall_far_distance, int) and self.recall_far_distance >= 1,
+            "recall_far_distance",
+            "must be a positive integer",
+        )
+        require(
+            self.recall_doc_len % SLOT_LEN == 0, "recall_doc_len", f"must be a multiple of the slot length {SLOT_LEN}"
+        )
         if self.model.vocab_size < 256:
             raise ValueError(f"model.vocab_size={self.model.vocab_size}: must be at least 256 for byte-level data")
         for field in TRAINER_SET_MODEL_FIELDS:
             if getattr(self.model, field) != getattr(GPTConfig(), field):
-                raise ValueError(f"model.{field} is set by the trainer (--attention, --seq_len); leave it at "
-                                 f"its default {getattr(GPTConfig(), field)!r}")
+                raise ValueError(
+                    f"model.{field} is set by the trainer (--attention, --seq_len); leave it at "
+                    f"its default {getattr(GPTConfig(), field)!r}"
+                )
 
     def model_config(self, attention: str, seq_len: int | None = None) -> GPTConfig:
         """The model this run trains: the preset with the attention and context filled in."""
@@ -129,8 +164,12 @@ class TrainConfig:
 
     def run_record(self, attention: str, run_dir: pathlib.Path | str) -> dict:
         """This config as JSON, as the run with one `attention` in `run_dir` ran it (model fields filled in)."""
-        return {**to_json(dataclasses.asdict(self)), "attention": attention, "run_dir": str(run_dir),
-                "model": to_json(dataclasses.asdict(self.model_config(attention)))}
+        return {
+            **to_json(dataclasses.asdict(self)),
+            "attention": attention,
+            "run_dir": str(run_dir),
+            "model": to_json(dataclasses.asdict(self.model_config(attention))),
+        }
 
 
 def to_json(value):
@@ -162,8 +201,10 @@ def choose_run_dir(cfg: TrainConfig, now: datetime.datetime | None = None) -> pa
         if cfg.resume and not (out.is_dir() and any(out.iterdir())):
             raise ValueError(f"run_dir={cfg.run_dir!r}: no run to resume there")
         if not cfg.resume and out.exists() and (not out.is_dir() or any(out.iterdir())):
-            raise ValueError(f"run_dir={cfg.run_dir!r}: already holds files (an earlier run?); add --resume to "
-                             "continue that run, or name a new or empty folder")
+            raise ValueError(
+                f"run_dir={cfg.run_dir!r}: already holds files (an earlier run?); add --resume to "
+                "continue that run, or name a new or empty folder"
+            )
         return out
     base = RUNS_ROOT / cfg.name
     runs = sorted((p for p in base.glob("*") if p.is_dir() and _stamp_key(p)), key=_stamp_key)
@@ -180,22 +221,39 @@ def choose_run_dir(cfg: TrainConfig, now: datetime.datetime | None = None) -> pa
 
 
 def _model(preset: str, **overrides) -> GPTConfig:
-    base = dataclasses.replace(MODEL_PRESETS[preset], attention=GPTConfig().attention,
-                               max_seq_len=GPTConfig().max_seq_len)
+    base = dataclasses.replace(
+        MODEL_PRESETS[preset], attention=GPTConfig().attention, max_seq_len=GPTConfig().max_seq_len
+    )
     return dataclasses.replace(base, **overrides)
 
 
 PRESETS: dict[str, TrainConfig] = {
     # CPU, about a minute and a half on two cores: the README's main job.
-    "tiny": TrainConfig(name="tiny", model=_model("tiny", num_layers=2, num_heads=4, num_kv_heads=4, embed_dim=128,
-                                                  mlp_dim=256), seq_len=128, batch_size=16, steps=200,
-                        max_context=512),
+    "tiny": TrainConfig(
+        name="tiny",
+        model=_model("tiny", num_layers=2, num_heads=4, num_kv_heads=4, embed_dim=128, mlp_dim=256),
+        seq_len=128,
+        batch_size=16,
+        steps=200,
+        max_context=512,
+    ),
     # GPU: flash vs dense at 4k context on the stdlib corpus. The search doubles up to 64x the context: on the
     # H100 dense's longest is 8k (16k out of memory; train/results/speed), so 16x needs flash
     # at 128k and 32x at 256k (a 131k step planned 14 GB, one step ~1.2 s; 256k ~28 GB, ~5 s).
-    "small": TrainConfig(name="small", model=_model("small", dtype="bfloat16"), seq_len=4096, batch_size=4,
-                         steps=200, learning_rate=1e-3, warmup_steps=20, eval_every=100, eval_tokens=65536,
-                         corpus_bytes=0, max_context=262144, progress=False),
+    "small": TrainConfig(
+        name="small",
+        model=_model("small", dtype="bfloat16"),
+        seq_len=4096,
+        batch_size=4,
+        steps=200,
+        learning_rate=1e-3,
+        warmup_steps=20,
+        eval_every=100,
+        eval_tokens=65536,
+        corpus_bytes=0,
+        max_context=262144,
+        progress=False,
+    ),
     # GPU: the long-range recall task with the defaults above; compare --seq_len 1024 --batch_size 32 with the
     # default 4096 x 8 (the same 33M tokens, 1,000 steps of 32,768, and the same 2M validation tokens: ~1,400
     # answers whose key was last shown more than 1k tokens back). On the H100 each run takes ~40 s (8.4-9.5M
@@ -203,11 +261,20 @@ PRESETS: dict[str, TrainConfig] = {
     # and 100% at 1,000, the 1k run at chance (4.5%). It is the CPU comparison in train/results/cpu_recall
     # scaled 8x: documents, contexts and the gaps between a key's showings 8x longer (facts 8x sparser), so a
     # context holds as many facts as there; its learning rate.
-    "long": TrainConfig(name="long", model=_model("small", num_layers=2, num_heads=4, num_kv_heads=4,
-                                                  embed_dim=256, mlp_dim=512, dtype="bfloat16"),
-                        data="recall", seq_len=4096, batch_size=8, steps=1000, learning_rate=3e-3,
-                        warmup_steps=60, eval_every=250, eval_tokens=2_097_152, max_context=4096,
-                        progress=False),
+    "long": TrainConfig(
+        name="long",
+        model=_model("small", num_layers=2, num_heads=4, num_kv_heads=4, embed_dim=256, mlp_dim=512, dtype="bfloat16"),
+        data="recall",
+        seq_len=4096,
+        batch_size=8,
+        steps=1000,
+        learning_rate=3e-3,
+        warmup_steps=60,
+        eval_every=250,
+        eval_tokens=2_097_152,
+        max_context=4096,
+        progress=False,
+    ),
 }
 DEFAULT_PRESET = "tiny"
 
@@ -235,7 +302,7 @@ def _converter(hint):
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         if type(None) in args:
             return _parse_optional_str
-        return str   # e.g. `str | Callable`: only the string form exists on a command line
+        return str  # e.g. `str | Callable`: only the string form exists on a command line
     raise TypeError(f"no command-line form for a field of type {hint!r}")
 
 
@@ -249,10 +316,17 @@ MODEL_FIELD_HELP: dict[str, tuple[str, tuple[str, ...]]] = {
     "dropout_rate": ("dropout probability on the embeddings and each block's residual branches", ()),
     "norm": ("normalisation layer", NORMS),
     "mlp": ("MLP type", MLPS),
-    "attention_implementation": ("flash only: pallas_flash's implementation; none: the best available",
-                                 ("none", *IMPLEMENTATIONS)),
-    "deterministic_gradients": (("flash only: false lets the backward sum dQ with float32 atomics where faster, "
-                                 "so gradients vary in their last bits between runs"), ()),
+    "attention_implementation": (
+        "flash only: pallas_flash's implementation; none: the best available",
+        ("none", *IMPLEMENTATIONS),
+    ),
+    "deterministic_gradients": (
+        (
+            "flash only: false lets the backward sum dQ with float32 atomics where faster, "
+            "so gradients vary in their last bits between runs"
+        ),
+        (),
+    ),
     "dtype": ("compute dtype", DTYPES),
     "param_dtype": ("parameter dtype", DTYPES),
     "remat": ("recompute each block's activations in the backward pass: less memory, more compute", ()),
@@ -272,10 +346,13 @@ def _show(value) -> str:
 
 
 def _default_text(values: dict[str, object]) -> str:
-    """"default: X", X the default preset's value, then each other preset whose value differs."""
+    """ "default: X", X the default preset's value, then each other preset whose value differs."""
     default = _show(values[DEFAULT_PRESET])
-    others = [f"{name}: {_show(value)}" for name, value in values.items()
-              if name != DEFAULT_PRESET and _show(value) != default]
+    others = [
+        f"{name}: {_show(value)}"
+        for name, value in values.items()
+        if name != DEFAULT_PRESET and _show(value) != default
+    ]
     return f"default: {default}" + (f"; preset {', '.join(others)}" if others else "")
 
 
@@ -290,29 +367,45 @@ def _add_fields(parser, cls, prefix: str, presets: dict, help_of, skip=()):
         values = {name: getattr(preset, field.name) for name, preset in presets.items()}
         help_text = f"{description} ({_default_text(values)})".replace("%", "%%")
         flag, dest = f"--{prefix}{field.name}", f"{prefix}{field.name}"
-        options = dict(dest=dest, type=convert, default=argparse.SUPPRESS,
-                       metavar="{" + ",".join(choices) + "}" if choices else field.name.upper(),
-                       **({"nargs": "?", "const": True} if convert is _parse_bool else {}))
+        options = dict(
+            dest=dest,
+            type=convert,
+            default=argparse.SUPPRESS,
+            metavar="{" + ",".join(choices) + "}" if choices else field.name.upper(),
+            **({"nargs": "?", "const": True} if convert is _parse_bool else {}),
+        )
         parser.add_argument(flag, help=help_text, **options)
-        if "_" in field.name:   # the dashed spelling works too; --help lists the flag once
+        if "_" in field.name:  # the dashed spelling works too; --help lists the flag once
             parser.add_argument(flag.replace("_", "-"), help=argparse.SUPPRESS, **options)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m train", usage="%(prog)s [--preset {" + ",".join(PRESETS) + "}] [--attention "
+        prog="python -m train",
+        usage="%(prog)s [--preset {" + ",".join(PRESETS) + "}] [--attention "
         "{" + ",".join(ATTENTIONS) + "}] [--FIELD VALUE ...] [--model.FIELD VALUE ...]",
         description="Train a byte-level GPT with flash or dense attention. Every flag but --preset sets a field "
-                    "of the preset's config; dashes work for underscores (--seq-len). A flag whose default "
-                    "differs between presets lists the others' values.",
+        "of the preset's config; dashes work for underscores (--seq-len). A flag whose default "
+        "differs between presets lists the others' values.",
         epilog="Outputs: config.json, metrics.jsonl, run.json, loss.png and checkpoints/ in the run's folder "
-               "(with --attention both: flash/ and dense/ in it, and report.md, report.json, loss.png). Ctrl-C "
-               "saves a checkpoint and prints the command that resumes the run.")
-    parser.add_argument("--preset", choices=list(PRESETS), default=DEFAULT_PRESET,
-                        help="the configuration the other flags change (default: " + DEFAULT_PRESET + ")")
+        "(with --attention both: flash/ and dense/ in it, and report.md, report.json, loss.png). Ctrl-C "
+        "saves a checkpoint and prints the command that resumes the run.",
+    )
+    parser.add_argument(
+        "--preset",
+        choices=list(PRESETS),
+        default=DEFAULT_PRESET,
+        help="the configuration the other flags change (default: " + DEFAULT_PRESET + ")",
+    )
     _add_fields(parser, TrainConfig, "", PRESETS, lambda f: (f.metadata["help"], f.metadata["choices"]))
-    _add_fields(parser, GPTConfig, "model.", {name: preset.model for name, preset in PRESETS.items()},
-                lambda f: MODEL_FIELD_HELP[f.name], skip=TRAINER_SET_MODEL_FIELDS)
+    _add_fields(
+        parser,
+        GPTConfig,
+        "model.",
+        {name: preset.model for name, preset in PRESETS.items()},
+        lambda f: MODEL_FIELD_HELP[f.name],
+        skip=TRAINER_SET_MODEL_FIELDS,
+    )
     return parser
 
 

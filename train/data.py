@@ -17,6 +17,7 @@ see the same batches in the same order, and a resumed run continues exactly wher
   the showing was inside the window.
 - any other value: a path to a text file, read as bytes; the last `val_fraction` of it is validation.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -46,8 +47,7 @@ def stdlib_files(corpus_bytes: int, val_fraction: float) -> tuple[list[pathlib.P
     split does not move when `corpus_bytes` changes.
     """
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-    files = [p for p in root.rglob("*.py")
-             if not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts)]
+    files = [p for p in root.rglob("*.py") if not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts)]
     digests = {p: hashlib.sha256(p.relative_to(root).as_posix().encode()).digest() for p in files}
     files.sort(key=digests.__getitem__)
     train, val, total = [], [], 0
@@ -67,8 +67,9 @@ def _read(paths) -> np.ndarray:
     return np.frombuffer(b"".join(p.read_bytes() for p in paths), dtype=np.uint8)
 
 
-def recall_document(rng: np.random.Generator, doc_len: int, *, num_keys: int, values_per_key: int,
-                    fact_probability: float) -> tuple[np.ndarray, np.ndarray]:
+def recall_document(
+    rng: np.random.Generator, doc_len: int, *, num_keys: int, values_per_key: int, fact_probability: float
+) -> tuple[np.ndarray, np.ndarray]:
     """One recall document: uint8 tokens [doc_len] and int32 distances [doc_len].
 
     The document is doc_len / 2 slots of two tokens: with probability `fact_probability` a fact (a key drawn
@@ -130,7 +131,7 @@ class Dataset:
 
     def _batched(self, windows: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
         count = len(windows["inputs"])
-        return [{k: v[i:i + self.batch_size] for k, v in windows.items()} for i in range(0, count, self.batch_size)]
+        return [{k: v[i : i + self.batch_size] for k, v in windows.items()} for i in range(0, count, self.batch_size)]
 
 
 class TextDataset(Dataset):
@@ -140,8 +141,9 @@ class TextDataset(Dataset):
         super().__init__(**kwargs)
         for name, split in (("train", train), ("validation", val)):
             if len(split) < self.seq_len + 1:
-                raise ValueError(f"the {name} split has {len(split)} bytes; seq_len={self.seq_len} needs "
-                                 f"at least {self.seq_len + 1}")
+                raise ValueError(
+                    f"the {name} split has {len(split)} bytes; seq_len={self.seq_len} needs at least {self.seq_len + 1}"
+                )
         self.train, self.val = train, val
 
     def train_batch(self, step: int) -> dict[str, np.ndarray]:
@@ -169,11 +171,19 @@ class RecallDataset(Dataset):
 
     def _stream(self, seed: tuple, start: int, length: int) -> tuple[np.ndarray, np.ndarray]:
         first, last = start // self.doc_len, (start + length - 1) // self.doc_len
-        docs = [recall_document(np.random.default_rng((*seed, d)), self.doc_len, num_keys=self.num_keys,
-                                values_per_key=self.values_per_key, fact_probability=self.fact_probability) for d in range(first, last + 1)]
+        docs = [
+            recall_document(
+                np.random.default_rng((*seed, d)),
+                self.doc_len,
+                num_keys=self.num_keys,
+                values_per_key=self.values_per_key,
+                fact_probability=self.fact_probability,
+            )
+            for d in range(first, last + 1)
+        ]
         offset = start - first * self.doc_len
-        tokens = np.concatenate([d[0] for d in docs])[offset:offset + length]
-        answers = np.concatenate([d[1] for d in docs])[offset:offset + length]
+        tokens = np.concatenate([d[0] for d in docs])[offset : offset + length]
+        answers = np.concatenate([d[1] for d in docs])[offset : offset + length]
         return tokens, answers
 
     def train_batch(self, step: int) -> dict[str, np.ndarray]:
@@ -191,9 +201,13 @@ def make_dataset(cfg) -> Dataset:
     """The dataset a `TrainConfig` names: "stdlib", "recall" or a path to a text file."""
     common = dict(seed=cfg.seed, seq_len=cfg.seq_len, batch_size=cfg.batch_size, eval_tokens=cfg.eval_tokens)
     if cfg.data == "recall":
-        return RecallDataset(doc_len=cfg.recall_doc_len, num_keys=cfg.recall_num_keys,
-                             values_per_key=cfg.recall_values_per_key,
-                             fact_probability=cfg.recall_fact_probability, **common)
+        return RecallDataset(
+            doc_len=cfg.recall_doc_len,
+            num_keys=cfg.recall_num_keys,
+            values_per_key=cfg.recall_values_per_key,
+            fact_probability=cfg.recall_fact_probability,
+            **common,
+        )
     if cfg.data == "stdlib":
         train, val = stdlib_files(cfg.corpus_bytes, cfg.val_fraction)
         return TextDataset(_read(train), _read(val), **common)

@@ -4,6 +4,7 @@ The model is split once into (graphdef, params, rest) and the steps are plain `j
 those pytrees, so a step costs no Python graph traversal. `rest` is the model's non-parameter state (its
 dropout RNG), threaded through the step and checkpointed with the parameters.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -33,12 +34,17 @@ from train.config import TrainConfig, to_json
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     """AdamW with linear warm-up and cosine decay, after global-norm clipping; no decay on vectors."""
     schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=cfg.warmup_steps, decay_steps=cfg.steps,
-        end_value=cfg.learning_rate * cfg.min_lr_ratio)
+        init_value=0.0,
+        peak_value=cfg.learning_rate,
+        warmup_steps=cfg.warmup_steps,
+        decay_steps=cfg.steps,
+        end_value=cfg.learning_rate * cfg.min_lr_ratio,
+    )
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
     return optax.chain(
         optax.clip_by_global_norm(cfg.grad_clip),
-        optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask))
+        optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask),
+    )
 
 
 def init_model(cfg: TrainConfig, attention: str, seq_len: int | None = None):
@@ -63,9 +69,13 @@ def answer_groups(distances: jax.Array, far_distance: int) -> dict[str, jax.Arra
     """
     is_answer = distances > 0
     seen = distances <= jnp.arange(distances.shape[-1])
-    groups = {"answer": is_answer, "near_answer": is_answer & (distances <= far_distance),
-              "far_answer": distances > far_distance, "seen_answer": is_answer & seen,
-              "unseen_answer": is_answer & ~seen}
+    groups = {
+        "answer": is_answer,
+        "near_answer": is_answer & (distances <= far_distance),
+        "far_answer": distances > far_distance,
+        "seen_answer": is_answer & seen,
+        "unseen_answer": is_answer & ~seen,
+    }
     edges = [0, far_distance // 4, far_distance // 2, far_distance, 2 * far_distance]
     for lo, hi in zip(edges, edges[1:]):
         groups[f"answer_d{lo}_{hi}"] = (distances > lo) & (distances <= hi)
@@ -87,19 +97,32 @@ def make_steps(graphdef, tx, far_distance: int = 0):
         loss, grads = nnx.value_and_grad(lambda m: _token_losses(m, batch, deterministic=False)[0].mean())(model)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        return params, opt_state, nnx.split(model, nnx.Param, ...)[2], {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+        return (
+            params,
+            opt_state,
+            nnx.split(model, nnx.Param, ...)[2],
+            {"loss": loss, "grad_norm": optax.tree.norm(grads)},
+        )
 
     def eval_step(params, rest, batch):
         losses, logits = _token_losses(nnx.merge(graphdef, params, rest), batch, deterministic=True)
         window_losses = losses.mean(axis=-1)
-        sums = {"loss": losses.sum(), "tokens": jnp.float32(losses.size), "windows": jnp.float32(losses.shape[0]),
-                "window_loss": window_losses.sum(), "window_loss_sq": jnp.square(window_losses).sum()}
+        sums = {
+            "loss": losses.sum(),
+            "tokens": jnp.float32(losses.size),
+            "windows": jnp.float32(losses.shape[0]),
+            "window_loss": window_losses.sum(),
+            "window_loss_sq": jnp.square(window_losses).sum(),
+        }
         if "distances" in batch:
             correct = (jnp.argmax(logits, axis=-1) == batch["targets"]).astype(jnp.float32)
             for name, mask in answer_groups(batch["distances"], far_distance).items():
                 mask = mask.astype(jnp.float32)
-                sums |= {f"{name}_loss": (losses * mask).sum(), f"{name}_correct": (correct * mask).sum(),
-                         f"{name}s": mask.sum()}
+                sums |= {
+                    f"{name}_loss": (losses * mask).sum(),
+                    f"{name}_correct": (correct * mask).sum(),
+                    f"{name}s": mask.sum(),
+                }
         return sums
 
     return jax.jit(train_step, donate_argnums=(0, 1, 2)), jax.jit(eval_step)
@@ -117,8 +140,11 @@ def evaluate(eval_step, params, rest, batches) -> dict[str, float]:
         for name, value in jax.device_get(eval_step(params, rest, batch)).items():
             totals[name] = totals.get(name, 0.0) + float(value)
     windows = totals["windows"]
-    metrics = {"val_loss": totals["loss"] / totals["tokens"], "val_tokens": int(totals["tokens"]),
-               "val_windows": int(windows)}
+    metrics = {
+        "val_loss": totals["loss"] / totals["tokens"],
+        "val_tokens": int(totals["tokens"]),
+        "val_windows": int(windows),
+    }
     if windows >= 2:
         variance = (totals["window_loss_sq"] - totals["window_loss"] ** 2 / windows) / (windows - 1)
         metrics["val_loss_se"] = math.sqrt(max(variance, 0.0) / windows)
@@ -126,8 +152,10 @@ def evaluate(eval_step, params, rest, batches) -> dict[str, float]:
         count = totals[f"{group}s"]
         metrics[f"val_{group}s"] = int(count)
         if count:
-            metrics |= {f"val_{group}_loss": totals[f"{group}_loss"] / count,
-                        f"val_{group}_accuracy": totals[f"{group}_correct"] / count}
+            metrics |= {
+                f"val_{group}_loss": totals[f"{group}_loss"] / count,
+                f"val_{group}_accuracy": totals[f"{group}_correct"] / count,
+            }
     return metrics
 
 
@@ -154,16 +182,17 @@ def is_out_of_memory(err: Exception) -> bool:
 @dataclasses.dataclass
 class RunResult:
     """One attention's run as a whole, over every session a resume added."""
+
     attention: str
     steps: list[int]
     losses: list[float]
     evals: list[dict]
-    tokens_per_s: float | None          # median over log intervals, each session's first (warm-up) one excluded
-    compile_s: float                    # the last session's train-step compile
-    step_bytes: int | None              # XLA's plan for one train step
-    peak_bytes: int | None              # allocator peak (process-wide, so a later run includes earlier ones)
-    wall_s: float                       # all sessions together
-    tokens: int = 0                     # tokens trained on, all sessions together
+    tokens_per_s: float | None  # median over log intervals, each session's first (warm-up) one excluded
+    compile_s: float  # the last session's train-step compile
+    step_bytes: int | None  # XLA's plan for one train step
+    peak_bytes: int | None  # allocator peak (process-wide, so a later run includes earlier ones)
+    wall_s: float  # all sessions together
+    tokens: int = 0  # tokens trained on, all sessions together
     sessions: list[dict] = dataclasses.field(default_factory=list)  # each: start_step, end_step, wall_s, ...
 
     @classmethod
@@ -191,12 +220,15 @@ def stop_requests():
         if requests:
             raise KeyboardInterrupt
         requests.append(True)
-        print("\nCtrl-C: stopping after this step to save a checkpoint (Ctrl-C again quits without one)",
-              file=sys.stderr, flush=True)
+        print(
+            "\nCtrl-C: stopping after this step to save a checkpoint (Ctrl-C again quits without one)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     try:
         previous = signal.signal(signal.SIGINT, handler)
-    except ValueError:   # not the main thread
+    except ValueError:  # not the main thread
         yield requests
         return
     try:
@@ -219,16 +251,26 @@ def stored_result(cfg: TrainConfig, attention: str, run_dir: pathlib.Path) -> Ru
     return RunResult.from_json(summary) if summary["steps"][-1] == cfg.steps else None
 
 
-def _result(attention: str, records: list[dict], sessions: list[dict], compile_s: float,
-            step_bytes: int | None) -> RunResult:
+def _result(
+    attention: str, records: list[dict], sessions: list[dict], compile_s: float, step_bytes: int | None
+) -> RunResult:
     """A RunResult from a run's metrics.jsonl records and its sessions."""
     losses = [r for r in records if "loss" in r]
     rates = [r for r in records if "tokens_per_s" in r]
     steady = [r["tokens_per_s"] for r in rates if not r.get("warmup")] or [r["tokens_per_s"] for r in rates]
-    return RunResult(attention, [r["step"] for r in losses], [r["loss"] for r in losses],
-                     [r for r in records if "val_loss" in r], statistics.median(steady) if steady else None,
-                     compile_s, step_bytes, peak_device_bytes(), sum(s["wall_s"] for s in sessions),
-                     sum(s["tokens"] for s in sessions), sessions)
+    return RunResult(
+        attention,
+        [r["step"] for r in losses],
+        [r["loss"] for r in losses],
+        [r for r in records if "val_loss" in r],
+        statistics.median(steady) if steady else None,
+        compile_s,
+        step_bytes,
+        peak_device_bytes(),
+        sum(s["wall_s"] for s in sessions),
+        sum(s["tokens"] for s in sessions),
+        sessions,
+    )
 
 
 def train(cfg: TrainConfig, attention: str, run_dir: pathlib.Path) -> RunResult:
@@ -247,8 +289,11 @@ def train(cfg: TrainConfig, attention: str, run_dir: pathlib.Path) -> RunResult:
     checkpoint_dir = run_dir / "checkpoints"
     if not cfg.resume:
         Checkpointer.clear(checkpoint_dir)
-    checkpointer = Checkpointer(checkpoint_dir, keep=cfg.keep_checkpoints) if cfg.checkpoint_every or (
-        cfg.resume and checkpoint_dir.is_dir()) else None
+    checkpointer = (
+        Checkpointer(checkpoint_dir, keep=cfg.keep_checkpoints)
+        if cfg.checkpoint_every or (cfg.resume and checkpoint_dir.is_dir())
+        else None
+    )
     latest = checkpointer.latest_step() if cfg.resume and checkpointer else None
     # Written first, so a run cut short (its time limit, a crash) still says what it was; run.json comes
     # only at the end.
@@ -283,8 +328,14 @@ def train(cfg: TrainConfig, attention: str, run_dir: pathlib.Path) -> RunResult:
         metrics_file.flush()
 
     def loss_records(pending, done):
-        return [{"step": done - len(pending) + offset + 1, "loss": float(values["loss"]),
-                 "grad_norm": float(values["grad_norm"])} for offset, values in enumerate(jax.device_get(pending))]
+        return [
+            {
+                "step": done - len(pending) + offset + 1,
+                "loss": float(values["loss"]),
+                "grad_norm": float(values["grad_norm"]),
+            }
+            for offset, values in enumerate(jax.device_get(pending))
+        ]
 
     compile_start = time.perf_counter()
     train_step = train_step.lower(params, opt_state, rest, dataset.train_batch(start_step)).compile()
@@ -293,16 +344,29 @@ def train(cfg: TrainConfig, attention: str, run_dir: pathlib.Path) -> RunResult:
     tokens_per_step = cfg.batch_size * cfg.seq_len
 
     def session(done):
-        return {"start_step": start_step, "end_step": done, "tokens": (done - start_step) * tokens_per_step,
-                "wall_s": time.perf_counter() - start_time, "compile_s": compile_s}
+        return {
+            "start_step": start_step,
+            "end_step": done,
+            "tokens": (done - start_step) * tokens_per_step,
+            "wall_s": time.perf_counter() - start_time,
+            "compile_s": compile_s,
+        }
 
     def save(done):
         nonlocal checkpointer
         checkpointer = checkpointer or Checkpointer(checkpoint_dir, keep=cfg.keep_checkpoints)
         if checkpointer.latest_step() != done:
-            checkpointer.save(done, {"params": params, "opt_state": opt_state, "rest": rest},
-                              {"step": done, "data_step": done, "seed": cfg.seed, "model": model_record,
-                               "sessions": [*sessions, session(done)]})
+            checkpointer.save(
+                done,
+                {"params": params, "opt_state": opt_state, "rest": rest},
+                {
+                    "step": done,
+                    "data_step": done,
+                    "seed": cfg.seed,
+                    "model": model_record,
+                    "sessions": [*sessions, session(done)],
+                },
+            )
 
     pending, done, warmup = [], start_step, True
     bar = tqdm(total=cfg.steps, initial=start_step, disable=not cfg.progress, desc=attention, unit="step")
@@ -313,7 +377,7 @@ def train(cfg: TrainConfig, attention: str, run_dir: pathlib.Path) -> RunResult:
             pending.append(metrics)
             done = step + 1
             if done % cfg.log_every == 0 or done == cfg.steps:
-                losses = loss_records(pending, done)   # one sync per interval keeps the device queue full
+                losses = loss_records(pending, done)  # one sync per interval keeps the device queue full
                 now = time.perf_counter()
                 rate = len(pending) * tokens_per_step / (now - last_time)
                 write([*losses, {"step": done, "tokens_per_s": rate, **({"warmup": True} if warmup else {})}])
@@ -324,10 +388,13 @@ def train(cfg: TrainConfig, attention: str, run_dir: pathlib.Path) -> RunResult:
                 val = {"step": done, **evaluate(eval_step, params, rest, eval_batches)}
                 write([val])
                 # The log line keeps the loss and the accuracies; metrics.jsonl has every count and loss.
-                message = " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in val.items()
-                                   if k in ("step", "val_loss") or k.endswith("_accuracy"))
+                message = " ".join(
+                    f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
+                    for k, v in val.items()
+                    if k in ("step", "val_loss") or k.endswith("_accuracy")
+                )
                 bar.write(f"[{attention}] {message}")
-                last_time = time.perf_counter()   # evaluation time is not training time
+                last_time = time.perf_counter()  # evaluation time is not training time
             if cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
                 save(done)
             if stop:
@@ -384,5 +451,11 @@ def find_max_context(cfg: TrainConfig, attention: str, log=print) -> dict:
             break
         seq_len *= 2
     fitting = [p["seq_len"] for p in probes if p["fits"]]
-    return {"attention": attention, "batch_size": cfg.search_batch_size, "longest": max(fitting, default=None),
-            "limit_reached": bool(probes) and probes[-1]["fits"], "limit": cfg.max_context, "probes": probes}
+    return {
+        "attention": attention,
+        "batch_size": cfg.search_batch_size,
+        "longest": max(fitting, default=None),
+        "limit_reached": bool(probes) and probes[-1]["fits"],
+        "limit": cfg.max_context,
+        "probes": probes,
+    }

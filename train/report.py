@@ -4,6 +4,7 @@ PNGs.
 
 Every file is stamped with the date, device, JAX version and the command that made it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,10 +28,14 @@ import matplotlib.pyplot as plt  # noqa: E402
 def stamp(command: list[str] | None = None) -> dict:
     """When, where (backend and device kind) and by which command a file was made."""
     device = jax.devices()[0]
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "device": f"{device.platform}: {device.device_kind}", "backend": device.platform,
-            "device_kind": device.device_kind, "jax": jax.__version__,
-            "command": shlex.join(command or [sys.executable.rsplit("/", 1)[-1], "-m", "train", *sys.argv[1:]])}
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": f"{device.platform}: {device.device_kind}",
+        "backend": device.platform,
+        "device_kind": device.device_kind,
+        "jax": jax.__version__,
+        "command": shlex.join(command or [sys.executable.rsplit("/", 1)[-1], "-m", "train", *sys.argv[1:]]),
+    }
 
 
 def _mib(value) -> str:
@@ -58,19 +63,29 @@ def _summary(result) -> dict:
 
 def write_run(run_dir: pathlib.Path, cfg, result, search: dict | None = None) -> dict:
     """run.json (the config as the run ran it, its whole result across resumes) and loss.png of one attention."""
-    report = {**stamp(), "config": cfg.run_record(result.attention, run_dir), "result": _summary(result),
-              "max_context": search}
+    report = {
+        **stamp(),
+        "config": cfg.run_record(result.attention, run_dir),
+        "result": _summary(result),
+        "max_context": search,
+    }
     (run_dir / "run.json").write_text(json.dumps(report, indent=1))
-    plot_losses(run_dir / "loss.png", {result.attention: (result.steps, result.losses)},
-                f"{result.attention} attention, {cfg.data}, context {cfg.seq_len}, batch {cfg.batch_size}\n"
-                f"{report['device']}, jax {report['jax']}", {result.attention: result.evals})
+    plot_losses(
+        run_dir / "loss.png",
+        {result.attention: (result.steps, result.losses)},
+        f"{result.attention} attention, {cfg.data}, context {cfg.seq_len}, batch {cfg.batch_size}\n"
+        f"{report['device']}, jax {report['jax']}",
+        {result.attention: result.evals},
+    )
     return report
 
 
 # What the report says of a speed-up measured without a GPU.
-CPU_SPEEDUP_NOTE = ("measured on CPU, where flash runs pallas_flash's CPU path (an XLA fallback, or the Pallas "
-                    "interpreter), not its GPU kernels: the flash kernels' speed is a GPU property, so this "
-                    "ratio says nothing about it")
+CPU_SPEEDUP_NOTE = (
+    "measured on CPU, where flash runs pallas_flash's CPU path (an XLA fallback, or the Pallas "
+    "interpreter), not its GPU kernels: the flash kernels' speed is a GPU property, so this "
+    "ratio says nothing about it"
+)
 
 
 def loss_agreement(a, b) -> dict:
@@ -78,9 +93,13 @@ def loss_agreement(a, b) -> dict:
     common = sorted(set(a.steps) & set(b.steps))
     loss_a, loss_b = dict(zip(a.steps, a.losses)), dict(zip(b.steps, b.losses))
     diffs = [abs(loss_a[s] - loss_b[s]) for s in common]
-    tail = diffs[len(diffs) // 2:]
-    return {"steps_compared": len(common), "mean_abs_diff": sum(diffs) / len(diffs), "max_abs_diff": max(diffs),
-            "mean_abs_diff_second_half": sum(tail) / len(tail)}
+    tail = diffs[len(diffs) // 2 :]
+    return {
+        "steps_compared": len(common),
+        "mean_abs_diff": sum(diffs) / len(diffs),
+        "max_abs_diff": max(diffs),
+        "mean_abs_diff_second_half": sum(tail) / len(tail),
+    }
 
 
 def plot_losses(path: pathlib.Path, curves: dict, title: str, evals: dict | None = None) -> None:
@@ -88,8 +107,9 @@ def plot_losses(path: pathlib.Path, curves: dict, title: str, evals: dict | None
     for label, (steps, losses) in curves.items():
         ax.plot(steps, losses, label=f"{label} (train)", linewidth=1.0, alpha=0.85)
     for label, points in (evals or {}).items():
-        ax.plot([p["step"] for p in points], [p["val_loss"] for p in points], "o--", label=f"{label} (val)",
-                markersize=4)
+        ax.plot(
+            [p["step"] for p in points], [p["val_loss"] for p in points], "o--", label=f"{label} (val)", markersize=4
+        )
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats / token)")
     ax.set_title(title, fontsize=10)
@@ -103,9 +123,13 @@ def plot_losses(path: pathlib.Path, curves: dict, title: str, evals: dict | None
 def write_comparison(run_dir: pathlib.Path, cfg, results: dict, searches: dict) -> dict:
     """report.md, report.json and loss.png for a flash-vs-dense run."""
     flash, dense = results["flash"], results["dense"]
-    report = {**stamp(), "config": json.loads(json.dumps(dataclasses.asdict(cfg), default=repr)),
-              "runs": {name: _summary(r) for name, r in results.items()}, "max_context": searches,
-              "agreement": loss_agreement(flash, dense)}
+    report = {
+        **stamp(),
+        "config": json.loads(json.dumps(dataclasses.asdict(cfg), default=repr)),
+        "runs": {name: _summary(r) for name, r in results.items()},
+        "max_context": searches,
+        "agreement": loss_agreement(flash, dense),
+    }
     if flash.tokens_per_s and dense.tokens_per_s:
         report["speedup"] = flash.tokens_per_s / dense.tokens_per_s
     if report["backend"] == "cpu":
@@ -113,36 +137,57 @@ def write_comparison(run_dir: pathlib.Path, cfg, results: dict, searches: dict) 
     if searches.get("flash", {}).get("longest") and searches.get("dense", {}).get("longest"):
         report["context_ratio"] = searches["flash"]["longest"] / searches["dense"]["longest"]
     (run_dir / "report.json").write_text(json.dumps(report, indent=1))
-    plot_losses(run_dir / "loss.png", {n: (r.steps, r.losses) for n, r in results.items()},
-                f"flash vs dense, {cfg.data}, context {cfg.seq_len}, batch {cfg.batch_size}\n"
-                f"{report['device']}, jax {report['jax']}", {n: r.evals for n, r in results.items()})
+    plot_losses(
+        run_dir / "loss.png",
+        {n: (r.steps, r.losses) for n, r in results.items()},
+        f"flash vs dense, {cfg.data}, context {cfg.seq_len}, batch {cfg.batch_size}\n"
+        f"{report['device']}, jax {report['jax']}",
+        {n: r.evals for n, r in results.items()},
+    )
 
     agree = report["agreement"]
-    lines = [f"# Flash vs dense attention: {cfg.name}", "",
-             f"{report['date']} · {report['device']} · jax {report['jax']}", "",
-             f"Command: `{report['command']}`", "",
-             f"Model: {cfg.model.num_layers} layers, {cfg.model.num_heads} heads, embed {cfg.model.embed_dim}, "
-             f"compute {cfg.model.dtype}, parameters {cfg.model.param_dtype}; data `{cfg.data}`, context "
-             f"{cfg.seq_len}, batch {cfg.batch_size}, {cfg.steps} steps, seed {cfg.seed} (same data order).", "",
-             "| attention | final train loss | final val loss | tokens/s | compile s | step memory (XLA plan) "
-             "| peak device memory | longest context (batch "
-             f"{cfg.search_batch_size}) |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Flash vs dense attention: {cfg.name}",
+        "",
+        f"{report['date']} · {report['device']} · jax {report['jax']}",
+        "",
+        f"Command: `{report['command']}`",
+        "",
+        f"Model: {cfg.model.num_layers} layers, {cfg.model.num_heads} heads, embed {cfg.model.embed_dim}, "
+        f"compute {cfg.model.dtype}, parameters {cfg.model.param_dtype}; data `{cfg.data}`, context "
+        f"{cfg.seq_len}, batch {cfg.batch_size}, {cfg.steps} steps, seed {cfg.seed} (same data order).",
+        "",
+        "| attention | final train loss | final val loss | tokens/s | compile s | step memory (XLA plan) "
+        "| peak device memory | longest context (batch "
+        f"{cfg.search_batch_size}) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for name, r in results.items():
-        lines.append(f"| {name} | {r.losses[-1]:.4f} | {r.evals[-1]['val_loss']:.4f} | {_rate(r.tokens_per_s)} "
-                     f"| {r.compile_s:.1f} | {_mib(r.step_bytes)} | {_mib(r.peak_bytes)} "
-                     f"| {_longest(searches.get(name))} |")
-    lines += ["", f"Loss agreement over {agree['steps_compared']} steps: mean |flash - dense| = "
-              f"{agree['mean_abs_diff']:.4f}, max {agree['max_abs_diff']:.4f} nats.",
-              f"Speed-up (tokens/s, flash / dense): {report.get('speedup', float('nan')):.2f}x"
-              + (f", {CPU_SPEEDUP_NOTE}." if report["backend"] == "cpu" else f", measured on {report['device']}."),
-              "Longest context ratio (flash / dense): " + (f"{report['context_ratio']:.1f}x." if "context_ratio" in report
-                                                           else "not measured (needs both searches)."), "",
-              "Peak device memory is the allocator's peak since the process started (flash runs first, so the "
-              "dense figure is a maximum over both); the XLA plan is per compiled step.", "",
-              "![loss curves](loss.png)", ""]
+        lines.append(
+            f"| {name} | {r.losses[-1]:.4f} | {r.evals[-1]['val_loss']:.4f} | {_rate(r.tokens_per_s)} "
+            f"| {r.compile_s:.1f} | {_mib(r.step_bytes)} | {_mib(r.peak_bytes)} "
+            f"| {_longest(searches.get(name))} |"
+        )
+    lines += [
+        "",
+        f"Loss agreement over {agree['steps_compared']} steps: mean |flash - dense| = "
+        f"{agree['mean_abs_diff']:.4f}, max {agree['max_abs_diff']:.4f} nats.",
+        f"Speed-up (tokens/s, flash / dense): {report.get('speedup', float('nan')):.2f}x"
+        + (f", {CPU_SPEEDUP_NOTE}." if report["backend"] == "cpu" else f", measured on {report['device']}."),
+        "Longest context ratio (flash / dense): "
+        + (f"{report['context_ratio']:.1f}x." if "context_ratio" in report else "not measured (needs both searches)."),
+        "",
+        "Peak device memory is the allocator's peak since the process started (flash runs first, so the "
+        "dense figure is a maximum over both); the XLA plan is per compiled step.",
+        "",
+        "![loss curves](loss.png)",
+        "",
+    ]
     for name, search in searches.items():
-        lines.append(f"Context search, {name}: " + ", ".join(
-            f"{p['seq_len']:,} {'ok' if p['fits'] else 'OOM'}" for p in search["probes"]))
+        lines.append(
+            f"Context search, {name}: "
+            + ", ".join(f"{p['seq_len']:,} {'ok' if p['fits'] else 'OOM'}" for p in search["probes"])
+        )
     (run_dir / "report.md").write_text("\n".join(lines) + "\n")
     return report
 
@@ -187,16 +232,21 @@ def curves_verdict(agreement: dict, final_val_loss: dict) -> dict:
     gap = abs(final_val_loss["flash"] - final_val_loss["dense"])
     tail = agreement["mean_abs_diff_second_half"]
     met = gap <= LOSS_MARGIN and tail <= CURVE_TAIL_MARGIN
-    return {"met": met, "why": f"final val loss gap {gap:.4f} (needs <= {LOSS_MARGIN}), second-half mean train "
-                               f"loss gap {tail:.4f} (needs <= {CURVE_TAIL_MARGIN})"}
+    return {
+        "met": met,
+        "why": f"final val loss gap {gap:.4f} (needs <= {LOSS_MARGIN}), second-half mean train "
+        f"loss gap {tail:.4f} (needs <= {CURVE_TAIL_MARGIN})",
+    }
 
 
 # GPU training is not bitwise reproducible (XLA's GPU reductions and atomics), and 200 steps amplify the
 # difference: on the H100, one attention's final val loss with the same code, seed 0 and data order was
 # 1.8681-1.9337 (dense) and 1.8541-1.9481 (flash) over runs 1-4. A fixed 0.02-nat margin is below that.
-ONE_SEED_CAVEAT = ("; one seed cannot separate a flash-dense difference from GPU run-to-run noise (one "
-                   "attention's final val loss, same seed, varied by up to 0.09 nats between H100 runs): run "
-                   "the `agree` part of train/gpu_experiments.sh for more seeds")
+ONE_SEED_CAVEAT = (
+    "; one seed cannot separate a flash-dense difference from GPU run-to-run noise (one "
+    "attention's final val loss, same seed, varied by up to 0.09 nats between H100 runs): run "
+    "the `agree` part of train/gpu_experiments.sh for more seeds"
+)
 
 
 def seed_paired_verdict(final_by_seed: dict) -> dict:
@@ -219,13 +269,21 @@ def seed_paired_verdict(final_by_seed: dict) -> dict:
     noise = ((seed_std["flash"] ** 2 + seed_std["dense"] ** 2) / 2) ** 0.5
     within_errors, within_noise = abs(mean) <= 2 * standard_error, abs(mean) <= noise
     per_seed = ", ".join(f"seed {s} {d:+.4f}" for s, d in zip(seeds, diffs))
-    return {"met": within_errors and within_noise, "seeds": seeds, "diffs": diffs, "mean_diff": mean,
-            "standard_error": standard_error, "seed_std": seed_std, "noise": noise,
-            "within_standard_errors": within_errors, "within_seed_noise": within_noise,
-            "why": f"final val loss flash - dense over {len(seeds)} seeds: mean {mean:+.4f} (standard error "
-                   f"{standard_error:.4f}; {per_seed}); seed-to-seed std flash {seed_std['flash']:.4f}, dense "
-                   f"{seed_std['dense']:.4f}; needs the mean within 2 standard errors ({2 * standard_error:.4f}) "
-                   f"of 0 and within the typical seed std ({noise:.4f})"}
+    return {
+        "met": within_errors and within_noise,
+        "seeds": seeds,
+        "diffs": diffs,
+        "mean_diff": mean,
+        "standard_error": standard_error,
+        "seed_std": seed_std,
+        "noise": noise,
+        "within_standard_errors": within_errors,
+        "within_seed_noise": within_noise,
+        "why": f"final val loss flash - dense over {len(seeds)} seeds: mean {mean:+.4f} (standard error "
+        f"{standard_error:.4f}; {per_seed}); seed-to-seed std flash {seed_std['flash']:.4f}, dense "
+        f"{seed_std['dense']:.4f}; needs the mean within 2 standard errors ({2 * standard_error:.4f}) "
+        f"of 0 and within the typical seed std ({noise:.4f})",
+    }
 
 
 def curves_agree_verdict(final_by_seed: dict, agreement: dict) -> dict:
@@ -233,15 +291,19 @@ def curves_agree_verdict(final_by_seed: dict, agreement: dict) -> dict:
     a "why" that says one seed cannot tell."""
     if len(final_by_seed) >= 2:
         return {"method": "seed_paired", **seed_paired_verdict(final_by_seed)}
-    (seed, final), = final_by_seed.items()
+    ((seed, final),) = final_by_seed.items()
     verdict = curves_verdict(agreement, final)
     return {"method": "fixed_margins", "seeds": [seed], **verdict, "why": verdict["why"] + ONE_SEED_CAVEAT}
 
 
 def speedup_verdict(speedup: float | None) -> dict:
     met = speedup is not None and speedup >= SPEEDUP_TARGET
-    return {"met": met, "value": speedup, "target": SPEEDUP_TARGET,
-            "why": "not measured" if speedup is None else f"{speedup:.2f}x (needs >= {SPEEDUP_TARGET:.0f}x)"}
+    return {
+        "met": met,
+        "value": speedup,
+        "target": SPEEDUP_TARGET,
+        "why": "not measured" if speedup is None else f"{speedup:.2f}x (needs >= {SPEEDUP_TARGET:.0f}x)",
+    }
 
 
 def context_verdict(searches: dict) -> dict:
@@ -252,11 +314,20 @@ def context_verdict(searches: dict) -> dict:
         return {"met": False, "value": None, "target": CONTEXT_RATIO_TARGET, "why": "a context search is missing"}
     ratio = flash["longest"] / dense["longest"]
     if dense["limit_reached"]:
-        return {"met": False, "value": None, "target": CONTEXT_RATIO_TARGET,
-                "why": f"dense fit every context up to its search limit {dense['limit']:,}: its longest is unknown"}
+        return {
+            "met": False,
+            "value": None,
+            "target": CONTEXT_RATIO_TARGET,
+            "why": f"dense fit every context up to its search limit {dense['limit']:,}: its longest is unknown",
+        }
     bound = ">= " if flash["limit_reached"] else ""
-    return {"met": ratio >= CONTEXT_RATIO_TARGET, "value": ratio, "lower_bound": flash["limit_reached"],
-            "target": CONTEXT_RATIO_TARGET, "why": f"{bound}{ratio:.0f}x (needs >= {CONTEXT_RATIO_TARGET:.0f}x)"}
+    return {
+        "met": ratio >= CONTEXT_RATIO_TARGET,
+        "value": ratio,
+        "lower_bound": flash["limit_reached"],
+        "target": CONTEXT_RATIO_TARGET,
+        "why": f"{bound}{ratio:.0f}x (needs >= {CONTEXT_RATIO_TARGET:.0f}x)",
+    }
 
 
 def long_range_verdict(short: dict, long: dict, chance: float) -> dict:
@@ -273,25 +344,40 @@ def long_range_verdict(short: dict, long: dict, chance: float) -> dict:
     if "val_loss_se" in short and "val_loss_se" in long:
         combined = math.hypot(short["val_loss_se"], long["val_loss_se"])
         loss_method, loss_needed, loss_met = "standard_error", SE_MULTIPLE * combined, gain > SE_MULTIPLE * combined
-        rule = (f"needs > {SE_MULTIPLE} combined standard errors = {loss_needed:.4f}; standard errors "
-                f"{short['val_loss_se']:.4f}, {long['val_loss_se']:.4f}")
+        rule = (
+            f"needs > {SE_MULTIPLE} combined standard errors = {loss_needed:.4f}; standard errors "
+            f"{short['val_loss_se']:.4f}, {long['val_loss_se']:.4f}"
+        )
     else:
         loss_method, loss_needed, loss_met = "fixed_margin", LOSS_MARGIN, gain >= LOSS_MARGIN
-        rule = (f"needs >= {LOSS_MARGIN}, the margin calibrated for the stdlib corpus: these evaluations recorded "
-                f"no standard error")
-    reasons = [f"val loss {short['val_loss']:.4f} -> {long['val_loss']:.4f} (gain {gain:+.4f}, {rule}): "
-               f"{'met' if loss_met else 'not met'}"]
+        rule = (
+            f"needs >= {LOSS_MARGIN}, the margin calibrated for the stdlib corpus: these evaluations recorded "
+            f"no standard error"
+        )
+    reasons = [
+        f"val loss {short['val_loss']:.4f} -> {long['val_loss']:.4f} (gain {gain:+.4f}, {rule}): "
+        f"{'met' if loss_met else 'not met'}"
+    ]
     acc_short, acc_long = short.get(key), long.get(key)
     if acc_short is None or acc_long is None:
         accuracy_met = False
         reasons.append("no answer accuracy recorded")
     else:
         accuracy_met = acc_long >= acc_short + ACCURACY_MARGIN and acc_long >= chance + ACCURACY_MARGIN
-        reasons.append(f"{key.removeprefix('val_')} {acc_short:.1%} -> {acc_long:.1%} (needs >= "
-                       f"{ACCURACY_MARGIN:.0%} above the short run and above chance {chance:.2%}): "
-                       f"{'met' if accuracy_met else 'not met'}")
-    return {"met": loss_met and accuracy_met, "loss_met": loss_met, "accuracy_met": accuracy_met,
-            "loss_method": loss_method, "loss_gain": gain, "loss_needed": loss_needed, "why": "; ".join(reasons)}
+        reasons.append(
+            f"{key.removeprefix('val_')} {acc_short:.1%} -> {acc_long:.1%} (needs >= "
+            f"{ACCURACY_MARGIN:.0%} above the short run and above chance {chance:.2%}): "
+            f"{'met' if accuracy_met else 'not met'}"
+        )
+    return {
+        "met": loss_met and accuracy_met,
+        "loss_met": loss_met,
+        "accuracy_met": accuracy_met,
+        "loss_method": loss_method,
+        "loss_gain": gain,
+        "loss_needed": loss_needed,
+        "why": "; ".join(reasons),
+    }
 
 
 def mark(met: bool) -> str:
@@ -306,7 +392,7 @@ def seed_reports(out_dir: pathlib.Path) -> dict:
         if (report := _load(run_dir / "report.json")) is None:
             continue
         seed = report["config"]["seed"]
-        if seed in reports:   # two runs of one seed are not two samples of the seed-to-seed spread
+        if seed in reports:  # two runs of one seed are not two samples of the seed-to-seed spread
             raise ValueError(f"{run_dir} repeats seed {seed}; each flash-vs-dense run needs its own seed")
         reports[seed] = report
     return reports
@@ -318,15 +404,22 @@ def final_val_losses(report: dict) -> dict:
 
 def seed_table(reports: dict, verdict: dict) -> list[str]:
     """results.md's per-seed rows of the seed-paired verdict."""
-    lines = ["| seed | flash final val loss | dense final val loss | flash - dense | mean \\|flash - dense\\| train "
-             "loss, second half |", "|---|---|---|---|---|"]
+    lines = [
+        "| seed | flash final val loss | dense final val loss | flash - dense | mean \\|flash - dense\\| train "
+        "loss, second half |",
+        "|---|---|---|---|---|",
+    ]
     for seed in verdict["seeds"]:
         final = final_val_losses(reports[seed])
-        lines.append(f"| {seed} | {final['flash']:.4f} | {final['dense']:.4f} | {final['flash'] - final['dense']:+.4f} "
-                     f"| {reports[seed]['agreement']['mean_abs_diff_second_half']:.4f} |")
+        lines.append(
+            f"| {seed} | {final['flash']:.4f} | {final['dense']:.4f} | {final['flash'] - final['dense']:+.4f} "
+            f"| {reports[seed]['agreement']['mean_abs_diff_second_half']:.4f} |"
+        )
     std = verdict["seed_std"]
-    return lines + [f"| mean (standard error) | | | {verdict['mean_diff']:+.4f} ({verdict['standard_error']:.4f}) | |",
-                    f"| seed-to-seed std | {std['flash']:.4f} | {std['dense']:.4f} | | |"]
+    return lines + [
+        f"| mean (standard error) | | | {verdict['mean_diff']:+.4f} ({verdict['standard_error']:.4f}) | |",
+        f"| seed-to-seed std | {std['flash']:.4f} | {std['dense']:.4f} | | |",
+    ]
 
 
 def plot_agreement(path: pathlib.Path, reports: dict) -> None:
@@ -335,13 +428,23 @@ def plot_agreement(path: pathlib.Path, reports: dict) -> None:
     for index, (seed, report) in enumerate(sorted(reports.items())):
         for name, style in (("flash", "-"), ("dense", "--")):
             run = report["runs"][name]
-            ax.plot(run["steps"], run["losses"], style, color=f"C{index}", linewidth=1.0, alpha=0.85,
-                    label=f"seed {seed} {name}")
+            ax.plot(
+                run["steps"],
+                run["losses"],
+                style,
+                color=f"C{index}",
+                linewidth=1.0,
+                alpha=0.85,
+                label=f"seed {seed} {name}",
+            )
     first = next(iter(reports.values()))
     ax.set_xlabel("step")
     ax.set_ylabel("train loss (nats / token)")
-    ax.set_title(f"flash (solid) vs dense (dashed) by seed, context {first['config']['seq_len']}\n"
-                 f"{first['device']}, jax {first['jax']}", fontsize=10)
+    ax.set_title(
+        f"flash (solid) vs dense (dashed) by seed, context {first['config']['seq_len']}\n"
+        f"{first['device']}, jax {first['jax']}",
+        fontsize=10,
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
     fig.tight_layout()
@@ -352,25 +455,43 @@ def plot_agreement(path: pathlib.Path, reports: dict) -> None:
 def summarize_agreement(out_dir: pathlib.Path, reports: dict) -> tuple[dict, str, list[str]]:
     """The "curves agree" claim, its results-table row and the lines results.md adds below the table."""
     final_by_seed = {seed: final_val_losses(report) for seed, report in reports.items()}
-    only = next(iter(reports.values()))["agreement"]   # used only when there is one seed
+    only = next(iter(reports.values()))["agreement"]  # used only when there is one seed
     verdict = curves_agree_verdict(final_by_seed, only)
-    claim = {**verdict, "final_val_loss": {str(s): f for s, f in sorted(final_by_seed.items())},
-             "curve_agreement": {str(s): r["agreement"] for s, r in sorted(reports.items())}}
+    claim = {
+        **verdict,
+        "final_val_loss": {str(s): f for s, f in sorted(final_by_seed.items())},
+        "curve_agreement": {str(s): r["agreement"] for s, r in sorted(reports.items())},
+    }
     if verdict["method"] == "fixed_margins":
         final = final_by_seed[verdict["seeds"][0]]
-        measured = (f"mean abs diff {only['mean_abs_diff']:.4f} nats (max {only['max_abs_diff']:.4f}); final val "
-                    f"loss flash {final['flash']:.4f}, dense {final['dense']:.4f}; {verdict['why']}")
+        measured = (
+            f"mean abs diff {only['mean_abs_diff']:.4f} nats (max {only['max_abs_diff']:.4f}); final val "
+            f"loss flash {final['flash']:.4f}, dense {final['dense']:.4f}; {verdict['why']}"
+        )
         return claim, f"| flash and dense loss curves agree | {measured} | {mark(verdict['met'])} |", []
     plot_agreement(out_dir / "agreement.png", reports)
     row = f"| flash and dense loss curves agree (paired by seed) | {verdict['why']} | {mark(verdict['met'])} |"
-    return claim, row, ["## Flash vs dense by seed", "", *seed_table(reports, verdict), "",
-                        "![flash vs dense by seed](agreement.png)", ""]
+    return (
+        claim,
+        row,
+        [
+            "## Flash vs dense by seed",
+            "",
+            *seed_table(reports, verdict),
+            "",
+            "![flash vs dense by seed](agreement.png)",
+            "",
+        ],
+    )
 
 
 LONG_RUNS = ("long_1k", "long_4k")
 # Config fields a recall run's log header states (train/__main__.py prints it before training starts).
-_HEADER = re.compile(r"^run \S+: (?P<attention>\w+) attention, data (?P<data>\S+), context (?P<seq_len>\d+), "
-                     r"batch (?P<batch_size>\d+), (?P<steps>\d+) steps", re.M)
+_HEADER = re.compile(
+    r"^run \S+: (?P<attention>\w+) attention, data (?P<data>\S+), context (?P<seq_len>\d+), "
+    r"batch (?P<batch_size>\d+), (?P<steps>\d+) steps",
+    re.M,
+)
 
 
 def _from_log(log: pathlib.Path) -> dict | None:
@@ -381,14 +502,17 @@ def _from_log(log: pathlib.Path) -> dict | None:
     header, command = _HEADER.search(text), re.search(r"^== \S+: (python -m train .*)$", text, re.M)
     if header is None or command is None:
         return None
-    from train.config import parse_args   # train.config imports the models; only this fallback needs it
+    from train.config import parse_args  # train.config imports the models; only this fallback needs it
 
     parsed = dataclasses.asdict(parse_args(shlex.split(command.group(1))[3:]))
     assumed = sorted(k for k in parsed if k.startswith("recall_"))
     config = {k: (v if k in ("attention", "data") else int(v)) for k, v in header.groupdict().items()}
     exits = re.findall(r"^== \S+ exit (\d+)$", text, re.M)
-    return {"config": {**config, **{k: parsed[k] for k in assumed}, "assumed": assumed},
-            "command": command.group(1), "exit": int(exits[-1]) if exits else None}
+    return {
+        "config": {**config, **{k: parsed[k] for k in assumed}, "assumed": assumed},
+        "command": command.group(1),
+        "exit": int(exits[-1]) if exits else None,
+    }
 
 
 def load_long_run(out_dir: pathlib.Path, name: str) -> dict | None:
@@ -402,9 +526,16 @@ def load_long_run(out_dir: pathlib.Path, name: str) -> dict | None:
     run_dir = out_dir / name
     if (run := _load(run_dir / "run.json")) is not None:
         steps = run["result"]["steps"]
-        return {"config": run["config"], "config_source": "run.json", "evals": run["result"]["evals"],
-                "last_step": steps[-1] if steps else None, "finished": True, "exit": 0,
-                "command": run["command"], "device": run["device"]}
+        return {
+            "config": run["config"],
+            "config_source": "run.json",
+            "evals": run["result"]["evals"],
+            "last_step": steps[-1] if steps else None,
+            "finished": True,
+            "exit": 0,
+            "command": run["command"],
+            "device": run["device"],
+        }
     metrics = run_dir / "metrics.jsonl"
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line] if metrics.is_file() else []
     evals = [r for r in records if "val_loss" in r]
@@ -412,11 +543,16 @@ def load_long_run(out_dir: pathlib.Path, name: str) -> dict | None:
     config = _load(run_dir / "config.json")
     if not evals or (config is None and logged is None):
         return None
-    return {"config": config or logged["config"],
-            "config_source": "config.json" if config else f"logs/{name}.log",
-            "evals": evals, "last_step": max(r["step"] for r in records), "finished": False,
-            "exit": logged["exit"] if logged else None, "command": logged["command"] if logged else None,
-            "device": None}
+    return {
+        "config": config or logged["config"],
+        "config_source": "config.json" if config else f"logs/{name}.log",
+        "evals": evals,
+        "last_step": max(r["step"] for r in records),
+        "finished": False,
+        "exit": logged["exit"] if logged else None,
+        "command": logged["command"] if logged else None,
+        "device": None,
+    }
 
 
 def _how_it_ended(run: dict) -> str:
@@ -438,8 +574,10 @@ def compare_long_runs(runs: dict) -> tuple[int | None, str]:
     if short["finished"] and long["finished"] and step == short["last_step"] == long["last_step"]:
         return step, ""
     if short["exit"] == long["exit"] == 124 and short["config"]["steps"] == long["config"]["steps"]:
-        ended = (f"runs cut by their time limit at steps {short['last_step']:,} and {long['last_step']:,} of "
-                 f"{short['config']['steps']:,}")
+        ended = (
+            f"runs cut by their time limit at steps {short['last_step']:,} and {long['last_step']:,} of "
+            f"{short['config']['steps']:,}"
+        )
     else:
         ended = "; ".join(f"{n} {_how_it_ended(runs[n])}" for n in LONG_RUNS)
     return step, f"{ended}; compared at step {step:,}, the last evaluation both reached; "
@@ -497,13 +635,17 @@ def summarize(out_dir: pathlib.Path) -> dict:
     if both:
         context = both["config"]["seq_len"]
         claims["speedup"] = {"context": context, **speedup_verdict(both.get("speedup"))}
-        claims["context_ratio"] = {**context_verdict(both["max_context"]),
-                                   "longest": {n: s["longest"] for n, s in both["max_context"].items()}}
-        rows += [f"| flash >= 2x the tokens/s of dense at {context} context | {claims['speedup']['why']} | "
-                 f"{mark(claims['speedup']['met'])} |",
-                 f"| flash trains a context >= 16x the longest dense fits | flash "
-                 f"{_longest(both['max_context'].get('flash'))}, dense {_longest(both['max_context'].get('dense'))}: "
-                 f"{claims['context_ratio']['why']} | {mark(claims['context_ratio']['met'])} |"]
+        claims["context_ratio"] = {
+            **context_verdict(both["max_context"]),
+            "longest": {n: s["longest"] for n, s in both["max_context"].items()},
+        }
+        rows += [
+            f"| flash >= 2x the tokens/s of dense at {context} context | {claims['speedup']['why']} | "
+            f"{mark(claims['speedup']['met'])} |",
+            f"| flash trains a context >= 16x the longest dense fits | flash "
+            f"{_longest(both['max_context'].get('flash'))}, dense {_longest(both['max_context'].get('dense'))}: "
+            f"{claims['context_ratio']['why']} | {mark(claims['context_ratio']['met'])} |",
+        ]
     else:
         rows.append("| flash vs dense speed and context | run missing (see logs/small_both.log) | **no** |")
     step, compared = compare_long_runs(long_runs) if len(long_runs) == 2 else (None, "")
@@ -514,46 +656,79 @@ def summarize(out_dir: pathlib.Path) -> dict:
         chance = 1 / long_runs["long_4k"]["config"].get("recall_values_per_key", 64)
         verdict = long_range_verdict(evals["long_1k"], evals["long_4k"], chance)
         claims["longer_context_lower_val_loss"] = {
-            "compared_step": step, "compared_eval": evals, "loss_margin": LOSS_MARGIN, "se_multiple": SE_MULTIPLE,
-            "accuracy_margin": ACCURACY_MARGIN, "chance": chance, **verdict,
-            "runs": {n: {k: r[k] for k in ("finished", "exit", "last_step", "config_source")}
-                     for n, r in long_runs.items()}}
-        rows.append(f"| recall task: 4k context gives a lower val loss than 1k (same tokens), by recalling values "
-                    f"bound > 1k tokens back | {compared}{verdict['why']} | {mark(verdict['met'])} |")
+            "compared_step": step,
+            "compared_eval": evals,
+            "loss_margin": LOSS_MARGIN,
+            "se_multiple": SE_MULTIPLE,
+            "accuracy_margin": ACCURACY_MARGIN,
+            "chance": chance,
+            **verdict,
+            "runs": {
+                n: {k: r[k] for k in ("finished", "exit", "last_step", "config_source")} for n, r in long_runs.items()
+            },
+        }
+        rows.append(
+            f"| recall task: 4k context gives a lower val loss than 1k (same tokens), by recalling values "
+            f"bound > 1k tokens back | {compared}{verdict['why']} | {mark(verdict['met'])} |"
+        )
         for name, run in long_runs.items():
             if assumed := run["config"].get("assumed"):
-                notes.append(f"{name} stored no config (no run.json or config.json): context, batch and steps are "
-                             f"from its log's header line; {', '.join(assumed)} from its logged command "
-                             f"re-parsed with today's presets (chance 1/{run['config']['recall_values_per_key']}).")
-        plot_long_range(out_dir / "long_range.png", long_runs, chance, step,
-                        next((r["device"] for r in long_runs.values() if r["device"]), gpu or "device not recorded"))
+                notes.append(
+                    f"{name} stored no config (no run.json or config.json): context, batch and steps are "
+                    f"from its log's header line; {', '.join(assumed)} from its logged command "
+                    f"re-parsed with today's presets (chance 1/{run['config']['recall_values_per_key']})."
+                )
+        plot_long_range(
+            out_dir / "long_range.png",
+            long_runs,
+            chance,
+            step,
+            next((r["device"] for r in long_runs.values() if r["device"]), gpu or "device not recorded"),
+        )
     elif len(long_runs) == 2:
         rows.append("| recall task 1k vs 4k | the runs evaluated no common step (see logs/long_*.log) | **no** |")
     else:
         rows.append("| recall task 1k vs 4k | run missing (see logs/long_*.log) | **no** |")
 
-    results = {**stamp(["bash", "train/gpu_experiments.sh", str(out_dir)]), "claims": claims,
-               "flash_vs_dense": both, "long_range": long_runs,
-               "flash_vs_dense_other_seeds": {
-                   str(s): r for s, r in by_seed.items() if not both or s != both["config"]["seed"]}}
+    results = {
+        **stamp(["bash", "train/gpu_experiments.sh", str(out_dir)]),
+        "claims": claims,
+        "flash_vs_dense": both,
+        "long_range": long_runs,
+        "flash_vs_dense_other_seeds": {
+            str(s): r for s, r in by_seed.items() if not both or s != both["config"]["seed"]
+        },
+    }
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     commands = [r["command"] for r in [*by_seed.values(), *long_runs.values()] if r["command"]]
-    figures = [f"![{alt}]({path})" for alt, path in (("flash vs dense", "small_both/loss.png"),
-                                                      ("long range", "long_range.png")) if (out_dir / path).is_file()]
-    lines = ["# GPU results: flash vs dense GPT training", "",
-             f"Summary made {results['date']} · {results['device']} · jax {results['jax']}"
-             + (f"; runs on {gpu} (logs/gpu.csv)" if gpu else ""), "",
-             f"Command: `{results['command']}`; runs: " + ", ".join(f"`{c}`" for c in commands), "", *rows, "",
-             *[line for note in notes for line in (note, "")], *seed_lines,
-             *[line for figure in figures for line in (figure, "")],
-             "Details: " + ("[small_both/report.md](small_both/report.md), " if both else "") + "results.json, logs/."]
+    figures = [
+        f"![{alt}]({path})"
+        for alt, path in (("flash vs dense", "small_both/loss.png"), ("long range", "long_range.png"))
+        if (out_dir / path).is_file()
+    ]
+    lines = [
+        "# GPU results: flash vs dense GPT training",
+        "",
+        f"Summary made {results['date']} · {results['device']} · jax {results['jax']}"
+        + (f"; runs on {gpu} (logs/gpu.csv)" if gpu else ""),
+        "",
+        f"Command: `{results['command']}`; runs: " + ", ".join(f"`{c}`" for c in commands),
+        "",
+        *rows,
+        "",
+        *[line for note in notes for line in (note, "")],
+        *seed_lines,
+        *[line for figure in figures for line in (figure, "")],
+        "Details: " + ("[small_both/report.md](small_both/report.md), " if both else "") + "results.json, logs/.",
+    ]
     (out_dir / "results.md").write_text("\n".join(lines) + "\n")
     return results
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m train.report",
-                                     description="Gather the GPU experiments' outputs into results.md/json.")
+    parser = argparse.ArgumentParser(
+        prog="python -m train.report", description="Gather the GPU experiments' outputs into results.md/json."
+    )
     parser.add_argument("out_dir", type=pathlib.Path)
     summarize(parser.parse_args(argv).out_dir)
 

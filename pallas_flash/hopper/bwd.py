@@ -31,6 +31,7 @@ Ragged lengths are padded in the wrapper: padded query rows have lse2 = +inf and
 padded keys are masked in the dQ pass (their dK/dV rows are sliced off). head_dim is padded to a multiple
 of 64 (the wgmma contraction granule of a 128-byte swizzle).
 """
+
 from __future__ import annotations
 
 import functools
@@ -55,6 +56,7 @@ def _fold_vmap(fn):
     argument and result: for a kernel whose examples along axis 0 are independent but which cannot be
     batched itself (the one-pass dK/dV kernel writes into a mutable dQ buffer, and Mosaic GPU's kernel
     batching only takes a vmapped axis of size 1). Unbatched arguments are broadcast."""
+
     def call(*args):
         present = [i for i, x in enumerate(args) if x is not None]
 
@@ -67,8 +69,9 @@ def _fold_vmap(fn):
 
         @folded.def_vmap
         def _(axis_size, in_batched, *arrays):
-            arrays = [x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
-                      for x, batched in zip(arrays, in_batched)]
+            arrays = [
+                x if batched else jnp.broadcast_to(x, (axis_size, *x.shape)) for x, batched in zip(arrays, in_batched)
+            ]
             outs = folded(*(x.reshape(axis_size * x.shape[1], *x.shape[2:]) for x in arrays))
             outs = jax.tree.map(lambda y: y.reshape(axis_size, y.shape[0] // axis_size, *y.shape[1:]), outs)
             return outs, jax.tree.map(lambda _: True, outs)
@@ -82,13 +85,19 @@ def check_config(config: HopperBwdConfig, head_dim: int, itemsize: int = 2) -> N
     """Raises ValueError if the tiles do not fit an H100's shared memory at this (padded) head_dim, or if the
     one-pass kernel cannot split dQ between its consumers (`dq_split`)."""
     if config.dq_atomic and dq_split(head_dim, config.block_q_dkv) is None:
-        raise ValueError(f"{config}: the one-pass dq_atomic backward at head_dim {head_dim} needs block_q_dkv >= 128 "
-                         f"(each consumer computes dQ for half of a query block), got {config.block_q_dkv}")
-    for name, needed in (("dK/dV", config.smem_bytes_dkv(head_dim, itemsize)),
-                         ("dQ", config.smem_bytes_dq(head_dim, itemsize))):
+        raise ValueError(
+            f"{config}: the one-pass dq_atomic backward at head_dim {head_dim} needs block_q_dkv >= 128 "
+            f"(each consumer computes dQ for half of a query block), got {config.block_q_dkv}"
+        )
+    for name, needed in (
+        ("dK/dV", config.smem_bytes_dkv(head_dim, itemsize)),
+        ("dQ", config.smem_bytes_dq(head_dim, itemsize)),
+    ):
         if needed > H100_SHARED_MEMORY:
-            raise ValueError(f"{config} needs {needed} bytes of shared memory in the {name} kernel at head_dim "
-                             f"{head_dim} (the limit is {H100_SHARED_MEMORY})")
+            raise ValueError(
+                f"{config} needs {needed} bytes of shared memory in the {name} kernel at head_dim "
+                f"{head_dim} (the limit is {H100_SHARED_MEMORY})"
+            )
 
 
 def default_config(head_dim: int, kv_len: int, band: masks.Band, deterministic: bool) -> HopperBwdConfig:
@@ -97,9 +106,23 @@ def default_config(head_dim: int, kv_len: int, band: masks.Band, deterministic: 
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "is_causal", "local_window_size", "config", "interpret"))
-def hopper_backward(q, k, v, out, lse, d_out, d_lse, *, scale: float, is_causal: bool = False,
-                    local_window_size=None, q_segment_ids=None, kv_segment_ids=None,
-                    config: HopperBwdConfig | None = None, interpret=None):
+def hopper_backward(
+    q,
+    k,
+    v,
+    out,
+    lse,
+    d_out,
+    d_lse,
+    *,
+    scale: float,
+    is_causal: bool = False,
+    local_window_size=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    config: HopperBwdConfig | None = None,
+    interpret=None,
+):
     """Gradients of attention on Hopper from the forward's residuals.
 
     q [batch, q_len, heads, head_dim], k/v [batch, kv_len, kv_heads, head_dim] (bf16/fp16), out like q,
@@ -119,8 +142,10 @@ def hopper_backward(q, k, v, out, lse, d_out, d_lse, *, scale: float, is_causal:
     config = config or default_config(padded_dim, kv_len, band, deterministic=True)
     check_config(config, padded_dim, q.dtype.itemsize)
     if config.dq_atomic and interpret is not None:
-        raise ValueError("the one-pass dq_atomic backward cannot run in the Mosaic GPU interpreter (JAX 0.10.2 "
-                         "has no mutable-array kernel argument nor TMA reduce-add there); use dq_atomic=False")
+        raise ValueError(
+            "the one-pass dq_atomic backward cannot run in the Mosaic GPU interpreter (JAX 0.10.2 "
+            "has no mutable-array kernel argument nor TMA reduce-add there); use dq_atomic=False"
+        )
 
     # dL/dS = P * (dP - delta); a cotangent on the LSE output adds P * d_lse, i.e. delta -= d_lse.
     delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32))

@@ -3,6 +3,7 @@ Q, dO, lse2 and delta through a ring, two consumers each holding block_kv_dkv ke
 in the transposed tiles S^T = K Q^T, P^T = exp2(c S^T - lse2), dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T -
 delta), dK += dS^T Q. With `HopperBwdConfig.dq_atomic` it is the one pass and also adds each query block's
 dQ = dS K into a float32 buffer (`bwd_ordered` for the split and the order of those adds)."""
+
 from __future__ import annotations
 
 import functools
@@ -55,9 +56,29 @@ ALL_COPIES = ("q", "lse2", "do", "delta")
 BANDED_LOAD_WARPS = {0: ("q", "lse2"), 2: ("do", "delta")}
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv_ids_ref, q_ranges_ref,
-                 dq_acc_ref, dk_ref, dv_ref, scoped, *, scale: float, band: masks.Band, kv_len: int, group: int,
-                 config: HopperBwdConfig, interpreting: bool, dq_order=None):
+def _dkdv_kernel(
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse2_ref,
+    delta_ref,
+    q_ids_ref,
+    kv_ids_ref,
+    q_ranges_ref,
+    dq_acc_ref,
+    dk_ref,
+    dv_ref,
+    scoped,
+    *,
+    scale: float,
+    band: masks.Band,
+    kv_len: int,
+    group: int,
+    config: HopperBwdConfig,
+    interpreting: bool,
+    dq_order=None,
+):
     """Grid (batch, kv_heads, kv_tiles) (with config.dq_ordered `ordered_launch`'s), 3 warpgroups ("wg"):
     0 and 1 consume, 2 produces (with config.dq_ordered its first warp loads, its second stores dQ).
 
@@ -73,8 +94,14 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
     dS K is reduce-added into by TMA (unscaled): zeros in free order; unwritten with dq_ordered, whose first
     visitor of a block stores instead.
     dq_order: None, or (config.dq_ordered) a `DqOrder`."""
-    ((k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, *dq_staging), (k_ready, v_ready),
-     (q_ready, do_ready, lse_ready, delta_ready), free, segments, *ds_barriers) = scoped
+    (
+        (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, *dq_staging),
+        (k_ready, v_ready),
+        (q_ready, do_ready, lse_ready, delta_ready),
+        free,
+        segments,
+        *ds_barriers,
+    ) = scoped
     has_segments = q_ids_ref is not None
     block_q, block_kv, num_stages = config.block_q_dkv, config.block_kv_dkv, config.num_stages_dkv
     num_q_blocks = q_ref.shape[1] // block_q
@@ -93,8 +120,14 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
     always_mask = mask_padded_keys
     # Query blocks this CTA visits per head: those its keys' band reaches (maybe none).
     q_lo, q_hi, same = visited_q_blocks(
-        kv_tile, (lambda i: q_ranges_ref[batch, kv_tile, i]) if has_segments else None, block_q=block_q,
-        tile_keys=NUM_CONSUMERS * block_kv, num_q_blocks=num_q_blocks, kv_pad=k_ref.shape[1], band=band)
+        kv_tile,
+        (lambda i: q_ranges_ref[batch, kv_tile, i]) if has_segments else None,
+        block_q=block_q,
+        tile_keys=NUM_CONSUMERS * block_kv,
+        num_q_blocks=num_q_blocks,
+        kv_pad=k_ref.shape[1],
+        band=band,
+    )
     q_steps = q_hi - q_lo
     total_steps = group * q_steps
     wg = lax.axis_index("wg")
@@ -115,8 +148,17 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
         kv_seg = None
         if has_segments:
             q_ids_smem, kv_ids_smem, q_ids_ready, kv_ids_ready = segments
-            kv_seg = load_own_ids(kv_ids_ref, kv_ids_smem, kv_ids_ready, wg=wg, batch=batch, start=kv_start,
-                                  size=block_kv, layout=plgpu.Layout.WGMMA.reduce(1), load=load_vector)
+            kv_seg = load_own_ids(
+                kv_ids_ref,
+                kv_ids_smem,
+                kv_ids_ready,
+                wg=wg,
+                batch=batch,
+                start=kv_start,
+                size=block_kv,
+                layout=plgpu.Layout.WGMMA.reduce(1),
+                load=load_vector,
+            )
         if dq_acc_ref is None:
             plgpu.barrier_wait(k_ready.at[wg])
         else:  # this warpgroup's dQ wgmmas read the other's keys too
@@ -148,9 +190,16 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
                 if masked:
                     q_seg = load_vector(q_ids_smem.at[slot], column)
             if masked:
-                visible = tile_visible(q_block * block_q + iota(s.shape, 1), kv_start + iota(s.shape, 0),
-                                       band=band, kv_len=kv_len if mask_padded_keys else None, q_seg=q_seg,
-                                       kv_seg=kv_seg, shape=s.shape, q_axis=1)
+                visible = tile_visible(
+                    q_block * block_q + iota(s.shape, 1),
+                    kv_start + iota(s.shape, 0),
+                    band=band,
+                    kv_len=kv_len if mask_padded_keys else None,
+                    q_seg=q_seg,
+                    kv_seg=kv_seg,
+                    shape=s.shape,
+                    q_axis=1,
+                )
                 if visible is not None:  # None: traced for a loop that runs no iterations
                     p = jnp.where(visible, p, 0.0)
             return p
@@ -211,6 +260,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
             if fused:  # the wgmma operands now: float32 P^T dies here
                 ds, p = ds.astype(dtype), p.astype(dtype)
             if dq_acc_ref is None:
+
                 def dk_update(dk_ref):
                     plgpu.wgmma(dk_ref, ds.astype(dtype), q_tile)
 
@@ -261,6 +311,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
             plgpu.barrier_arrive(ds_free)
             plgpu.barrier_arrive(free.at[slot])
             if dq_order is not None:  # the producer's store warp adds it, in order (`store_dq_in_order`)
+
                 @pl.when(t >= 2)
                 def _():  # that warp has read step t-2's dQ out of this slot
                     plgpu.barrier_wait(dq_order.free.at[lax.rem(t, 2)])
@@ -275,8 +326,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
             dq_smem[...] = dq
             plgpu.commit_smem()
             q_rows = pl.ds(q_block * block_q + dq_rows.start, dq_rows.size)
-            plgpu.copy_smem_to_gmem(dq_smem, dq_acc_ref.at[batch, q_rows, kv_head * group + g, dq_cols],
-                                    reduction_op="add")
+            plgpu.copy_smem_to_gmem(
+                dq_smem, dq_acc_ref.at[batch, q_rows, kv_head * group + g, dq_cols], reduction_op="add"
+            )
             return dk, dv
 
         def overlapped_step(q_block, carry, *, g, masked: bool):
@@ -300,6 +352,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
                 dv = dv + jnp.dot(p.astype(dtype), wgmma_operand(do_tile), preferred_element_type=jnp.float32)
                 dp = dot_t(wgmma_operand(v_smem), wgmma_operand(do_tile))
             else:
+
                 def products(s_ref, dk_ref, dv_ref, dp_ref):
                     dk_ref[...] = dk
                     dv_ref[...] = dv
@@ -328,8 +381,14 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
         # Query blocks that see every key of this warpgroup (in its band and, with segment ids, in the tile's
         # one segment) skip the mask (none, with `always_mask`).
         _, *band_range, _ = blocks.q_block_range(
-            lax.div(kv_start, block_kv), block_q=block_q, block_kv=block_kv, num_q_blocks=num_q_blocks,
-            kv_len=k_ref.shape[1], band=band, always_mask=always_mask)
+            lax.div(kv_start, block_kv),
+            block_q=block_q,
+            block_kv=block_kv,
+            num_q_blocks=num_q_blocks,
+            kv_len=k_ref.shape[1],
+            band=band,
+            always_mask=always_mask,
+        )
         unmasked_lo, unmasked_hi = unmasked_blocks(band_range, (q_lo, q_hi), same)
 
         # Without a left band edge, masked padding or segment ids, unmasked_hi == q_hi: no trailing edge.
@@ -339,8 +398,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
         step_fn = overlapped_step if overlap else step
 
         def head(g, carry):
-            return masked_edge_loops(functools.partial(step_fn, g=g), carry, q_lo, unmasked_lo, unmasked_hi,
-                                     q_hi if trailing else None)
+            return masked_edge_loops(
+                functools.partial(step_fn, g=g), carry, q_lo, unmasked_lo, unmasked_hi, q_hi if trailing else None
+            )
 
         shape = (block_kv, k_smem.shape[-1])
         carry = (zeros(shape), zeros(shape))
@@ -348,9 +408,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
             carry += (zeros((block_kv, block_q)).astype(dtype),)
         dk, dv, *ds_last = lax.fori_loop(0, group, head, carry)
         if dq_acc_ref is not None:
+
             @pl.when(total_steps > 0)
             def _():  # the last step's phase: the other warpgroup's last dQ wgmma has read this K
                 plgpu.barrier_wait(ds_barriers[1])
+
         # K and V of this warpgroup are read by wgmmas that have all returned: reuse them for the output.
         if overlap:  # the last step's dK product, then its slot is free
             last = lax.rem(total_steps + num_stages - 1, num_stages)
@@ -358,11 +420,13 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
             @pl.when(total_steps > 0)
             def _():
                 if interpreting:
-                    dk_out = dk + jnp.dot(ds_last[0], wgmma_operand(q_smem.at[last]),
-                                          preferred_element_type=jnp.float32)
+                    dk_out = dk + jnp.dot(
+                        ds_last[0], wgmma_operand(q_smem.at[last]), preferred_element_type=jnp.float32
+                    )
                 else:
                     dk_out = pl.run_state(lambda dk_ref: plgpu.wgmma(dk_ref, ds_last[0], q_smem.at[last]))(
-                        plgpu.ACC.init(dk))
+                        plgpu.ACC.init(dk)
+                    )
                 plgpu.barrier_arrive(free.at[last])
                 k_smem[...] = (dk_out * scale).astype(dtype)
 
@@ -393,8 +457,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
             if "q" in copies:
                 plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_ready.at[slot])
                 if has_segments:  # ids of the block's queries (read in masked steps, which all steps are then)
-                    plgpu.copy_gmem_to_smem(q_ids_ref.at[batch, queries], segments[0].at[slot],
-                                            segments[2].at[slot])
+                    plgpu.copy_gmem_to_smem(q_ids_ref.at[batch, queries], segments[0].at[slot], segments[2].at[slot])
             if "lse2" in copies:
                 plgpu.copy_gmem_to_smem(lse2_ref.at[batch, head, queries], lse_smem.at[slot], lse_ready.at[slot])
             if "do" in copies:
@@ -415,18 +478,43 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, kv
         @plgpu.warp_map
         def _per_warp(warp):
             for load_warp, copies in load_warps.items():
+
                 @pl.when(warp == load_warp)
                 def _(copies=copies):
                     fill_ring(functools.partial(load, copies=copies), num_stages=num_stages, steps=total_steps)
 
             @pl.when(warp == 1)
             def _():
-                store_dq_in_order(dq_order, dq_staging[1], dq_acc_ref, batch=batch, kv_head=kv_head,
-                                  kv_tile=kv_tile, group=group, q_lo=q_lo, q_steps=q_steps, block_q=block_q)
+                store_dq_in_order(
+                    dq_order,
+                    dq_staging[1],
+                    dq_acc_ref,
+                    batch=batch,
+                    kv_head=kv_head,
+                    kv_tile=kv_tile,
+                    group=group,
+                    q_lo=q_lo,
+                    q_steps=q_steps,
+                    block_q=block_q,
+                )
 
 
-def dkdv_pass(q, k, v, d_out, lse2, delta, q_ids, kv_ids, *, scale: float, band: masks.Band, kv_len: int,
-          config: HopperBwdConfig, interpret):
+def dkdv_pass(
+    q,
+    k,
+    v,
+    d_out,
+    lse2,
+    delta,
+    q_ids,
+    kv_ids,
+    *,
+    scale: float,
+    band: masks.Band,
+    kv_len: int,
+    config: HopperBwdConfig,
+    interpret,
+):
     """(dk, dv), and with config.dq_atomic also dq (float32, unscaled, [batch, q_pad, heads, d])."""
     batch, kv_pad, kv_heads, head_dim = k.shape
     block_q, block_kv, num_stages = config.block_q_dkv, config.block_kv_dkv, config.num_stages_dkv
@@ -446,17 +534,34 @@ def dkdv_pass(q, k, v, d_out, lse2, delta, q_ids, kv_ids, *, scale: float, band:
     if config.dq_atomic:
         # Both consumers' dS^T in one tile; per (step parity, consumer) its float32 share of dQ for the TMA
         # reduce; two-arrival barriers: that tile written (`ds_ready`), and read by both dQ wgmmas (`ds_free`).
-        rows, cols = ((block_q, head_dim // NUM_CONSUMERS) if dq_split(head_dim, block_q) == "columns"
-                      else (block_q // NUM_CONSUMERS, head_dim))
-        smem += [plgpu.SMEM((NUM_CONSUMERS * block_kv, block_q), q.dtype, transforms=transforms),
-                 plgpu.SMEM((2, NUM_CONSUMERS, rows, cols), jnp.float32,
-                            transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)))]
+        rows, cols = (
+            (block_q, head_dim // NUM_CONSUMERS)
+            if dq_split(head_dim, block_q) == "columns"
+            else (block_q // NUM_CONSUMERS, head_dim)
+        )
+        smem += [
+            plgpu.SMEM((NUM_CONSUMERS * block_kv, block_q), q.dtype, transforms=transforms),
+            plgpu.SMEM(
+                (2, NUM_CONSUMERS, rows, cols),
+                jnp.float32,
+                transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)),
+            ),
+        ]
         extra_barriers = (plgpu.Barrier(num_arrivals=NUM_CONSUMERS),) * 2
         if config.dq_ordered:  # per staging slot: both consumers' dQ is in it; the store warp has read it
-            extra_barriers += (plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=2),
-                               plgpu.Barrier(num_arrivals=1, num_barriers=2))
-    body = functools.partial(_dkdv_kernel, scale=scale, band=band, kv_len=kv_len, group=q.shape[2] // kv_heads,
-                             config=config, interpreting=interpret is not None)
+            extra_barriers += (
+                plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=2),
+                plgpu.Barrier(num_arrivals=1, num_barriers=2),
+            )
+    body = functools.partial(
+        _dkdv_kernel,
+        scale=scale,
+        band=band,
+        kv_len=kv_len,
+        group=q.shape[2] // kv_heads,
+        config=config,
+        interpreting=interpret is not None,
+    )
 
     num_q_blocks = q.shape[1] // block_q
     num_tiles = kv_pad // (NUM_CONSUMERS * block_kv)
@@ -497,34 +602,55 @@ def dkdv_pass(q, k, v, d_out, lse2, delta, q_ids, kv_ids, *, scale: float, band:
         q_ranges = segment_block_ranges(kv_ids, q_ids, rows_per_tile=NUM_CONSUMERS * block_kv, cols_per_block=block_q)
         operands += (q_ids, kv_ids, q_ranges)
     out_type = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
-    grid = dict(grid=(batch, kv_heads, num_tiles),
-                grid_names=("batch", "kv_heads", "kv_tiles"), num_threads=NUM_CONSUMERS + 1, thread_name="wg")
+    grid = dict(
+        grid=(batch, kv_heads, num_tiles),
+        grid_names=("batch", "kv_heads", "kv_tiles"),
+        num_threads=NUM_CONSUMERS + 1,
+        thread_name="wg",
+    )
     compiler_params = plgpu.CompilerParams(approx_math=True)
     interpreter = {} if interpret is None else dict(interpret=interpret)
     if config.dq_ordered:
-        visits = tile_visits(q_ranges, batch=batch, num_tiles=num_tiles, block_q=block_q,
-                             tile_keys=NUM_CONSUMERS * block_kv, num_q_blocks=num_q_blocks, kv_pad=kv_pad, band=band)
+        visits = tile_visits(
+            q_ranges,
+            batch=batch,
+            num_tiles=num_tiles,
+            block_q=block_q,
+            tile_keys=NUM_CONSUMERS * block_kv,
+            num_q_blocks=num_q_blocks,
+            kv_pad=kv_pad,
+            band=band,
+        )
         grid.update(zip(("grid", "grid_names"), ordered_launch(batch, kv_heads, num_tiles, launch_group)))
         # Each block's first visitor stores its dQ, so the float32 buffer is a plain output (no zero fill: 0.04 of
         # 4.6 ms per fwd+bwd call at the bar's head_dim 64, 8k keys); rows no tile visits stay unwritten: zeroed here.
-        dq, dk, dv = plgpu.kernel(flash_backward_dkdv_sm90,
-                                  out_type=(jax.ShapeDtypeStruct(q.shape, jnp.float32), *out_type),
-                                  compiler_params=compiler_params, **grid)(
-            *operands, dq_order_ranks(visits))
+        dq, dk, dv = plgpu.kernel(
+            flash_backward_dkdv_sm90,
+            out_type=(jax.ShapeDtypeStruct(q.shape, jnp.float32), *out_type),
+            compiler_params=compiler_params,
+            **grid,
+        )(*operands, dq_order_ranks(visits))
         return dk, dv, jnp.where(dq_visited_rows(visits, block_q)[:, :, None, None], dq, 0.0)
     if not config.dq_atomic:
-        return plgpu.kernel(flash_backward_dkdv_sm90, out_type=out_type, compiler_params=compiler_params, **grid,
-                            **interpreter)(*operands)
+        return plgpu.kernel(
+            flash_backward_dkdv_sm90, out_type=out_type, compiler_params=compiler_params, **grid, **interpreter
+        )(*operands)
+
     # Free order: the dQ accumulator must start at zero and be written in place: a mutable array handed to the
     # kernel (plgpu.kernel's batching wrapper cannot carry one, so the mesh kernel is called directly). It lives
     # in a run_state, whose outside is pure: `_fold_vmap`'s custom_vmap cannot hold a bare `jax.new_ref` (state
     # discharge has no rule for custom_vmap_call).
     def accumulate(refs):
         dq_acc, dk_ref, dv_ref = refs
-        dk_ref[...], dv_ref[...] = pl.kernel(flash_backward_dkdv_sm90, out_type=out_type,
-                                             mesh=plgpu.Mesh(**grid), compiler_params=compiler_params,
-                                             **interpreter)(*operands, dq_acc)
+        dk_ref[...], dv_ref[...] = pl.kernel(
+            flash_backward_dkdv_sm90,
+            out_type=out_type,
+            mesh=plgpu.Mesh(**grid),
+            compiler_params=compiler_params,
+            **interpreter,
+        )(*operands, dq_acc)
 
-    dq, dk, dv = pl.run_state(accumulate)((jnp.zeros(q.shape, jnp.float32), jnp.empty(k.shape, k.dtype),
-                                           jnp.empty(v.shape, v.dtype)))
+    dq, dk, dv = pl.run_state(accumulate)(
+        (jnp.zeros(q.shape, jnp.float32), jnp.empty(k.shape, k.dtype), jnp.empty(v.shape, v.dtype))
+    )
     return dk, dv, dq

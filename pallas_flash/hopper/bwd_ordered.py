@@ -2,6 +2,7 @@
 order of its float32 adds (`HopperBwdConfig.dq_ordered`): which query blocks a key tile visits, each visit's
 rank among the key tiles adding to the same block (a global semaphore per block counts them), and a launch
 order (descending key tiles, L2-sized groups of (batch, kv head) pairs) in which every wait is deadlock-free."""
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -45,15 +46,23 @@ def split_dq_product(ds_t_smem, k_smem, wg):
     return ds_t_smem.at[:, rows], k_smem, rows, cols
 
 
-def visited_q_blocks(kv_tile, read_range, *, block_q: int, tile_keys: int, num_q_blocks: int, kv_pad: int,
-                     band: masks.Band):
+def visited_q_blocks(
+    kv_tile, read_range, *, block_q: int, tile_keys: int, num_q_blocks: int, kv_pad: int, band: masks.Band
+):
     """(lo, hi, same): the query blocks [lo, hi) that the dK/dV CTA of key tile `kv_tile` (`tile_keys` keys)
     visits per query head: those its keys' band reaches, intersected with its segment ids' blocks; `same` the
     run of blocks in the tile's one segment (None without ids). `read_range(i)`: entry i of the tile's row of
     `segment_block_ranges`, or None without segment ids. Elementwise: the kernel calls it on its scalars,
     `tile_visits` on every tile at once."""
-    q_lo, _, _, q_hi = blocks.q_block_range(kv_tile, block_q=block_q, block_kv=tile_keys, num_q_blocks=num_q_blocks,
-                                           kv_len=kv_pad, band=band, always_mask=True)
+    q_lo, _, _, q_hi = blocks.q_block_range(
+        kv_tile,
+        block_q=block_q,
+        block_kv=tile_keys,
+        num_q_blocks=num_q_blocks,
+        kv_len=kv_pad,
+        band=band,
+        always_mask=True,
+    )
     if read_range is None:
         return q_lo, q_hi, None
     q_lo = jnp.maximum(q_lo, read_range(0))
@@ -61,13 +70,29 @@ def visited_q_blocks(kv_tile, read_range, *, block_q: int, tile_keys: int, num_q
     return q_lo, q_hi, (read_range(2), read_range(3))
 
 
-def tile_visits(q_ranges, *, batch: int, num_tiles: int, block_q: int, tile_keys: int, num_q_blocks: int,
-                kv_pad: int, band: masks.Band):
+def tile_visits(
+    q_ranges,
+    *,
+    batch: int,
+    num_tiles: int,
+    block_q: int,
+    tile_keys: int,
+    num_q_blocks: int,
+    kv_pad: int,
+    band: masks.Band,
+):
     """int32 [batch, num_tiles, num_q_blocks]: 1 where key tile t of example b visits query block j
     (`visited_q_blocks`, the kernel's own rule; the same for every query head)."""
     read = None if q_ranges is None else (lambda i: q_ranges[:, :, i])
-    lo, hi, _ = visited_q_blocks(jnp.arange(num_tiles, dtype=jnp.int32)[None, :], read, block_q=block_q,
-                                 tile_keys=tile_keys, num_q_blocks=num_q_blocks, kv_pad=kv_pad, band=band)
+    lo, hi, _ = visited_q_blocks(
+        jnp.arange(num_tiles, dtype=jnp.int32)[None, :],
+        read,
+        block_q=block_q,
+        tile_keys=tile_keys,
+        num_q_blocks=num_q_blocks,
+        kv_pad=kv_pad,
+        band=band,
+    )
     lo, hi = (jnp.broadcast_to(jnp.asarray(x, jnp.int32), (batch, num_tiles)) for x in (lo, hi))
     blocks = jnp.arange(num_q_blocks, dtype=jnp.int32)
     return ((blocks >= lo[:, :, None]) & (blocks < hi[:, :, None])).astype(jnp.int32)
@@ -127,6 +152,7 @@ class DqOrder(NamedTuple):
     global memory; a global int32 semaphore per (batch, query head, query block), flattened, zero at launch;
     the CTA's (batch, kv head, key tile) (`ordered_cta`); per dQ staging slot a barrier that both consumers'
     dQ is in it (`staged`) and one that the store warp has read it out (`free`)."""
+
     ranks: object
     semaphores: object
     cta: tuple
@@ -134,8 +160,9 @@ class DqOrder(NamedTuple):
     free: object
 
 
-def store_dq_in_order(order: DqOrder, staging, dq_acc_ref, *, batch, kv_head, kv_tile, group: int, q_lo, q_steps,
-                      block_q: int):
+def store_dq_in_order(
+    order: DqOrder, staging, dq_acc_ref, *, batch, kv_head, kv_tile, group: int, q_lo, q_steps, block_q: int
+):
     """The dq_ordered kernel's store warp: for each step t of the CTA (query head g, query block j), once both
     consumers have staged their dQ halves in slot t % 2 and the semaphore of (batch, head, block) counts every
     higher key tile that visits the block (`dq_order_ranks`), reduce-add both halves into dq_acc_ref by TMA

@@ -1,6 +1,7 @@
 """Mosaic GPU building blocks the Hopper forward and backward kernels share: head_dim padding, register-layout
 ops (with their interpreter stand-ins), the K/V (or Q/dO) shared-memory ring a producer warpgroup fills and
 consumers drain, and the per-tile block ranges that let a kernel skip invisible blocks and masks."""
+
 from __future__ import annotations
 
 import functools
@@ -40,12 +41,16 @@ def register_ops(interpreting: bool):
     vector read into a given layout; without layouts when `interpreting` (the Mosaic GPU interpreter has no
     CPU rule for them). Shared by the forward and the backward kernels."""
     if interpreting:
-        return (lambda shape, axis: lax.broadcasted_iota(jnp.int32, shape, axis),
-                lambda shape: jnp.zeros(shape, jnp.float32),
-                lambda ref, layout: ref[...])
-    return (lambda shape, axis: plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA),
-            lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA),
-            smem_vector_load)
+        return (
+            lambda shape, axis: lax.broadcasted_iota(jnp.int32, shape, axis),
+            lambda shape: jnp.zeros(shape, jnp.float32),
+            lambda ref, layout: ref[...],
+        )
+    return (
+        lambda shape, axis: plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA),
+        lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA),
+        smem_vector_load,
+    )
 
 
 def dot_t(x, y):
@@ -53,8 +58,18 @@ def dot_t(x, y):
     return lax.dot_general(x, y, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def query_tile_schedule(num_q_tiles: int, *, block_q: int, block_kv: int, num_kv_blocks: int, kv_len: int,
-                        band: masks.Band, segment_ranges=None, tile=None, batch=None):
+def query_tile_schedule(
+    num_q_tiles: int,
+    *,
+    block_q: int,
+    block_kv: int,
+    num_kv_blocks: int,
+    kv_len: int,
+    band: masks.Band,
+    segment_ranges=None,
+    tile=None,
+    batch=None,
+):
     """The first query row of this CTA's tile of NUM_CONSUMERS * block_q rows (grid axis "q_tiles"), and the
     key blocks [lo, hi) it visits: those its rows' band reaches, narrowed to the tile's `segment_ranges`
     entry (None, or the ref of `segment_block_ranges`), never none (a tile that sees no key still visits
@@ -65,9 +80,15 @@ def query_tile_schedule(num_q_tiles: int, *, block_q: int, block_kv: int, num_kv
     tile = lax.axis_index("q_tiles") if tile is None else tile
     if band.right is not None and band.left is None:
         tile = num_q_tiles - 1 - tile
-    lo, _, _, hi = blocks.kv_block_range(tile, block_q=NUM_CONSUMERS * block_q, block_kv=block_kv,
-                                        num_kv_blocks=num_kv_blocks, kv_len=kv_len, band=band,
-                                        always_mask=segment_ranges is not None)
+    lo, _, _, hi = blocks.kv_block_range(
+        tile,
+        block_q=NUM_CONSUMERS * block_q,
+        block_kv=block_kv,
+        num_kv_blocks=num_kv_blocks,
+        kv_len=kv_len,
+        band=band,
+        always_mask=segment_ranges is not None,
+    )
     same = None
     if segment_ranges is not None:
         batch = lax.axis_index("batch") if batch is None else batch
@@ -84,8 +105,10 @@ def tile_visible(q_pos, k_pos, *, band: masks.Band, kv_len, q_seg, kv_seg, shape
     by the forward (query-major tiles) and the backward kernels (dK/dV's are key-major)."""
     ids = {}
     if q_seg is not None:
-        ids = dict(q_segment=lax.broadcast_in_dim(q_seg, shape, [q_axis]),
-                   kv_segment=lax.broadcast_in_dim(kv_seg, shape, [1 - q_axis]))
+        ids = dict(
+            q_segment=lax.broadcast_in_dim(q_seg, shape, [q_axis]),
+            kv_segment=lax.broadcast_in_dim(kv_seg, shape, [1 - q_axis]),
+        )
     return masks.visible(q_pos, k_pos, band=band, kv_len=kv_len, **ids)
 
 
@@ -158,8 +181,9 @@ def segment_block_ranges(row_ids, col_ids, *, rows_per_tile: int, cols_per_block
     return jnp.stack([lo, hi, same_lo, same_hi], axis=2).astype(jnp.int32)
 
 
-def stream_kv_blocks(gmem, smem, ready, free, *, batch, kv_head, block_kv: int, num_stages: int, kv_lo, kv_hi,
-                     kv_ids=None, done=0):
+def stream_kv_blocks(
+    gmem, smem, ready, free, *, batch, kv_head, block_kv: int, num_stages: int, kv_lo, kv_hi, kv_ids=None, done=0
+):
     """The producer warpgroup's loop (this forward's and the dQ kernel's): TMA key/value blocks kv_lo ..
     kv_hi-1 of (batch, kv_head) into a `num_stages` shared-memory ring. `gmem`, `smem`, `ready`, `free` are
     (key, value) pairs of refs and barriers; slot s is refilled once the consumers arrive on its "free"
@@ -231,8 +255,12 @@ def segment_scratch(has_segments: bool, q_ids_shape, kv_ids_shape):
     Shapes are (slots, length); one barrier per slot."""
     if not has_segments:
         return None
-    return (plgpu.SMEM(q_ids_shape, jnp.int32), plgpu.SMEM(kv_ids_shape, jnp.int32),
-            plgpu.Barrier(num_barriers=q_ids_shape[0]), plgpu.Barrier(num_barriers=kv_ids_shape[0]))
+    return (
+        plgpu.SMEM(q_ids_shape, jnp.int32),
+        plgpu.SMEM(kv_ids_shape, jnp.int32),
+        plgpu.Barrier(num_barriers=q_ids_shape[0]),
+        plgpu.Barrier(num_barriers=kv_ids_shape[0]),
+    )
 
 
 def wgmma_operand(ref):

@@ -1,4 +1,5 @@
 """Tiles of the Hopper (Mosaic GPU) kernels, as frozen dataclasses passed statically to them."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -61,7 +62,7 @@ class HopperConfig:
         return self._q_tile_bytes(head_dim, itemsize) + kv_ring + lse + _SMEM_SLACK
 
     @classmethod
-    def default(cls, head_dim: int, kv_len: int | None = None, is_causal: bool = False) -> "HopperConfig":
+    def default(cls, head_dim: int, kv_len: int | None = None, is_causal: bool = False) -> HopperConfig:
         """The fastest tiles measured on the H100 per padded head_dim (docs/performance.md).
 
         head_dim 64: 256-key blocks (fewer, longer wgmmas per softmax), but 128 for causal rows up to 1k
@@ -75,8 +76,9 @@ class HopperConfig:
         if head_dim <= 64:
             if is_causal and short:
                 return cls(block_q=64, block_kv=128, num_stages=3, persistent=True)
-            return cls(block_q=64, block_kv=256, num_stages=2,
-                       persistent=short or (is_causal and known and kv_len <= 8192))
+            return cls(
+                block_q=64, block_kv=256, num_stages=2, persistent=short or (is_causal and known and kv_len <= 8192)
+            )
         if head_dim <= 128:
             if short:
                 return cls(block_q=64, block_kv=128, num_stages=2, persistent=not is_causal)
@@ -140,8 +142,10 @@ class HopperBwdConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"HopperBwdConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.dq_ordered and not self.dq_atomic:
-            raise ValueError("HopperBwdConfig.dq_ordered orders the one-pass backward's dQ reduce-adds: it needs "
-                             "dq_atomic=True (the two-pass backward is deterministic already)")
+            raise ValueError(
+                "HopperBwdConfig.dq_ordered orders the one-pass backward's dQ reduce-adds: it needs "
+                "dq_atomic=True (the two-pass backward is deterministic already)"
+            )
         for field in dataclasses.fields(self):
             if field.name in _BWD_FLAGS:
                 continue
@@ -158,8 +162,9 @@ class HopperBwdConfig:
         ring = self.num_stages_dkv * (2 * self.block_q_dkv * head_dim * itemsize + 2 * self.block_q_dkv * 4)
         staging = 0
         if self.dq_atomic:  # both consumers' dS^T in one tile; two slots of dQ's float32 [block_q, D] in halves
-            staging = (NUM_CONSUMERS * self.block_kv_dkv * self.block_q_dkv * itemsize
-                       + 2 * self.block_q_dkv * head_dim * 4)
+            staging = (
+                NUM_CONSUMERS * self.block_kv_dkv * self.block_q_dkv * itemsize + 2 * self.block_q_dkv * head_dim * 4
+            )
         return k_and_v + ring + staging + _SMEM_SLACK
 
     def smem_bytes_dq(self, head_dim: int, itemsize: int = 2) -> int:
@@ -168,8 +173,9 @@ class HopperBwdConfig:
         return q_and_do + ring + _SMEM_SLACK
 
     @classmethod
-    def default(cls, head_dim: int, deterministic: bool = True, kv_len: int | None = None,
-                is_causal: bool = False) -> "HopperBwdConfig":
+    def default(
+        cls, head_dim: int, deterministic: bool = True, kv_len: int | None = None, is_causal: bool = False
+    ) -> HopperBwdConfig:
         """The fastest variant measured on the H100 per padded head_dim (docs/performance.md).
 
         head_dim 64: the one pass (dq_atomic) with ordered dQ adds unless deterministic=False, delta_in_dp;
@@ -179,12 +185,29 @@ class HopperBwdConfig:
         if head_dim <= 64:
             ordered_pays = not (is_causal and kv_len is not None and kv_len <= 2048)
             one_pass = not deterministic or ordered_pays
-            return cls(block_q_dkv=128, block_kv_dkv=64, num_stages_dkv=2, block_q_dq=64, block_kv_dq=128,
-                       num_stages_dq=2, dq_atomic=one_pass, dq_ordered=deterministic and ordered_pays,
-                       delta_in_dp=True)
+            return cls(
+                block_q_dkv=128,
+                block_kv_dkv=64,
+                num_stages_dkv=2,
+                block_q_dq=64,
+                block_kv_dq=128,
+                num_stages_dq=2,
+                dq_atomic=one_pass,
+                dq_ordered=deterministic and ordered_pays,
+                delta_in_dp=True,
+            )
         if head_dim <= 128:
             causal_up_to_8k = is_causal and kv_len is not None and kv_len <= 8192
-            return cls(block_q_dkv=64, block_kv_dkv=64, num_stages_dkv=4, block_q_dq=64, block_kv_dq=64,
-                       num_stages_dq=4, dq_overlap=True, dkv_overlap=True, delta_in_dp=causal_up_to_8k)
+            return cls(
+                block_q_dkv=64,
+                block_kv_dkv=64,
+                num_stages_dkv=4,
+                block_q_dq=64,
+                block_kv_dq=64,
+                num_stages_dq=4,
+                dq_overlap=True,
+                dkv_overlap=True,
+                delta_in_dp=causal_up_to_8k,
+            )
         # head_dim 256: K and V of 128 keys alone take 128 KiB of the dK/dV kernel's shared memory.
         raise ValueError(f"the Hopper backward takes head_dim <= 128, got {head_dim}")

@@ -34,6 +34,7 @@ h // (num_heads // num_kv_heads).
 
 Residuals: the kernel returns (out, lse); lse [batch, heads, q_len] float32 in natural log, like the core.
 """
+
 from __future__ import annotations
 
 import functools
@@ -75,8 +76,25 @@ CONSUMER_REGISTERS = 232
 PRODUCER_REGISTERS = 40
 
 
-def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, lse_ref, scoped, *, scale: float,
-            band: masks.Band, kv_len: int, tiles_of_cta, config: HopperConfig, group: int, interpreting: bool):
+def _kernel(
+    q_ref,
+    k_ref,
+    v_ref,
+    q_ids_ref,
+    kv_ids_ref,
+    kv_ranges_ref,
+    out_ref,
+    lse_ref,
+    scoped,
+    *,
+    scale: float,
+    band: masks.Band,
+    kv_len: int,
+    tiles_of_cta,
+    config: HopperConfig,
+    group: int,
+    interpreting: bool,
+):
     """3 warpgroups ("wg"): 0 and 1 consume, 2 produces. Each CTA runs the query tiles `tiles_of_cta` gives it
     (one per CTA, or, persistent, a strided share of all of them); the K/V ring's slots, the barriers'
     phases and the consumers' ping-pong continue from one tile to the next.
@@ -91,8 +109,9 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
     int32 [batch, q_pad] / [batch, kv_pad] (padding ids never match), kv_ranges_ref None or with them the
     key blocks each query tile's ids may meet (`segment_block_ranges`), out_ref like q_ref, lse_ref
     [batch, heads, q_pad] (natural log)."""
-    ((q_smem2, o_smem2, k_smem, v_smem, lse_smem2), q_ready, (k_ready, v_ready), (k_free, v_free), turn,
-     segments) = scoped
+    ((q_smem2, o_smem2, k_smem, v_smem, lse_smem2), q_ready, (k_ready, v_ready), (k_free, v_free), turn, segments) = (
+        scoped
+    )
     has_segments = q_ids_ref is not None
     block_q, block_kv, num_stages = config.block_q, config.block_kv, config.num_stages
     num_kv_blocks = k_ref.shape[1] // block_kv
@@ -106,8 +125,16 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
         """(batch, head, first row, key blocks [lo, hi), same-segment run) of this CTA's i-th tile."""
         batch, head, tile = tile_of(i)
         tile_start, kv_lo, kv_hi, same = query_tile_schedule(
-            num_q_tiles, block_q=block_q, block_kv=block_kv, num_kv_blocks=num_kv_blocks, kv_len=kv_len,
-            band=band, segment_ranges=kv_ranges_ref, tile=tile, batch=batch)
+            num_q_tiles,
+            block_q=block_q,
+            block_kv=block_kv,
+            num_kv_blocks=num_kv_blocks,
+            kv_len=kv_len,
+            band=band,
+            segment_ranges=kv_ranges_ref,
+            tile=tile,
+            batch=batch,
+        )
         return batch, head, tile_start, kv_lo, kv_hi, same
 
     # A row may see no key at all (segments, or a window's left edge past the keys): keep its m = -inf safe.
@@ -152,9 +179,16 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
             m (base-2 units) -> (p, alpha, m_new): the block's unnormalised probabilities, the factor that
             rescales what was accumulated before, and the new maximum."""
             if masked:
-                visible = tile_visible(q_start + iota(s.shape, 0), kv_step * block_kv + iota(s.shape, 1),
-                                       band=band, kv_len=kv_len if kv_len % block_kv else None, q_seg=q_seg,
-                                       kv_seg=kv_seg, shape=s.shape, q_axis=0)
+                visible = tile_visible(
+                    q_start + iota(s.shape, 0),
+                    kv_step * block_kv + iota(s.shape, 1),
+                    band=band,
+                    kv_len=kv_len if kv_len % block_kv else None,
+                    q_seg=q_seg,
+                    kv_seg=kv_seg,
+                    shape=s.shape,
+                    q_axis=0,
+                )
                 if visible is not None:  # None: traced for a loop that runs no iterations
                     s = jnp.where(visible, s, -jnp.inf)
             # c > 0, so max(c * s) = c * max(s).
@@ -167,6 +201,7 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
 
         def qk(slot, after_issue):
             """S = Q K[slot]^T in float32; `after_issue()` runs once its wgmma is issued (before the wait)."""
+
             def scores(s_ref):
                 plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
                 after_issue()
@@ -180,6 +215,7 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
 
         def pv(acc, p16, slot, after_issue):
             """acc + P V[slot]; `after_issue()` runs once its wgmma is issued (before the wait)."""
+
             def update(acc_ref):
                 plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
                 after_issue()
@@ -199,6 +235,7 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
             and P_{j-1} live at once. Block kv_lo (no P V before it) is peeled off and always masked; the
             steps after it keep the masked / unmasked split; every step, the peeled one and the last P V
             each take one turn, the same count for both consumers."""
+
             def my_turn():  # the tensor cores are ours: issue this step's wgmmas
                 plgpu.barrier_wait(turn.at[wg])
 
@@ -210,8 +247,7 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
             my_turn()
             s = qk(slot, after_issue=pass_turn)  # K_{kv_lo} was waited for at the tile's start
             plgpu.barrier_arrive(k_free.at[slot])
-            p, alpha, m = probabilities(s, m, masked=True, q_seg=q_seg, kv_seg=kv_seg, q_start=q_start,
-                                        kv_step=kv_lo)
+            p, alpha, m = probabilities(s, m, masked=True, q_seg=q_seg, kv_seg=kv_seg, q_start=q_start, kv_step=kv_lo)
             l = l * alpha + p.sum(axis=1)  # O is still zero: nothing to rescale
 
             def step(kv_step, carry, *, masked: bool):
@@ -224,10 +260,12 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
                 if interpreting:  # the same steps, one product at a time
                     s = qk(slot, after_issue=pass_turn)
                     plgpu.barrier_arrive(k_free.at[slot])
-                    p, alpha, m = probabilities(s, m, masked=masked, q_seg=q_seg, kv_seg=kv_seg, q_start=q_start,
-                                                kv_step=kv_step)
+                    p, alpha, m = probabilities(
+                        s, m, masked=masked, q_seg=q_seg, kv_seg=kv_seg, q_start=q_start, kv_step=kv_step
+                    )
                     acc = pv(acc, p_prev, prev, after_issue=lambda: None)
                 else:
+
                     def both(s_ref, o_ref):
                         o_ref[...] = acc
                         plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
@@ -235,12 +273,14 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
                         pass_turn()
                         s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S_j done, P V may run on
                         plgpu.barrier_arrive(k_free.at[slot])
-                        softmax = probabilities(s, m, masked=masked, q_seg=q_seg, kv_seg=kv_seg,
-                                                q_start=q_start, kv_step=kv_step)
+                        softmax = probabilities(
+                            s, m, masked=masked, q_seg=q_seg, kv_seg=kv_seg, q_start=q_start, kv_step=kv_step
+                        )
                         return (o_ref[...], *softmax)
 
-                    acc, p, alpha, m = pl.run_scoped(both, plgpu.ACC((block_q, block_kv), jnp.float32),
-                                                     plgpu.ACC(acc.shape, jnp.float32))
+                    acc, p, alpha, m = pl.run_scoped(
+                        both, plgpu.ACC((block_q, block_kv), jnp.float32), plgpu.ACC(acc.shape, jnp.float32)
+                    )
                 l = l * alpha + p.sum(axis=1)
                 plgpu.barrier_arrive(v_free.at[prev])
                 # O holds blocks < kv_step in the old scale: rescale it to the new maximum.
@@ -249,8 +289,9 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
             carry = (acc, m, l, p.astype(dtype))
             unmasked_lo, unmasked_hi = (jnp.maximum(edge, kv_lo + 1) for edge in unmasked)
             leading = band.left is not None or has_segments
-            acc, m, l, p_last = masked_edge_loops(step, carry, kv_lo + 1 if leading else None, unmasked_lo,
-                                                  unmasked_hi, kv_hi)
+            acc, m, l, p_last = masked_edge_loops(
+                step, carry, kv_lo + 1 if leading else None, unmasked_lo, unmasked_hi, kv_hi
+            )
             last = slot_of(kv_hi - 1)
             plgpu.barrier_wait(v_ready.at[last])
             my_turn()
@@ -272,8 +313,17 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
             q_seg = None
             if has_segments:
                 q_ids_smem, _, q_ids_ready, _ = segments
-                q_seg = load_own_ids(q_ids_ref, q_ids_smem, q_ids_ready, wg=wg, batch=batch, start=q_start,
-                                     size=block_q, layout=row, load=load)
+                q_seg = load_own_ids(
+                    q_ids_ref,
+                    q_ids_smem,
+                    q_ids_ready,
+                    wg=wg,
+                    batch=batch,
+                    start=q_start,
+                    size=block_q,
+                    layout=row,
+                    load=load,
+                )
 
             def slot_of(kv_step):
                 return lax.rem(ring_steps + kv_step - kv_lo, num_stages)
@@ -289,8 +339,9 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
                 s = qk(slot, after_issue=lambda: plgpu.barrier_arrive(turn))
                 plgpu.barrier_arrive(k_free.at[slot])
                 plgpu.barrier_wait(turn)
-                p, alpha, m_new = probabilities(s, m, masked=masked, q_seg=q_seg, kv_seg=kv_seg, q_start=q_start,
-                                                kv_step=kv_step)
+                p, alpha, m_new = probabilities(
+                    s, m, masked=masked, q_seg=q_seg, kv_seg=kv_seg, q_start=q_start, kv_step=kv_step
+                )
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 l = l * alpha + p.sum(axis=1)
                 p16 = p.astype(dtype)
@@ -309,16 +360,32 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
             # Only the blocks on the band's edges, the ragged last block and (with segment ids) blocks that
             # are not wholly in the tile's one segment pay for the mask.
             _, *band_range, _ = blocks.kv_block_range(
-                lax.div(q_start, block_q), block_q=block_q, block_kv=block_kv, num_kv_blocks=num_kv_blocks,
-                kv_len=kv_len, band=band, always_mask=False)
+                lax.div(q_start, block_q),
+                block_q=block_q,
+                block_kv=block_kv,
+                num_kv_blocks=num_kv_blocks,
+                kv_len=kv_len,
+                band=band,
+                always_mask=False,
+            )
             unmasked_lo, unmasked_hi = unmasked_blocks(band_range, (kv_lo, kv_hi), same)
             if config.overlap:
-                acc, m, l = overlapped_blocks(acc, m, l, q_seg=q_seg, q_start=q_start, kv_lo=kv_lo, kv_hi=kv_hi,
-                                              unmasked=(unmasked_lo, unmasked_hi), slot_of=slot_of)
+                acc, m, l = overlapped_blocks(
+                    acc,
+                    m,
+                    l,
+                    q_seg=q_seg,
+                    q_start=q_start,
+                    kv_lo=kv_lo,
+                    kv_hi=kv_hi,
+                    unmasked=(unmasked_lo, unmasked_hi),
+                    slot_of=slot_of,
+                )
             else:  # without a left band edge or segment ids, unmasked_lo == kv_lo: no leading edge
                 leading = band.left is not None or has_segments
-                acc, m, l = masked_edge_loops(step, (acc, m, l), kv_lo if leading else None, unmasked_lo,
-                                              unmasked_hi, kv_hi)
+                acc, m, l = masked_edge_loops(
+                    step, (acc, m, l), kv_lo if leading else None, unmasked_lo, unmasked_hi, kv_hi
+                )
 
             if separate_out:  # Q is spent: the next tile's loads while this one's output is stored
                 pl.when(i + 1 < num_tiles)(lambda: load_q(i + 1))
@@ -357,9 +424,20 @@ def _kernel(q_ref, k_ref, v_ref, q_ids_ref, kv_ids_ref, kv_ranges_ref, out_ref, 
 
         def stream_tile(i, ring_steps):
             batch, head, _, kv_lo, kv_hi, _ = schedule(i)
-            stream_kv_blocks((k_ref, v_ref), (k_smem, v_smem), (k_ready, v_ready), (k_free, v_free),
-                             batch=batch, kv_head=lax.div(head, group), block_kv=block_kv,
-                             num_stages=num_stages, kv_lo=kv_lo, kv_hi=kv_hi, kv_ids=ids, done=ring_steps)
+            stream_kv_blocks(
+                (k_ref, v_ref),
+                (k_smem, v_smem),
+                (k_ready, v_ready),
+                (k_free, v_free),
+                batch=batch,
+                kv_head=lax.div(head, group),
+                block_kv=block_kv,
+                num_stages=num_stages,
+                kv_lo=kv_lo,
+                kv_hi=kv_hi,
+                kv_ids=ids,
+                done=ring_steps,
+            )
             return ring_steps + kv_hi - kv_lo
 
         ring_steps = for_each_tile(num_tiles, stream_tile, 0)
@@ -382,9 +460,11 @@ def grid_tiles(batch: int, heads: int, num_q_tiles: int, *, persistent_ctas: int
     for k = 0, 1, ...: each CTA takes whole (long, short) pairs, so the static split stays balanced under a
     causal band, where the hardware's dynamic assignment of one-tile CTAs used to do it."""
     if persistent_ctas is None:
+
         def own_tile(i):
             del i
             return lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_tiles")
+
         return (batch, heads, num_q_tiles), ("batch", "heads", "q_tiles"), (1, own_tile)
 
     pairs = batch * heads
@@ -433,8 +513,9 @@ def persistent_order(position, *, pairs: int, chunk: int, num_q_tiles: int):
     return pair, rank
 
 
-def _forward_padded(q, k, v, q_ids, kv_ids, *, scale: float, band: masks.Band, kv_len: int,
-                    config: HopperConfig, interpret):
+def _forward_padded(
+    q, k, v, q_ids, kv_ids, *, scale: float, band: masks.Band, kv_len: int, config: HopperConfig, interpret
+):
     batch, q_pad, heads, head_dim = q.shape
     kv_heads = k.shape[2]
     num_q_tiles = q_pad // (NUM_CONSUMERS * config.block_q)
@@ -446,8 +527,12 @@ def _forward_padded(q, k, v, q_ids, kv_ids, *, scale: float, band: masks.Band, k
     if config.persistent:  # one CTA per SM (a few in the interpreter, so that each runs several tiles)
         persistent_ctas = 2 if interpret is not None else getattr(jax.devices()[0], "core_count", 132)
     grid, grid_names, tiles_of_cta = grid_tiles(
-        batch, heads, num_q_tiles, persistent_ctas=persistent_ctas,
-        kv_bytes_per_head=2 * k.shape[1] * head_dim * k.dtype.itemsize * kv_heads // heads)
+        batch,
+        heads,
+        num_q_tiles,
+        persistent_ctas=persistent_ctas,
+        kv_bytes_per_head=2 * k.shape[1] * head_dim * k.dtype.itemsize * kv_heads // heads,
+    )
     q_tile = plgpu.SMEM((NUM_CONSUMERS, config.block_q, head_dim), q.dtype, transforms=transforms)
 
     # Named for profiles and traces (Mosaic GPU calls the kernel `<name>_mosaic_gpu_kernel`).
@@ -463,12 +548,22 @@ def _forward_padded(q, k, v, q_ids, kv_ids, *, scale: float, band: masks.Band, k
         )
         segments = None
         if has_segments:  # query ids per consumer, key ids ring, their barriers
-            segments = (plgpu.SMEM((NUM_CONSUMERS, config.block_q), jnp.int32),
-                        plgpu.SMEM((config.num_stages, config.block_kv), jnp.int32),
-                        plgpu.Barrier(num_barriers=NUM_CONSUMERS),
-                        plgpu.Barrier(num_barriers=config.num_stages))
-        body = functools.partial(_kernel, scale=scale, band=band, kv_len=kv_len, tiles_of_cta=tiles_of_cta,
-                                 group=heads // kv_heads, config=config, interpreting=interpret is not None)
+            segments = (
+                plgpu.SMEM((NUM_CONSUMERS, config.block_q), jnp.int32),
+                plgpu.SMEM((config.num_stages, config.block_kv), jnp.int32),
+                plgpu.Barrier(num_barriers=NUM_CONSUMERS),
+                plgpu.Barrier(num_barriers=config.num_stages),
+            )
+        body = functools.partial(
+            _kernel,
+            scale=scale,
+            band=band,
+            kv_len=kv_len,
+            tiles_of_cta=tiles_of_cta,
+            group=heads // kv_heads,
+            config=config,
+            interpreting=interpret is not None,
+        )
         pl.run_scoped(
             lambda *scoped: body(q_ref, k_ref, v_ref, *segment_refs, out_ref, lse_ref, scoped),
             smem,
@@ -476,20 +571,27 @@ def _forward_padded(q, k, v, q_ids, kv_ids, *, scale: float, band: masks.Band, k
             (plgpu.Barrier(num_barriers=config.num_stages),) * 2,
             (plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=config.num_stages),) * 2,
             # The ping-pong: one two-arrival rendezvous, or (overlap) a "your turn" barrier per consumer.
-            (plgpu.Barrier(num_arrivals=1, num_barriers=NUM_CONSUMERS) if config.overlap
-             else plgpu.Barrier(num_arrivals=NUM_CONSUMERS)),
+            (
+                plgpu.Barrier(num_arrivals=1, num_barriers=NUM_CONSUMERS)
+                if config.overlap
+                else plgpu.Barrier(num_arrivals=NUM_CONSUMERS)
+            ),
             segments,
             collective_axes="wg",
         )
 
     operands = (q, k, v)
     if has_segments:
-        operands += (q_ids, kv_ids, segment_block_ranges(q_ids, kv_ids, rows_per_tile=NUM_CONSUMERS * config.block_q,
-                                                         cols_per_block=config.block_kv))
+        operands += (
+            q_ids,
+            kv_ids,
+            segment_block_ranges(
+                q_ids, kv_ids, rows_per_tile=NUM_CONSUMERS * config.block_q, cols_per_block=config.block_kv
+            ),
+        )
     return plgpu.kernel(
         flash_forward_sm90,
-        out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),
-                  jax.ShapeDtypeStruct((batch, heads, q_pad), jnp.float32)),
+        out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, heads, q_pad), jnp.float32)),
         grid=grid,
         grid_names=grid_names,
         num_threads=NUM_CONSUMERS + 1,
@@ -506,8 +608,19 @@ def default_config(head_dim: int, kv_len: int, band: masks.Band) -> HopperConfig
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "is_causal", "local_window_size", "config", "interpret"))
-def hopper_forward(query, key, value, *, scale: float, is_causal: bool = False, local_window_size=None,
-                   q_segment_ids=None, kv_segment_ids=None, config: HopperConfig | None = None, interpret=None):
+def hopper_forward(
+    query,
+    key,
+    value,
+    *,
+    scale: float,
+    is_causal: bool = False,
+    local_window_size=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    config: HopperConfig | None = None,
+    interpret=None,
+):
     """Attention forward on Hopper. Shapes and results as `reference.attention_reference`:
     query [batch, q_len, heads, head_dim], key/value [batch, kv_len, kv_heads, head_dim] ->
     (out [batch, q_len, heads, head_dim] in query's dtype, lse [batch, heads, q_len] float32).
@@ -527,6 +640,7 @@ def hopper_forward(query, key, value, *, scale: float, is_causal: bool = False, 
     k = pad_axis(pad_axis(key, 1, kv_pad), 3, padded_dim)
     v = pad_axis(pad_axis(value, 1, kv_pad), 3, padded_dim)
     q_ids, kv_ids = masks.pad_segment_ids(q_segment_ids, kv_segment_ids, q_pad, kv_pad)
-    out, lse = _forward_padded(q, k, v, q_ids, kv_ids, scale=scale, band=band, kv_len=kv_len, config=config,
-                               interpret=interpret)
+    out, lse = _forward_padded(
+        q, k, v, q_ids, kv_ids, scale=scale, band=band, kv_len=kv_len, config=config, interpret=interpret
+    )
     return out[:, :q_len, :, :head_dim], lse[:, :, :q_len]

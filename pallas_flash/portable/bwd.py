@@ -16,6 +16,7 @@ loaded. Score modifiers are recomputed per tile as in the forward; with a soft c
 1 - tanh^2 before it meets Q or K (dBias is dS before that factor); with dropout Z = keep / (1 - rate),
 dV = (P * Z)^T dO and dP = Z * (dO V^T).
 """
+
 from __future__ import annotations
 
 import functools
@@ -31,11 +32,11 @@ from pallas_flash._compat import SQUEEZED, triton_params
 from pallas_flash.portable import tiles
 
 
-def _dkdv_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, group, has_segments, has_visits,
-                 mods):
+def _dkdv_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, group, has_segments, has_visits, mods):
     visits_ref, refs = (refs[0], refs[1:]) if has_visits else (None, refs)
     (q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref), (q_seg_ref, kv_seg_ref), mod_refs, (dk_ref, dv_ref) = (
-        tiles.split_refs(refs, 6, has_segments, mods))
+        tiles.split_refs(refs, 6, has_segments, mods)
+    )
     kv_block, batch, kv_head = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     k, v = k_ref[...], v_ref[...]
     kv_seg = kv_seg_ref[...] if has_segments else None
@@ -47,17 +48,32 @@ def _dkdv_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, gr
         q_slice = pl.ds(q_block * block_q, block_q)
         q, do = q_ref[q_slice, head, :], do_ref[q_slice, head, :]
         s_t = tiles.dot(k, q, trans_b=True)  # [block_kv, block_q]
-        position = dict(batch=batch, head=kv_head * group + head, q_start=q_block * block_q,
-                        k_start=k_start, block_q=block_q, block_kv=block_kv, keys_major=True)
+        position = dict(
+            batch=batch,
+            head=kv_head * group + head,
+            q_start=q_block * block_q,
+            k_start=k_start,
+            block_q=block_q,
+            block_kv=block_kv,
+            keys_major=True,
+        )
         grad_factor = None
         if mods.active:
             s_t, grad_factor = tiles.modified_logits(s_t * scale, mods, mod_refs, **position)
         else:
             s_t = s_t * logit_scale
         if masked:
-            mask = tiles.tile_mask(q_block * block_q, k_start, block_q, block_kv, band=band, kv_len=kv_len,
-                                   q_segment=q_seg_ref[q_slice] if has_segments else None, kv_segment=kv_seg,
-                                   keys_major=True)
+            mask = tiles.tile_mask(
+                q_block * block_q,
+                k_start,
+                block_q,
+                block_kv,
+                band=band,
+                kv_len=kv_len,
+                q_segment=q_seg_ref[q_slice] if has_segments else None,
+                kv_segment=kv_seg,
+                keys_major=True,
+            )
             s_t = jnp.where(mask, s_t, -jnp.inf)
         p_t = jnp.exp2(s_t - lse2_ref[head, q_slice][None, :])
         dp_t = tiles.dot(v, do, trans_b=True)
@@ -75,8 +91,14 @@ def _dkdv_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, gr
 
     if not has_visits:
         block_range = blocks.q_block_range(
-            kv_block, block_q=block_q, block_kv=block_kv, num_q_blocks=num_q_blocks, kv_len=kv_len, band=band,
-            always_mask=has_segments)
+            kv_block,
+            block_q=block_q,
+            block_kv=block_kv,
+            num_q_blocks=num_q_blocks,
+            kv_len=kv_len,
+            band=band,
+            always_mask=has_segments,
+        )
 
     def per_head(head, carry):
         visit_head = functools.partial(visit, head=head)
@@ -91,11 +113,13 @@ def _dkdv_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, gr
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, num_kv_blocks, has_segments, has_visits,
-               mods):
+def _dq_kernel(
+    *refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, num_kv_blocks, has_segments, has_visits, mods
+):
     visits_ref, refs = (refs[0], refs[1:]) if has_visits else (None, refs)
-    (q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref), (q_seg_ref, kv_seg_ref), mod_refs, (dq_ref,) = (
-        tiles.split_refs(refs, 6, has_segments, mods))
+    (q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref), (q_seg_ref, kv_seg_ref), mod_refs, (dq_ref,) = tiles.split_refs(
+        refs, 6, has_segments, mods
+    )
     q_block = tiles.launch_order(pl.program_id(0), num_q_blocks, reverse=band.right == 0)
     batch, head = pl.program_id(1), pl.program_id(2)
     q, do = q_ref[...], do_ref[...]
@@ -107,17 +131,30 @@ def _dq_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, num_
         k_slice = pl.ds(kv_block * block_kv, block_kv)
         k, v = k_ref[k_slice, :], v_ref[k_slice, :]
         s = tiles.dot(q, k, trans_b=True)
-        position = dict(batch=batch, head=head, q_start=q_block * block_q,
-                        k_start=kv_block * block_kv, block_q=block_q, block_kv=block_kv)
+        position = dict(
+            batch=batch,
+            head=head,
+            q_start=q_block * block_q,
+            k_start=kv_block * block_kv,
+            block_q=block_q,
+            block_kv=block_kv,
+        )
         grad_factor = None
         if mods.active:
             s, grad_factor = tiles.modified_logits(s * scale, mods, mod_refs, **position)
         else:
             s = s * logit_scale
         if masked:
-            mask = tiles.tile_mask(q_block * block_q, kv_block * block_kv, block_q, block_kv, band=band,
-                                   kv_len=kv_len, q_segment=q_seg,
-                                   kv_segment=kv_seg_ref[k_slice] if has_segments else None)
+            mask = tiles.tile_mask(
+                q_block * block_q,
+                kv_block * block_kv,
+                block_q,
+                block_kv,
+                band=band,
+                kv_len=kv_len,
+                q_segment=q_seg,
+                kv_segment=kv_seg_ref[k_slice] if has_segments else None,
+            )
             s = jnp.where(mask, s, -jnp.inf)
         p = jnp.exp2(s - lse2[:, None])
         dp = tiles.dot(do, v, trans_b=True)
@@ -133,23 +170,62 @@ def _dq_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, num_
     if has_visits:  # block-sparse: the table lists this query block's key blocks
         dq = tiles.visit_blocks(lambda i: visits_ref[i], visit, dq)
     else:
-        dq = tiles.visit_band(visit, dq, blocks.kv_block_range(
-            q_block, block_q=block_q, block_kv=block_kv, num_kv_blocks=num_kv_blocks, kv_len=kv_len, band=band,
-            always_mask=has_segments))
+        dq = tiles.visit_band(
+            visit,
+            dq,
+            blocks.kv_block_range(
+                q_block,
+                block_q=block_q,
+                block_kv=block_kv,
+                num_kv_blocks=num_kv_blocks,
+                kv_len=kv_len,
+                band=band,
+                always_mask=has_segments,
+            ),
+        )
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
-def dkdv(q, k, v, do, lse2, delta, q_segment_ids=None, kv_segment_ids=None, mod_arrays=masks.ModArrays(),
-         visits=None, *, scale, band: masks.Band, kv_len, mods: masks.ScoreMods = masks.ScoreMods(),
-         block_q, block_kv, num_warps, num_stages, interpret):
+def dkdv(
+    q,
+    k,
+    v,
+    do,
+    lse2,
+    delta,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    mod_arrays=masks.ModArrays(),
+    visits=None,
+    *,
+    scale,
+    band: masks.Band,
+    kv_len,
+    mods: masks.ScoreMods = masks.ScoreMods(),
+    block_q,
+    block_kv,
+    num_warps,
+    num_stages,
+    interpret,
+):
     """dK, dV [batch, kv_pad, kv_heads, head_dim_pad] from padded inputs (see `backward`)."""
     batch, q_pad, heads, head_dim = q.shape
     kv_pad, kv_heads = k.shape[1], k.shape[2]
     group = heads // kv_heads
     has_segments = q_segment_ids is not None
-    kernel = functools.partial(_dkdv_kernel, scale=scale, band=band, kv_len=kv_len, block_q=block_q,
-                               block_kv=block_kv, num_q_blocks=q_pad // block_q, group=group,
-                               has_segments=has_segments, has_visits=visits is not None, mods=mods)
+    kernel = functools.partial(
+        _dkdv_kernel,
+        scale=scale,
+        band=band,
+        kv_len=kv_len,
+        block_q=block_q,
+        block_kv=block_kv,
+        num_q_blocks=q_pad // block_q,
+        group=group,
+        has_segments=has_segments,
+        has_visits=visits is not None,
+        mods=mods,
+    )
     # A program reads all query rows of the `group` query heads that share its kv head.
     q_group_spec = pl.BlockSpec((SQUEEZED, q_pad, group, head_dim), lambda j, b, h: (b, 0, h, 0))
     row_group_spec = pl.BlockSpec((SQUEEZED, group, q_pad), lambda j, b, h: (b, h, 0))
@@ -157,8 +233,10 @@ def dkdv(q, k, v, do, lse2, delta, q_segment_ids=None, kv_segment_ids=None, mod_
     in_specs = [q_group_spec, kv_block_spec, kv_block_spec, q_group_spec, row_group_spec, row_group_spec]
     operands = [q, k, v, do, lse2, delta]
     if has_segments:
-        in_specs += [pl.BlockSpec((SQUEEZED, q_pad), lambda j, b, h: (b, 0)),
-                     pl.BlockSpec((SQUEEZED, block_kv), lambda j, b, h: (b, j))]
+        in_specs += [
+            pl.BlockSpec((SQUEEZED, q_pad), lambda j, b, h: (b, 0)),
+            pl.BlockSpec((SQUEEZED, block_kv), lambda j, b, h: (b, j)),
+        ]
         operands += [q_segment_ids, kv_segment_ids]
     mod_ops, mod_specs = tiles.mod_operands(mods, mod_arrays, q_pad, kv_pad, keys_major=True)
     in_specs, operands = in_specs + mod_specs, operands + mod_ops
@@ -177,18 +255,47 @@ def dkdv(q, k, v, do, lse2, delta, q_segment_ids=None, kv_segment_ids=None, mod_
     )(*operands)
 
 
-def dq(q, k, v, do, lse2, delta, q_segment_ids=None, kv_segment_ids=None, mod_arrays=masks.ModArrays(),
-       visits=None, *, scale, band: masks.Band, kv_len, mods: masks.ScoreMods = masks.ScoreMods(),
-       block_q, block_kv, num_warps, num_stages, interpret):
+def dq(
+    q,
+    k,
+    v,
+    do,
+    lse2,
+    delta,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    mod_arrays=masks.ModArrays(),
+    visits=None,
+    *,
+    scale,
+    band: masks.Band,
+    kv_len,
+    mods: masks.ScoreMods = masks.ScoreMods(),
+    block_q,
+    block_kv,
+    num_warps,
+    num_stages,
+    interpret,
+):
     """dQ [batch, q_pad, heads, head_dim_pad] from padded inputs (see `backward`)."""
     batch, q_pad, heads, head_dim = q.shape
     kv_pad, kv_heads = k.shape[1], k.shape[2]
     group = heads // kv_heads
     num_q_blocks = q_pad // block_q
     has_segments = q_segment_ids is not None
-    kernel = functools.partial(_dq_kernel, scale=scale, band=band, kv_len=kv_len, block_q=block_q,
-                               block_kv=block_kv, num_q_blocks=num_q_blocks, num_kv_blocks=kv_pad // block_kv,
-                               has_segments=has_segments, has_visits=visits is not None, mods=mods)
+    kernel = functools.partial(
+        _dq_kernel,
+        scale=scale,
+        band=band,
+        kv_len=kv_len,
+        block_q=block_q,
+        block_kv=block_kv,
+        num_q_blocks=num_q_blocks,
+        num_kv_blocks=kv_pad // block_kv,
+        has_segments=has_segments,
+        has_visits=visits is not None,
+        mods=mods,
+    )
 
     def q_block_of(i):
         return tiles.launch_order(i, num_q_blocks, reverse=band.right == 0)
@@ -199,8 +306,10 @@ def dq(q, k, v, do, lse2, delta, q_segment_ids=None, kv_segment_ids=None, mod_ar
     in_specs = [q_block_spec, kv_full_spec, kv_full_spec, q_block_spec, row_spec, row_spec]
     operands = [q, k, v, do, lse2, delta]
     if has_segments:
-        in_specs += [pl.BlockSpec((SQUEEZED, block_q), lambda i, b, h: (b, q_block_of(i))),
-                     pl.BlockSpec((SQUEEZED, kv_pad), lambda i, b, h: (b, 0))]
+        in_specs += [
+            pl.BlockSpec((SQUEEZED, block_q), lambda i, b, h: (b, q_block_of(i))),
+            pl.BlockSpec((SQUEEZED, kv_pad), lambda i, b, h: (b, 0)),
+        ]
         operands += [q_segment_ids, kv_segment_ids]
     mod_ops, mod_specs = tiles.mod_operands(mods, mod_arrays, q_pad, kv_pad)
     in_specs, operands = in_specs + mod_specs, operands + mod_ops
@@ -218,18 +327,38 @@ def dq(q, k, v, do, lse2, delta, q_segment_ids=None, kv_segment_ids=None, mod_ar
     )(*operands)
 
 
-def _dbias_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, num_kv_blocks, batch, heads,
-                  group, has_segments, has_tiles, mods):
+def _dbias_kernel(
+    *refs,
+    scale,
+    band,
+    kv_len,
+    block_q,
+    block_kv,
+    num_q_blocks,
+    num_kv_blocks,
+    batch,
+    heads,
+    group,
+    has_segments,
+    has_tiles,
+    mods,
+):
     tiles_ref, refs = (refs[0], refs[1:]) if has_tiles else (None, refs)
     (q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref), (q_seg_ref, kv_seg_ref), mod_refs, (dbias_ref,) = (
-        tiles.split_refs(refs, 6, has_segments, mods))
+        tiles.split_refs(refs, 6, has_segments, mods)
+    )
     spans_b, spans_h, spans_q, spans_k = (int(d) for d in mods.bias_dims)
     # The program's dbias tile sums dS over the positions the bias broadcasts over: every batch element,
     # head, query block or key block along a dim of size 1, one (the program's own) along a full dim.
-    counts = (1 if spans_b else batch, 1 if spans_h else heads, 1 if spans_q else num_q_blocks,
-              1 if spans_k else num_kv_blocks)
-    firsts = tuple(pl.program_id(axis) * spans for axis, spans in ((2, spans_b), (3, spans_h), (0, spans_q),
-                                                                   (1, spans_k)))
+    counts = (
+        1 if spans_b else batch,
+        1 if spans_h else heads,
+        1 if spans_q else num_q_blocks,
+        1 if spans_k else num_kv_blocks,
+    )
+    firsts = tuple(
+        pl.program_id(axis) * spans for axis, spans in ((2, spans_b), (3, spans_h), (0, spans_q), (1, spans_k))
+    )
 
     def visit(step, dbias):
         index = []  # decode step into (batch, head, q block, kv block) offsets, the last fastest
@@ -241,8 +370,15 @@ def _dbias_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, n
         b, h, q_block, kv_block = (first + offset for first, offset in zip(firsts, reversed(index)))
         # Tiles outside the causal/window band, or hidden by the block mask, add nothing: skip their loads
         # and matmuls (as the dQ and dK/dV kernels never visit them).
-        lo, _, _, hi = blocks.kv_block_range(q_block, block_q=block_q, block_kv=block_kv,
-                                            num_kv_blocks=num_kv_blocks, kv_len=kv_len, band=band, always_mask=True)
+        lo, _, _, hi = blocks.kv_block_range(
+            q_block,
+            block_q=block_q,
+            block_kv=block_kv,
+            num_kv_blocks=num_kv_blocks,
+            kv_len=kv_len,
+            band=band,
+            always_mask=True,
+        )
         visible = jnp.logical_and(kv_block >= lo, kv_block < hi)
         if has_tiles:
             tile_b, tile_h = b * int(tiles_ref.shape[0] > 1), h * int(tiles_ref.shape[1] > 1)
@@ -254,12 +390,20 @@ def _dbias_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, n
         q_slice, k_slice = pl.ds(q_block * block_q, block_q), pl.ds(kv_block * block_kv, block_kv)
         q, do = q_ref[b, q_slice, h, :], do_ref[b, q_slice, h, :]
         k, v = k_ref[b, k_slice, h // group, :], v_ref[b, k_slice, h // group, :]
-        position = dict(batch=b, head=h, q_start=q_block * block_q, k_start=kv_block * block_kv,
-                        block_q=block_q, block_kv=block_kv)
+        position = dict(
+            batch=b, head=h, q_start=q_block * block_q, k_start=kv_block * block_kv, block_q=block_q, block_kv=block_kv
+        )
         s, _ = tiles.modified_logits(tiles.dot(q, k, trans_b=True) * scale, mods, mod_refs, **position)
-        mask = tiles.tile_mask(q_block * block_q, kv_block * block_kv, block_q, block_kv, band=band, kv_len=kv_len,
-                               q_segment=q_seg_ref[b, q_slice] if has_segments else None,
-                               kv_segment=kv_seg_ref[b, k_slice] if has_segments else None)
+        mask = tiles.tile_mask(
+            q_block * block_q,
+            kv_block * block_kv,
+            block_q,
+            block_kv,
+            band=band,
+            kv_len=kv_len,
+            q_segment=q_seg_ref[b, q_slice] if has_segments else None,
+            kv_segment=kv_seg_ref[b, k_slice] if has_segments else None,
+        )
         if mask is not None:
             s = jnp.where(mask, s, -jnp.inf)
         p = jnp.exp2(s - lse2_ref[b, h, q_slice][:, None])
@@ -279,9 +423,28 @@ def _dbias_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, n
     dbias_ref[...] = dbias.astype(dbias_ref.dtype)
 
 
-def dbias(q, k, v, do, lse2, delta, q_segment_ids=None, kv_segment_ids=None, mod_arrays=masks.ModArrays(),
-          visible_tiles=None, *, scale, band: masks.Band, kv_len, mods: masks.ScoreMods, block_q, block_kv,
-          num_warps, num_stages, interpret):
+def dbias(
+    q,
+    k,
+    v,
+    do,
+    lse2,
+    delta,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    mod_arrays=masks.ModArrays(),
+    visible_tiles=None,
+    *,
+    scale,
+    band: masks.Band,
+    kv_len,
+    mods: masks.ScoreMods,
+    block_q,
+    block_kv,
+    num_warps,
+    num_stages,
+    interpret,
+):
     """d loss / d bias in the bias's own broadcast shape, padded: float32 [Bb, Hb, Tqb, Tkb] (Tqb = q_pad or
     1, Tkb = kv_pad or 1). Its own pallas_call, so that XLA drops it when nothing consumes the bias's gradient.
     With a block mask, `visible_tiles` (`block_sparse.visible_tiles`, int32 [batch or 1, heads or 1,
@@ -295,19 +458,29 @@ def dbias(q, k, v, do, lse2, delta, q_segment_ids=None, kv_segment_ids=None, mod
     kv_pad, kv_heads = k.shape[1], k.shape[2]
     spans_b, spans_h, spans_q, spans_k = mods.bias_dims
     num_q_blocks, num_kv_blocks = q_pad // block_q, kv_pad // block_kv
-    out_shape = (batch if spans_b else 1, heads if spans_h else 1, q_pad if spans_q else 1,
-                 kv_pad if spans_k else 1)
+    out_shape = (batch if spans_b else 1, heads if spans_h else 1, q_pad if spans_q else 1, kv_pad if spans_k else 1)
     operands = [q, k, v, do, lse2, delta]
     if q_segment_ids is not None:
         operands += [q_segment_ids, kv_segment_ids]
     if visible_tiles is not None:
         operands = [visible_tiles] + operands
     mod_ops, mod_specs = tiles.mod_operands(mods, mod_arrays, q_pad, kv_pad)
-    kernel = functools.partial(_dbias_kernel, scale=scale, band=band, kv_len=kv_len, block_q=block_q,
-                               block_kv=block_kv, num_q_blocks=num_q_blocks, num_kv_blocks=num_kv_blocks,
-                               batch=batch, heads=heads, group=heads // kv_heads,
-                               has_segments=q_segment_ids is not None, has_tiles=visible_tiles is not None,
-                               mods=mods)
+    kernel = functools.partial(
+        _dbias_kernel,
+        scale=scale,
+        band=band,
+        kv_len=kv_len,
+        block_q=block_q,
+        block_kv=block_kv,
+        num_q_blocks=num_q_blocks,
+        num_kv_blocks=num_kv_blocks,
+        batch=batch,
+        heads=heads,
+        group=heads // kv_heads,
+        has_segments=q_segment_ids is not None,
+        has_tiles=visible_tiles is not None,
+        mods=mods,
+    )
     out_block = (SQUEEZED, SQUEEZED, block_q if spans_q else 1, block_kv if spans_k else 1)
     return pl.pallas_call(
         kernel,
@@ -321,8 +494,25 @@ def dbias(q, k, v, do, lse2, delta, q_segment_ids=None, kv_segment_ids=None, mod
     )(*operands, *mod_ops)
 
 
-def backward(q, k, v, do, lse2, delta, q_segment_ids=None, kv_segment_ids=None, mod_arrays=masks.ModArrays(),
-             block_tables=None, *, scale, band, kv_len, config, interpret, mods: masks.ScoreMods = masks.ScoreMods()):
+def backward(
+    q,
+    k,
+    v,
+    do,
+    lse2,
+    delta,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    mod_arrays=masks.ModArrays(),
+    block_tables=None,
+    *,
+    scale,
+    band,
+    kv_len,
+    config,
+    interpret,
+    mods: masks.ScoreMods = masks.ScoreMods(),
+):
     """Padded inputs -> (dq, dk, dv, dbias or None).
 
     q, do: [batch, q_pad, heads, head_dim_pad]; k, v: [batch, kv_pad, kv_heads, head_dim_pad];
@@ -338,15 +528,35 @@ def backward(q, k, v, do, lse2, delta, q_segment_ids=None, kv_segment_ids=None, 
     dkdv_visits, dq_visits, visible_tiles = block_tables or (None, None, None)
     common = dict(scale=scale, band=band, kv_len=kv_len, interpret=interpret, mods=mods)
     inputs = (q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, mod_arrays)
-    dk, dv = dkdv(*inputs, dkdv_visits, block_q=config.block_q_dkv, block_kv=config.block_kv_dkv,
-                  num_warps=config.num_warps_dkv, num_stages=config.num_stages_dkv, **common)
-    dq_ = dq(*inputs, dq_visits, block_q=config.block_q_dq, block_kv=config.block_kv_dq,
-             num_warps=config.num_warps_dq, num_stages=config.num_stages_dq, **common)
+    dk, dv = dkdv(
+        *inputs,
+        dkdv_visits,
+        block_q=config.block_q_dkv,
+        block_kv=config.block_kv_dkv,
+        num_warps=config.num_warps_dkv,
+        num_stages=config.num_stages_dkv,
+        **common,
+    )
+    dq_ = dq(
+        *inputs,
+        dq_visits,
+        block_q=config.block_q_dq,
+        block_kv=config.block_kv_dq,
+        num_warps=config.num_warps_dq,
+        num_stages=config.num_stages_dq,
+        **common,
+    )
     dbias_ = None
     if mods.bias_dims is not None:
-        dbias_ = dbias(*inputs, visible_tiles, block_q=config.block_q_dq, block_kv=config.block_kv_dq,
-                       num_warps=config.num_warps_dq, num_stages=_dbias_stages(config, q, mods, mod_arrays),
-                       **common)
+        dbias_ = dbias(
+            *inputs,
+            visible_tiles,
+            block_q=config.block_q_dq,
+            block_kv=config.block_kv_dq,
+            num_warps=config.num_warps_dq,
+            num_stages=_dbias_stages(config, q, mods, mod_arrays),
+            **common,
+        )
     return dq_, dk, dv, dbias_
 
 
@@ -361,7 +571,8 @@ def _dbias_stages(config, q, mods: masks.ScoreMods, mod_arrays: masks.ModArrays)
     tile_bytes = mod_arrays.bias.dtype.itemsize if spans_both else 0
     if mods.mask_dims is not None and mods.mask_dims[2] and mods.mask_dims[3]:
         tile_bytes += 4  # the mask travels as int32 (tiles.mod_operands)
-    per_stage = ((2 * config.block_q_dq + 2 * config.block_kv_dq) * row
-                 + config.block_q_dq * config.block_kv_dq * tile_bytes)
+    per_stage = (
+        2 * config.block_q_dq + 2 * config.block_kv_dq
+    ) * row + config.block_q_dq * config.block_kv_dq * tile_bytes
     budget = config.shared_memory(q.shape[3], q.dtype.itemsize, tile_bytes)["dq"]
     return max(1, min(config.num_stages_dq, budget // per_stage))

@@ -12,6 +12,7 @@ operands follow the segment ids (`tiles.mod_operands`).
 Outputs: O [batch, q_len, heads, head_dim] and the natural-log LSE [batch, heads, q_len], the
 backward's only residual besides the inputs.
 """
+
 from __future__ import annotations
 
 import functools
@@ -25,11 +26,13 @@ from pallas_flash._compat import SQUEEZED, triton_params
 from pallas_flash.portable import tiles
 
 
-def _forward_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, num_kv_blocks, has_segments,
-                    has_visits, mods):
+def _forward_kernel(
+    *refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, num_kv_blocks, has_segments, has_visits, mods
+):
     visits_ref, refs = (refs[0], refs[1:]) if has_visits else (None, refs)
     (q_ref, k_ref, v_ref), (q_seg_ref, kv_seg_ref), mod_refs, (o_ref, lse_ref) = tiles.split_refs(
-        refs, 3, has_segments, mods)
+        refs, 3, has_segments, mods
+    )
     q_block = tiles.launch_order(pl.program_id(0), num_q_blocks, reverse=band.right == 0)
     batch, head = pl.program_id(1), pl.program_id(2)  # read here: interpret mode has no program_id in loops
     q = q_ref[...]
@@ -40,16 +43,29 @@ def _forward_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks,
         acc, row_max, row_sum = carry
         k_slice = pl.ds(kv_block * block_kv, block_kv)
         s = tiles.dot(q, k_ref[k_slice, :], trans_b=True)
-        position = dict(batch=batch, head=head, q_start=q_block * block_q,
-                        k_start=kv_block * block_kv, block_q=block_q, block_kv=block_kv)
+        position = dict(
+            batch=batch,
+            head=head,
+            q_start=q_block * block_q,
+            k_start=kv_block * block_kv,
+            block_q=block_q,
+            block_kv=block_kv,
+        )
         if mods.active:  # the plain kernel keeps its single multiply
             s, _ = tiles.modified_logits(s * scale, mods, mod_refs, **position)
         else:
             s = s * logit_scale
         if masked:
-            mask = tiles.tile_mask(q_block * block_q, kv_block * block_kv, block_q, block_kv, band=band,
-                                   kv_len=kv_len, q_segment=q_seg,
-                                   kv_segment=kv_seg_ref[k_slice] if has_segments else None)
+            mask = tiles.tile_mask(
+                q_block * block_q,
+                kv_block * block_kv,
+                block_q,
+                block_kv,
+                band=band,
+                kv_len=kv_len,
+                q_segment=q_seg,
+                kv_segment=kv_seg_ref[k_slice] if has_segments else None,
+            )
             s = jnp.where(mask, s, -jnp.inf)
         new_max = jnp.maximum(row_max, jnp.max(s, axis=1))
         shift = blocks.safe_exp_shift(new_max)
@@ -63,15 +79,27 @@ def _forward_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks,
         acc = correction[:, None] * acc + tiles.dot(p.astype(v.dtype), v)
         return acc, new_max, row_sum
 
-    carry = (jnp.zeros(q.shape, jnp.float32),
-             jnp.full((block_q,), -jnp.inf, jnp.float32),
-             jnp.zeros((block_q,), jnp.float32))
+    carry = (
+        jnp.zeros(q.shape, jnp.float32),
+        jnp.full((block_q,), -jnp.inf, jnp.float32),
+        jnp.zeros((block_q,), jnp.float32),
+    )
     if has_visits:  # block-sparse: the table lists this query block's key blocks
         acc, row_max, row_sum = tiles.visit_blocks(lambda i: visits_ref[i], visit, carry)
     else:
-        acc, row_max, row_sum = tiles.visit_band(visit, carry, blocks.kv_block_range(
-            q_block, block_q=block_q, block_kv=block_kv, num_kv_blocks=num_kv_blocks, kv_len=kv_len, band=band,
-            always_mask=has_segments))
+        acc, row_max, row_sum = tiles.visit_band(
+            visit,
+            carry,
+            blocks.kv_block_range(
+                q_block,
+                block_q=block_q,
+                block_kv=block_kv,
+                num_kv_blocks=num_kv_blocks,
+                kv_len=kv_len,
+                band=band,
+                always_mask=has_segments,
+            ),
+        )
 
     empty = row_sum == 0.0  # no visible key: output 0, lse -inf
     safe_sum = jnp.where(empty, 1.0, row_sum)
@@ -79,9 +107,25 @@ def _forward_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks,
     lse_ref[...] = jnp.where(empty, -jnp.inf, (row_max + jnp.log2(safe_sum)) * blocks.LN2)
 
 
-def forward(q, k, v, q_segment_ids=None, kv_segment_ids=None, mod_arrays=masks.ModArrays(), visits=None, *,
-            scale, band: masks.Band, kv_len, block_q, block_kv, num_warps, num_stages, interpret,
-            mods: masks.ScoreMods = masks.ScoreMods()):
+def forward(
+    q,
+    k,
+    v,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    mod_arrays=masks.ModArrays(),
+    visits=None,
+    *,
+    scale,
+    band: masks.Band,
+    kv_len,
+    block_q,
+    block_kv,
+    num_warps,
+    num_stages,
+    interpret,
+    mods: masks.ScoreMods = masks.ScoreMods(),
+):
     """Padded inputs -> (O, LSE).
 
     q: [batch, q_pad, heads, head_dim_pad]; k, v: [batch, kv_pad, kv_heads, head_dim_pad], with q_pad a
@@ -106,23 +150,34 @@ def forward(q, k, v, q_segment_ids=None, kv_segment_ids=None, mod_arrays=masks.M
     lse_spec = pl.BlockSpec((SQUEEZED, SQUEEZED, block_q), lambda i, b, h: (b, h, q_block_of(i)))
     in_specs, operands = [q_spec, kv_spec, kv_spec], [q, k, v]
     if has_segments:
-        in_specs += [pl.BlockSpec((SQUEEZED, block_q), lambda i, b, h: (b, q_block_of(i))),
-                     pl.BlockSpec((SQUEEZED, kv_pad), lambda i, b, h: (b, 0))]
+        in_specs += [
+            pl.BlockSpec((SQUEEZED, block_q), lambda i, b, h: (b, q_block_of(i))),
+            pl.BlockSpec((SQUEEZED, kv_pad), lambda i, b, h: (b, 0)),
+        ]
         operands += [q_segment_ids, kv_segment_ids]
     mod_ops, mod_specs = tiles.mod_operands(mods, mod_arrays, q_pad, kv_pad)
     in_specs, operands = in_specs + mod_specs, operands + mod_ops
     if visits is not None:
         in_specs, operands = [tiles.visits_spec(visits.shape, q_block_of)] + in_specs, [visits] + operands
-    kernel = functools.partial(_forward_kernel, scale=scale, band=band, kv_len=kv_len, block_q=block_q,
-                               block_kv=block_kv, num_q_blocks=num_q_blocks, num_kv_blocks=num_kv_blocks,
-                               has_segments=has_segments, has_visits=visits is not None, mods=mods)
+    kernel = functools.partial(
+        _forward_kernel,
+        scale=scale,
+        band=band,
+        kv_len=kv_len,
+        block_q=block_q,
+        block_kv=block_kv,
+        num_q_blocks=num_q_blocks,
+        num_kv_blocks=num_kv_blocks,
+        has_segments=has_segments,
+        has_visits=visits is not None,
+        mods=mods,
+    )
     return pl.pallas_call(
         kernel,
         grid=(num_q_blocks, batch, heads),
         in_specs=in_specs,
         out_specs=[q_spec, lse_spec],
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                   jax.ShapeDtypeStruct((batch, heads, q_pad), jnp.float32)],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, heads, q_pad), jnp.float32)],
         compiler_params=triton_params(num_warps, num_stages),
         interpret=interpret,
         name="flash_forward",

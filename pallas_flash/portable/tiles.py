@@ -1,5 +1,6 @@
 """Tile-level helpers shared by the portable forward and backward kernels: the matmul, the tile mask, the
 blocks a program visits (a band's range from `blocks`, or a block-sparse visit table), and the score modifiers."""
+
 from __future__ import annotations
 
 import functools
@@ -17,12 +18,23 @@ from pallas_flash.block_sparse import VISITS_HEADER
 def dot(a, b, *, trans_b: bool = False):
     """a @ b (or a @ b^T) on a tile with float32 accumulation; float32 operands use IEEE precision (not tf32)."""
     precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    return lax.dot_general(a, b, (((1,), (1 if trans_b else 0,)), ((), ())),
-                           precision=precision, preferred_element_type=jnp.float32)
+    return lax.dot_general(
+        a, b, (((1,), (1 if trans_b else 0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+    )
 
 
-def tile_mask(q_start, k_start, block_q: int, block_kv: int, *, band: masks.Band, kv_len: int,
-              q_segment=None, kv_segment=None, keys_major: bool = False):
+def tile_mask(
+    q_start,
+    k_start,
+    block_q: int,
+    block_kv: int,
+    *,
+    band: masks.Band,
+    kv_len: int,
+    q_segment=None,
+    kv_segment=None,
+    keys_major: bool = False,
+):
     """Visibility of the tile whose first query/key positions are q_start/k_start: [block_q, block_kv],
     or [block_kv, block_q] with `keys_major` (the transposed tiles of the dK/dV kernel). `q_segment`
     [block_q] and `kv_segment` [block_kv] are the tile's segment ids, if any."""
@@ -31,8 +43,9 @@ def tile_mask(q_start, k_start, block_q: int, block_kv: int, *, band: masks.Band
     k_pos = k_start + lax.broadcasted_iota(jnp.int32, shape, 1 - q_axis)
     segments = {}
     if q_segment is not None:
-        q_seg, kv_seg = (q_segment[None, :], kv_segment[:, None]) if keys_major else (q_segment[:, None],
-                                                                                       kv_segment[None, :])
+        q_seg, kv_seg = (
+            (q_segment[None, :], kv_segment[:, None]) if keys_major else (q_segment[:, None], kv_segment[None, :])
+        )
         segments = dict(q_segment=q_seg, kv_segment=kv_seg)
     return masks.visible(q_pos, k_pos, band=band, kv_len=kv_len, **segments)
 
@@ -92,8 +105,9 @@ class ModRefs(typing.NamedTuple):
     seed: typing.Any = None
 
 
-def mod_operands(mods: masks.ScoreMods, mod_arrays: masks.ModArrays, q_pad: int, kv_pad: int, *,
-                 keys_major: bool = False):
+def mod_operands(
+    mods: masks.ScoreMods, mod_arrays: masks.ModArrays, q_pad: int, kv_pad: int, *, keys_major: bool = False
+):
     """The modifiers' arrays as one operand group appended to a pallas_call's operands, and their specs.
 
     Every operand is passed whole (its block is the full array; a kernel indexes the tile it needs), so the
@@ -102,6 +116,7 @@ def mod_operands(mods: masks.ScoreMods, mod_arrays: masks.ModArrays, q_pad: int,
     reliably than bool; with `keys_major` both are transposed to [.., Tkb, Tqb] for the transposed tiles of
     the dK/dV kernel. slopes: float32 [batch, heads]; seed: uint32 [2].
     """
+
     def pad(x, dims, value):
         widths = [(0, 0), (0, 0), (0, q_pad - x.shape[2] if dims[2] else 0), (0, kv_pad - x.shape[3] if dims[3] else 0)]
         x = jnp.pad(x, widths, constant_values=value)
@@ -154,8 +169,19 @@ def _mod_tile(ref, dims, batch, head, q_start, k_start, block_q, block_kv, keys_
     return ref[b, h, k_slice, q_slice] if keys_major else ref[b, h, q_slice, k_slice]
 
 
-def modified_logits(x, mods: masks.ScoreMods, refs: ModRefs, *, batch, head, q_start, k_start, block_q: int,
-                    block_kv: int, keys_major: bool = False):
+def modified_logits(
+    x,
+    mods: masks.ScoreMods,
+    refs: ModRefs,
+    *,
+    batch,
+    head,
+    q_start,
+    k_start,
+    block_q: int,
+    block_kv: int,
+    keys_major: bool = False,
+):
     """Scaled logits x (natural units) of a tile -> (logits in log2 units, -inf where the mask hides the key;
     d logits / d x for a soft cap, else None). Tiles are [block_q, block_kv], or [block_kv, block_q] with
     `keys_major`."""
@@ -165,8 +191,16 @@ def modified_logits(x, mods: masks.ScoreMods, refs: ModRefs, *, batch, head, q_s
     if mods.soft_cap is not None:
         x = masks.soft_cap(x, mods.soft_cap)
         grad_factor = masks.soft_cap_grad(x, mods.soft_cap)
-    tile = functools.partial(_mod_tile, batch=batch, head=head, q_start=q_start, k_start=k_start,
-                             block_q=block_q, block_kv=block_kv, keys_major=keys_major)
+    tile = functools.partial(
+        _mod_tile,
+        batch=batch,
+        head=head,
+        q_start=q_start,
+        k_start=k_start,
+        block_q=block_q,
+        block_kv=block_kv,
+        keys_major=keys_major,
+    )
     bias = tile(refs.bias, mods.bias_dims) if mods.bias_dims is not None else None
     slope = refs.slopes[batch, head] if mods.alibi else None
     s = masks.add_biases(x, q_pos=q_pos, k_pos=k_pos, bias=bias, slope=slope) * blocks.LOG2E
@@ -175,8 +209,18 @@ def modified_logits(x, mods: masks.ScoreMods, refs: ModRefs, *, batch, head, q_s
     return s, grad_factor
 
 
-def dropout_multiplier(mods: masks.ScoreMods, refs: ModRefs, *, batch, head, q_start, k_start, block_q: int,
-                       block_kv: int, keys_major: bool = False):
+def dropout_multiplier(
+    mods: masks.ScoreMods,
+    refs: ModRefs,
+    *,
+    batch,
+    head,
+    q_start,
+    k_start,
+    block_q: int,
+    block_kv: int,
+    keys_major: bool = False,
+):
     """keep / (1 - rate) on a tile (laid out as in `modified_logits`), or None without dropout. The hash
     runs once per query row, then once per element (`masks.dropout_row_hash`, `masks.dropout_keep`)."""
     if mods.dropout_rate == 0.0:
