@@ -1,6 +1,6 @@
 import os
 
-# JAX's Mosaic GPU interpreter (tests/test_attention.py) runs a CTA's warpgroups as threads whose barrier waits
+# JAX's Mosaic GPU interpreter (tests/hopper/test_interpreter.py) runs a CTA's warpgroups as threads whose barrier waits
 # block inside host callbacks, each holding a thread of XLA's CPU thread pool. That pool has one thread per
 # core unless NPROC says otherwise (read when the CPU client starts): on a 2-core machine the blocked waits and
 # the interpreter's own callback can hold every pool thread while the warpgroup that would arrive waits for
@@ -9,8 +9,34 @@ import os
 # leave room.
 os.environ.setdefault("NPROC", str(max(os.cpu_count() or 1, 8)))
 
-import jax
-import pytest
+
+def _fast_cpu_compile_flags() -> str:
+    """XLA flags that make the CPU suite compile faster, or "" where they do not apply.
+
+    Most of the CPU suite's time is XLA compiling small programs (Pallas interpret-mode kernels, tiny models),
+    not running them. LLVM at -O0 compiles them in about 60% of the time; on jaxlib 0.10 the legacy CPU fusion
+    emitters in about half the time of the MLIR ones (which jaxlib 0.12 made the only ones: there the flag is
+    unknown, and an unknown flag aborts XLA, so it is set only on the version it was measured on). Neither
+    changes what is computed (XLA CPU has no fast math by default); elementwise functions may round differently
+    in the last bit, far inside every tolerance. Nothing is set where a CUDA plugin is installed (compiled GPU
+    code stays optimised) or where XLA_FLAGS already names either flag."""
+    from importlib import metadata
+    dists = {(dist.metadata["Name"] or "").lower().replace("_", "-") for dist in metadata.distributions()}
+    if any(name.startswith("jax-cuda") for name in dists):
+        return ""
+    set_by_user = os.environ.get("XLA_FLAGS", "")
+    flags = []
+    if "xla_backend_optimization_level" not in set_by_user:
+        flags.append("--xla_backend_optimization_level=0")
+    if "xla_cpu_use_fusion_emitters" not in set_by_user and metadata.version("jaxlib").startswith("0.10."):
+        flags.append("--xla_cpu_use_fusion_emitters=false")
+    return " ".join(flags)
+
+
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_fast_cpu_compile_flags()}".strip()
+
+import jax  # noqa: E402  (after NPROC and XLA_FLAGS, which JAX reads when its CPU client starts)
+import pytest  # noqa: E402
 
 # Float32 oracles (the dense reference, Flax's own attention, jax.nn) must multiply in float32: XLA's default
 # on GPU rounds float32 matmul operands to tf32 (~1e-3 relative error), which would hide or fake a kernel error.

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import pallas_flash as pf
-from pallas_flash import api
-from tests.test_attention import SMALL_BLOCKS, make_inputs, reference
+from pallas_flash import api, device, masks
+from tests.helpers import SMALL_BLOCKS, make_inputs, reference
 from tests.tolerances import GRADIENT, assert_close
 
 SHAPE = (2, 24, 40, 4, 2, 16)
@@ -50,7 +50,7 @@ def test_jit_checkpoint_and_scan(impl):
 
 
 def test_default_implementation_on_cpu_is_chunked_and_logged_with_its_reason(caplog):
-    if api._on_nvidia_gpu():
+    if device.on_nvidia_gpu():
         pytest.skip("the CPU rule")
     q, k, v, _ = make_inputs((1, 8, 8, 2, 2, 16), jnp.float32, seed=12)
     api._logged.clear()
@@ -58,7 +58,10 @@ def test_default_implementation_on_cpu_is_chunked_and_logged_with_its_reason(cap
         pf.flash_attention(q, k, v)
         pf.flash_attention(q, k, v)
     messages = [r.getMessage() for r in caplog.records if "implementation=None" in r.getMessage()]
-    assert len(messages) == 1 and "'xla_chunked'" in messages[0] and "no NVIDIA GPU" in messages[0]
+    assert len(messages) == 1, messages
+    assert messages[0].startswith(
+        "pallas_flash: implementation=None ran 'xla_chunked' on backend 'cpu' (not 'mosaic': ")
+    assert "sm90" in messages[0] and "; not 'pallas': no NVIDIA GPU" in messages[0]
 
 
 def test_eager_calls_are_traced_once_per_configuration(monkeypatch):
@@ -158,8 +161,7 @@ def test_mosaic_is_refused_where_it_cannot_run():
 @pytest.mark.gpu
 def test_default_implementation_on_hopper_is_mosaic_where_it_serves(caplog):
     """On sm90, None runs the Hopper kernel for bf16 causal attention and says so; float32 goes to 'pallas'."""
-    from pallas_flash.kernels import hopper
-    if not hopper.on_hopper_gpu():
+    if not device.on_hopper_gpu():
         pytest.skip("needs an sm90 GPU")
     q, k, v, _ = make_inputs((1, 256, 256, 2, 2, 64), jnp.bfloat16, seed=13)
     api._logged.clear()
@@ -169,4 +171,52 @@ def test_default_implementation_on_hopper_is_mosaic_where_it_serves(caplog):
     api._logged.clear()
     with caplog.at_level(logging.DEBUG, logger="pallas_flash"):
         pf.flash_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32))
-    assert any("cannot serve this call" in r.getMessage() and "float32" in r.getMessage() for r in caplog.records)
+    assert any("not 'mosaic'" in r.getMessage() and "float32" in r.getMessage() for r in caplog.records)
+
+
+# ---- the registry ---------------------------------------------------------------------------------------------
+
+def _call(dtype=jnp.bfloat16, head_dim=64, features=()):
+    x = jax.ShapeDtypeStruct((1, 256, 2, head_dim), dtype)
+    return api.Call(x, x, masks.Band.of(True), pf.KernelConfig(), features)
+
+
+def test_registry_lists_the_implementations_in_order_of_preference():
+    assert tuple(impl.name for impl in api.REGISTRY) == pf.IMPLEMENTATIONS == ("mosaic", "pallas", "xla_chunked", "xla")
+
+
+def test_dispatch_on_cpu(caplog):
+    """Off the GPU, None passes over "mosaic" (no sm90) and "pallas" (interpret mode) to "xla_chunked", saying
+    why; a forced implementation that cannot serve raises with the reason; "pallas" may be forced (and says it
+    runs in interpret mode); an unknown name is an error."""
+    if device.on_nvidia_gpu():
+        pytest.skip("the CPU rule")
+    api._logged.clear()
+    with caplog.at_level(logging.DEBUG, logger="pallas_flash"):
+        assert api.dispatch(None, _call()) == "xla_chunked"
+        assert api.dispatch("pallas", _call()) == "pallas"
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("implementation='pallas' runs although no NVIDIA GPU" in m for m in messages), messages
+    assert api.dispatch("xla", _call()) == "xla"
+    with pytest.raises(ValueError, match="implementation='mosaic' cannot serve this call: .*sm90"):
+        api.dispatch("mosaic", _call())
+    with pytest.raises(ValueError, match="implementation must be None or one of"):
+        api.dispatch("cuda", _call())
+
+
+def test_dispatch_where_the_hopper_kernel_serves(monkeypatch, caplog):
+    """On sm90 (faked) None runs "mosaic" for a bf16 call as the first choice, and passes it over, saying why,
+    for float32, a head_dim past the kernel's and a feature it does not have."""
+    monkeypatch.setattr(device, "on_hopper_gpu", lambda: True)
+    api._logged.clear()
+    with caplog.at_level(logging.DEBUG, logger="pallas_flash"):
+        assert api.dispatch(None, _call()) == "mosaic"
+        for call, words in ((_call(dtype=jnp.float32), "bfloat16 or float16"),
+                            (_call(features=("bias", "dropout")), "no bias or dropout"),
+                            (_call(head_dim=512), "head_dim <= 256")):
+            assert api.dispatch(None, call) != "mosaic"
+            with pytest.raises(ValueError, match=f"implementation='mosaic' cannot serve this call: .*{words}"):
+                api.dispatch("mosaic", call)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.endswith("ran 'mosaic' on backend 'cpu' (the first choice)") for m in messages), messages
+    assert any("not 'mosaic': the Mosaic GPU kernel takes bfloat16 or float16" in m for m in messages), messages

@@ -1,25 +1,15 @@
-"""Block-sparse attention: the BlockMask builders, the visit tables, and every implementation against the
-float32 reference (outputs, LSE, gradients), alone and combined with causal, windows, segments and lengths."""
-import functools
-
+"""Block-sparse attention: the BlockMask builders, the visit tables, and its semantics in every implementation
+against the float32 reference (outputs, LSE, gradients), alone and combined with causal, windows, segments and
+lengths. What only the portable kernels do with a block mask is in tests/portable/test_block_sparse.py."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import pallas_flash as pf
-from pallas_flash import block_sparse, masks
-from pallas_flash._compat import TritonCompilerParams
-from pallas_flash.kernels import portable, tiles
-from tests.test_attention import SMALL_BLOCKS, make_inputs
-from tests.test_masks import _reference_mask_args, _segment_ids
-from tests.tolerances import GRADIENT, assert_close
-
-IMPLEMENTATIONS = ["pallas", "xla_chunked"]
-
-
-def _random_mask(seed, shape, density=0.5):
-    return np.random.default_rng(seed).random(shape) < density
+from pallas_flash import block_sparse, blocks, masks
+from tests.helpers import SMALL_BLOCKS, check_masked_against_reference, make_inputs, random_blocks, random_segment_ids
+from tests.tolerances import assert_close
 
 
 def _token_any(q_len, kv_len, block_q, block_kv, visible):
@@ -70,7 +60,7 @@ def test_local_builder_follows_positions_when_blocks_differ():
 
 
 def test_expand_is_the_token_level_mask():
-    mask = pf.BlockMask(_random_mask(0, (2, 1, 3, 4)), block_q=16, block_kv=32)
+    mask = pf.BlockMask(random_blocks(0, (2, 1, 3, 4)), block_q=16, block_kv=32)
     dense = mask.expand(40, 100)
     assert dense.shape == (2, 1, 40, 100) and dense.dtype == bool
     q, k = np.meshgrid(np.arange(40), np.arange(100), indexing="ij")
@@ -78,7 +68,7 @@ def test_expand_is_the_token_level_mask():
 
 
 def test_block_mask_is_frozen_hashable_and_compared_by_value():
-    a = pf.BlockMask(_random_mask(1, (4, 4)), block_q=16, block_kv=16)
+    a = pf.BlockMask(random_blocks(1, (4, 4)), block_q=16, block_kv=16)
     b = pf.BlockMask(a.mask.copy(), block_q=16, block_kv=16)
     assert a == b and hash(a) == hash(b) and a != pf.BlockMask(a.mask, block_q=32, block_kv=16)
     with pytest.raises(ValueError):
@@ -153,14 +143,14 @@ def test_visit_tables_of_a_full_mask_match_the_band_ranges():
     by_query, by_key = block_sparse.visit_tables(mask, block_q=block_q, block_kv=block_kv, q_pad=q_pad,
                                                  kv_pad=kv_pad, kv_len=kv_len, band=band, always_mask=False)
     for r in range(q_pad // block_q):
-        lo, ulo, uhi, hi = (int(x) for x in tiles.kv_block_range(
+        lo, ulo, uhi, hi = (int(x) for x in blocks.kv_block_range(
             r, block_q=block_q, block_kv=block_kv, num_kv_blocks=kv_pad // block_kv, kv_len=kv_len, band=band,
             always_mask=False))
         row = by_query[0, 0, r]
         assert sorted(row[2:2 + row[1]]) == list(range(lo, hi))
         assert list(row[2:2 + row[0]]) == list(range(ulo, uhi))
     for c in range(kv_pad // block_kv):
-        lo, _, _, hi = (int(x) for x in tiles.q_block_range(
+        lo, _, _, hi = (int(x) for x in blocks.q_block_range(
             c, block_q=block_q, block_kv=block_kv, num_q_blocks=q_pad // block_q, kv_len=kv_len, band=band,
             always_mask=False))
         row = by_key[0, 0, c]
@@ -176,11 +166,11 @@ def test_kernel_blocks_divide_the_mask_blocks():
 # --------------------------------------------------------------------------- against the reference
 
 def _cases():
-    k1, k2 = jax.random.split(jax.random.key(11))
+    k1, _ = jax.random.split(jax.random.key(11))
     return {
         # a random mask; ragged lengths, q_len != kv_len, GQA
         "random": dict(shape=(2, 70, 50, 4, 2, 32),
-                       mask=lambda: pf.BlockMask(_random_mask(0, (5, 4)), 16, 16)),
+                       mask=lambda: pf.BlockMask(random_blocks(0, (5, 4)), 16, 16)),
         "local": dict(shape=(1, 90, 90, 2, 2, 16), mask=lambda: pf.BlockMask.local(90, 90, 1, block_q=16,
                                                                                    block_kv=16)),
         # MQA; mask blocks of 32 over kernel tiles of 16 and 32
@@ -190,16 +180,16 @@ def _cases():
                              mask=lambda: pf.BlockMask.global_local(100, 100, 1, 1, block_q=16, block_kv=16)),
         # per example and per query head, GQA
         "per_head": dict(shape=(2, 50, 70, 4, 2, 32),
-                         mask=lambda: pf.BlockMask(_random_mask(1, (2, 4, 4, 5)), 16, 16)),
+                         mask=lambda: pf.BlockMask(random_blocks(1, (2, 4, 4, 5)), 16, 16)),
         # whole query blocks and key blocks masked: rows that see nothing, keys that nobody sees
         "empty_blocks": dict(shape=(1, 64, 48, 2, 2, 16), mask=lambda: pf.BlockMask(
             np.array([[1, 0, 1], [0, 0, 0], [1, 0, 0], [0, 0, 1]], bool), 16, 16)),
         # non-power-of-two mask blocks (kernel tiles shrink to 16) and lengths that are not block multiples
         "blocks_48x64": dict(shape=(1, 130, 100, 2, 2, 32),
-                             mask=lambda: pf.BlockMask(_random_mask(2, (3, 2), 0.7), block_q=48, block_kv=64)),
+                             mask=lambda: pf.BlockMask(random_blocks(2, (3, 2), 0.7), block_q=48, block_kv=64)),
         # with segment ids and lengths (every visited tile masked) and a window
-        "segments": dict(shape=(2, 70, 70, 2, 2, 16), mask=lambda: pf.BlockMask(_random_mask(3, (5, 5), 0.6), 16, 16),
-                         kwargs=dict(segment_ids=_segment_ids(k1, 2, 70, 3),
+        "segments": dict(shape=(2, 70, 70, 2, 2, 16), mask=lambda: pf.BlockMask(random_blocks(3, (5, 5), 0.6), 16, 16),
+                         kwargs=dict(segment_ids=random_segment_ids(k1, 2, 70, 3),
                                      key_value_seq_lengths=jnp.array([70, 41]))),
         "window": dict(shape=(1, 80, 80, 2, 2, 16), mask=lambda: pf.BlockMask.strided(80, 80, 2, block_q=16,
                                                                                       block_kv=16),
@@ -208,75 +198,41 @@ def _cases():
 
 
 CASES = _cases()
-
-
-def _check(case, is_causal, impl, dtype=jnp.float32):
-    shape, kwargs = CASES[case]["shape"], CASES[case].get("kwargs", {})
-    block_mask = CASES[case]["mask"]()
-    q, k, v, cotangent = make_inputs(shape, dtype, seed=12)
-    ours = functools.partial(pf.flash_attention, is_causal=is_causal, implementation=impl, config=SMALL_BLOCKS,
-                             return_lse=True, block_mask=block_mask, **kwargs)
-    ref = functools.partial(pf.attention_reference, scale=shape[-1] ** -0.5, block_mask=block_mask,
-                            **_reference_mask_args(shape, kwargs, is_causal))
-    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-    (out, lse), vjp = jax.vjp(ours, q, k, v)
-    (ref_out, ref_lse), ref_vjp = jax.vjp(ref, *f32)
-    assert_close(out, ref_out, dtype)
-    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))  # the same rows see nothing
-    finite = np.isfinite(np.asarray(ref_lse))
-    assert_close(np.where(finite, lse, 0.0), np.where(finite, ref_lse, 0.0), jnp.float32, what="lse")
-    empty = np.asarray(np.isneginf(ref_lse)).transpose(0, 2, 1)
-    assert np.all(np.asarray(out)[empty] == 0.0)
-    if case == "empty_blocks":
-        assert empty.any()
-
-    grads = vjp((cotangent, jnp.zeros_like(lse)))
-    ref_grads = ref_vjp((cotangent.astype(jnp.float32), jnp.zeros_like(ref_lse)))
-    for name, g, rg in zip("qkv", grads, ref_grads):
-        assert_close(g, rg, dtype, table=GRADIENT, what=f"d{name}")
-
-
-# One causal setting per case (the grid's time goes to interpret-mode compiles); the random mask runs
-# non-causal in the bfloat16 test below.
+# One causal setting per case (the grid's time goes to compiles); the random mask runs non-causal in the
+# bfloat16 test below.
 CAUSAL = {"random": [True], "local": [True], "strided": [False], "global_local": [True], "per_head": [False],
           "empty_blocks": [False], "blocks_48x64": [True], "segments": [True], "window": [False]}
+# The portable kernels' cases outside `slow`: one per way their visit tables differ from the dense band
+# ranges (tests/portable/test_block_sparse.py adds the kernel-only checks).
+PALLAS_CASES = {"random", "per_head", "empty_blocks", "blocks_48x64", "segments", "window"}
 
 
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-@pytest.mark.parametrize("case, is_causal", [(c, causal) for c in CASES for causal in CAUSAL[c]])
+def check_case(case, is_causal, impl, dtype=jnp.float32):
+    shape, kwargs = CASES[case]["shape"], CASES[case].get("kwargs", {})
+    empty = check_masked_against_reference(impl, shape, kwargs, is_causal, dtype=dtype, seed=12,
+                                           block_mask=CASES[case]["mask"]())
+    if case == "empty_blocks":
+        assert empty.any(), "this case is meant to contain rows that see no key"
+
+
+def _grid():
+    params = []
+    for case in CASES:
+        for is_causal in CAUSAL[case]:
+            for impl in ("pallas", "xla_chunked"):
+                marks = [pytest.mark.slow] if impl == "pallas" and case not in PALLAS_CASES else []
+                params.append(pytest.param(case, is_causal, impl, marks=marks, id=f"{case}-{is_causal}-{impl}"))
+    return params
+
+
+@pytest.mark.parametrize("case, is_causal, impl", _grid())
 def test_block_sparse_against_reference(case, is_causal, impl):
-    _check(case, is_causal, impl)
+    check_case(case, is_causal, impl)
 
 
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("impl", ["pallas", "xla_chunked"])
 def test_block_sparse_bfloat16(impl):
-    _check("random", False, impl, jnp.bfloat16)
-
-
-def test_masked_blocks_are_never_read():
-    """NaN in the keys and values of key blocks no query block may see, and in the queries of a query block
-    that sees nothing: the kernels never load those tiles, so outputs and gradients stay finite and equal
-    the reference on clean inputs. (The XLA chunked path computes every block and masks; it is not tested
-    here: 0 * NaN is NaN.)"""
-    shape = (1, 64, 64, 2, 1, 16)
-    block_mask = pf.BlockMask(np.array([[1, 0, 1, 0], [0, 0, 0, 0], [1, 0, 1, 0], [1, 0, 1, 0]], bool), 16, 16)
-    q, k, v, cotangent = make_inputs(shape, jnp.float32, seed=13)
-    hidden_keys = (np.arange(64) // 16) % 2 == 1  # key blocks 1 and 3
-    hidden_queries = np.arange(64) // 16 == 1  # query block 1
-    nan = lambda x, rows: x.at[:, rows].set(jnp.nan)
-    q_nan, k_nan, v_nan = nan(q, hidden_queries), nan(k, hidden_keys), nan(v, hidden_keys)
-    ours = functools.partial(pf.flash_attention, implementation="pallas", config=SMALL_BLOCKS, return_lse=True,
-                             block_mask=block_mask)
-    ref = functools.partial(pf.attention_reference, scale=16 ** -0.5, block_mask=block_mask)
-    out, lse = ours(q_nan, k_nan, v_nan)
-    ref_out, ref_lse = ref(q, k, v)
-    assert_close(out, ref_out, jnp.float32)
-    assert np.array_equal(np.isneginf(lse), np.isneginf(ref_lse)) and not np.isnan(lse).any()
-    loss = lambda fn, q, k, v: jnp.sum(fn(q, k, v)[0] * cotangent)
-    grads = jax.grad(functools.partial(loss, ours), argnums=(0, 1, 2))(q_nan, k_nan, v_nan)
-    ref_grads = jax.grad(functools.partial(loss, ref), argnums=(0, 1, 2))(q, k, v)
-    for name, g, rg in zip("qkv", grads, ref_grads):
-        assert_close(g, rg, jnp.float32, table=GRADIENT, what=f"d{name}")  # also asserts finite
+    check_case("random", False, impl, jnp.bfloat16)
 
 
 def test_block_mask_under_jit_as_a_static_argument():
@@ -286,91 +242,3 @@ def test_block_mask_under_jit_as_a_static_argument():
     out = attend(q, k, v, block_mask=block_mask, implementation="xla_chunked", config=SMALL_BLOCKS)
     ref = pf.attention_reference(q, k, v, scale=16 ** -0.5, block_mask=block_mask)[0]
     assert_close(out, ref, jnp.float32)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("is_causal", [False, True])
-def test_block_sparse_default_blocks_interpret(is_causal):
-    """The default KernelConfig (128-row tiles) under a 64 x 128 mask: the kernel tiles shrink to 64 rows."""
-    shape = (1, 300, 280, 2, 1, 64)
-    block_mask = pf.BlockMask.global_local(300, 280, 1, 1, block_q=64, block_kv=128)
-    q, k, v, cotangent = make_inputs(shape, jnp.float32, seed=15)
-    ours = functools.partial(pf.flash_attention, is_causal=is_causal, implementation="pallas", block_mask=block_mask)
-    ref = lambda q, k, v: pf.attention_reference(q, k, v, scale=64 ** -0.5, is_causal=is_causal,
-                                                 block_mask=block_mask)[0]
-    assert_close(ours(q, k, v), ref(q, k, v), jnp.float32)
-    loss = lambda fn, q, k, v: jnp.sum(fn(q, k, v) * cotangent)
-    grads = jax.grad(functools.partial(loss, ours), argnums=(0, 1, 2))(q, k, v)
-    ref_grads = jax.grad(functools.partial(loss, ref), argnums=(0, 1, 2))(q, k, v)
-    for name, g, rg in zip("qkv", grads, ref_grads):
-        assert_close(g, rg, jnp.float32, table=GRADIENT, what=f"d{name}")
-
-
-def test_full_block_mask_runs_the_dense_kernels():
-    """An all-True mask is dropped at the boundary: the benchmark's dense baseline is the dense kernel."""
-    q, k, v, _ = make_inputs((1, 40, 40, 2, 2, 16), jnp.float32, seed=17)
-    full = pf.BlockMask.full(40, 40, block_q=16, block_kv=16)
-    jaxpr = str(jax.make_jaxpr(functools.partial(pf.flash_attention, implementation="pallas", config=SMALL_BLOCKS,
-                                                 block_mask=full))(q, k, v))
-    dense = str(jax.make_jaxpr(functools.partial(pf.flash_attention, implementation="pallas",
-                                                 config=SMALL_BLOCKS))(q, k, v))
-    assert jaxpr == dense
-
-
-@pytest.mark.skipif(TritonCompilerParams is None, reason="this JAX has no Pallas Triton lowering")
-@pytest.mark.parametrize("is_causal", [False, True])
-def test_kernels_lower_to_triton_for_cuda(is_causal):
-    """The block-sparse kernels (fwd, dK/dV, dQ, with segment ids) lowered for CUDA on this machine: Pallas's
-    Triton lowering runs without a GPU (it assumes sm90), so primitives or loads it rejects fail here, in CI,
-    not first on the GPU. Triton's own compile to PTX is not run: what fails only there (the scalar select of
-    kernels/NOTES.md's run 1) still needs the GPU tests."""
-    batch, q_len, kv_len, heads, kv_heads, head_dim = 2, 1024, 1000, 8, 2, 128
-    block_mask = pf.BlockMask(_random_mask(5, (1, heads, 16, 16), 0.3), 64, 64)
-    q = jax.ShapeDtypeStruct((batch, q_len, heads, head_dim), jnp.bfloat16)
-    k = jax.ShapeDtypeStruct((batch, kv_len, kv_heads, head_dim), jnp.bfloat16)
-    lengths = jnp.full((batch,), kv_len - 5, jnp.int32)
-
-    def fwd_bwd(q, k, v):  # the kernels' own entry point: flash_attention would pick interpret mode here
-        fn = lambda q, k, v: portable.flash_attention_portable(
-            q, k, v, scale=0.1, band=masks.Band.of(is_causal), config=pf.KernelConfig.default(head_dim),
-            interpret=False, q_segment_ids=jnp.zeros((batch, q_len), jnp.int32),
-            kv_segment_ids=masks.segments_from_lengths(None, lengths, kv_len, masks.KEY_PADDING_ID),
-            block_mask=block_mask)
-        out, vjp = jax.vjp(fn, q, k, v)
-        return vjp(out)
-
-    triton = "__gpu$xla.gpu.triton"
-    exported = jax.export.export(jax.jit(fwd_bwd), platforms=["cuda"],
-                                 disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)])(q, k, k)
-    assert exported.mlir_module().count(f"stablehlo.custom_call @{triton}") == 3
-
-
-# ------------------------------------------------------------------------------------------------ GPU
-
-GPU_PATTERNS = {  # (q_len, kv_len) -> BlockMask; the default 128 x 128 blocks unless stated
-    "local": lambda n, m: pf.BlockMask.local(n, m, 2),
-    "strided": lambda n, m: pf.BlockMask.strided(n, m, 4),
-    "global_local": lambda n, m: pf.BlockMask.global_local(n, m, 1, 1),
-    "per_head_random_64": lambda n, m: pf.BlockMask(_random_mask(4, (1, 8, -(-n // 64), -(-m // 64)), 0.3), 64, 64),
-}
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("pattern", list(GPU_PATTERNS))
-def test_gpu_block_sparse(pattern, head_dim, is_causal):
-    """The compiled kernels (default blocks) at a moderate size, bf16, against the float32 reference."""
-    shape = (2, 2048, 2000, 8, 2, head_dim)  # GQA; the key length is not a block multiple
-    block_mask = GPU_PATTERNS[pattern](2048, 2000)
-    q, k, v, cotangent = make_inputs(shape, jnp.bfloat16, seed=16)
-    ours = functools.partial(pf.flash_attention, is_causal=is_causal, implementation="pallas", block_mask=block_mask)
-    ref = lambda q, k, v: pf.attention_reference(q, k, v, scale=head_dim ** -0.5, is_causal=is_causal,
-                                                 block_mask=block_mask)[0]
-    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-    assert_close(ours(q, k, v), ref(*f32), jnp.bfloat16)
-    loss = lambda fn, q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * cotangent.astype(jnp.float32))
-    grads = jax.grad(functools.partial(loss, ours), argnums=(0, 1, 2))(q, k, v)
-    ref_grads = jax.grad(functools.partial(loss, ref), argnums=(0, 1, 2))(*f32)
-    for name, g, rg in zip("qkv", grads, ref_grads):
-        assert_close(g, rg, jnp.bfloat16, table=GRADIENT, what=f"d{name}")

@@ -185,13 +185,43 @@ def test_resume_reproduces_the_next_loss_exactly(tmp_path):
     assert reference[4] != reference[3]
 
 
-def test_both_writes_the_report(tmp_path):
+@pytest.fixture(scope="module")
+def both_run(tmp_path_factory):
+    """The folder of one `--attention both` run with the context search (one real probe step per attention, at
+    the run's context 64: its doubling is test_context_search_doubles_until_a_step_fails's), shared by the tests
+    of what such a run writes."""
+    run_dir = tmp_path_factory.mktemp("both")
     train_main.main(SMALL + ["--attention", "both", "--steps", "4", "--warmup_steps", "1", "--checkpoint_every",
-                             "0", "--max_context", "128", "--run_dir", str(tmp_path)])
+                             "0", "--max_context", "64", "--run_dir", str(run_dir)])
+    return run_dir
+
+
+def test_context_search_doubles_until_a_step_fails(monkeypatch):
+    """`find_max_context` doubles the context from seq_len while a probe step fits and the limit allows: it
+    stops at the first step that does not fit (the longest is the one before) or past the limit."""
+    tried = []
+
+    def probe(cfg, attention, seq_len):
+        tried.append((attention, seq_len))
+        return {"seq_len": seq_len, "fits": seq_len <= 256}
+
+    monkeypatch.setattr(loop, "try_context", probe)
+    cfg = parse_args(SMALL)   # seq_len 64
+    for limit, probes, longest, reached in ((1024, [64, 128, 256, 512], 256, False), (128, [64, 128], 128, True),
+                                            (32, [], None, False)):
+        tried.clear()
+        search = loop.find_max_context(dataclasses.replace(cfg, max_context=limit), "dense", log=lambda _: None)
+        assert tried == [("dense", s) for s in probes] and [p["seq_len"] for p in search["probes"]] == probes
+        assert (search["longest"], search["limit_reached"], search["limit"]) == (longest, reached, limit)
+
+
+def test_both_writes_the_report(both_run):
+    tmp_path = both_run
     for name in ("report.md", "report.json", "loss.png", "flash/metrics.jsonl", "dense/metrics.jsonl"):
         assert (tmp_path / name).stat().st_size > 0, name
     report = json.loads((tmp_path / "report.json").read_text())
-    assert [p["seq_len"] for p in report["max_context"]["flash"]["probes"]] == [64, 128]
+    assert [(p["seq_len"], p["fits"]) for p in report["max_context"]["flash"]["probes"]] == [(64, True)]
+    assert report["max_context"]["dense"]["longest"] == 64
     assert report["agreement"]["max_abs_diff"] < 1e-2
     assert set(report["runs"]) == {"flash", "dense"} and report["runs"]["dense"]["tokens_per_s"] > 0
 
@@ -294,15 +324,15 @@ def test_resume_appends_without_duplicates_and_reports_the_whole_run(tmp_path, c
 
 def test_every_run_writes_its_own_folder(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    args = SMALL + ["--name", "t", "--attention", "both", "--steps", "2", "--warmup_steps", "1",
-                    "--checkpoint_every", "0", "--max_context", "0"]
+    # One attention per run (what `--attention both` writes in its folder: both_run's tests).
+    args = SMALL + ["--name", "t", "--steps", "2", "--warmup_steps", "1", "--checkpoint_every", "0"]
     train_main.main(args)
     train_main.main(args)
     runs = sorted((tmp_path / "runs" / "t").iterdir())
     assert len(runs) == 2, runs
     for run in runs:
-        assert {p.name for p in run.iterdir()} >= {"flash", "dense", "report.md", "report.json", "loss.png"}
-        assert _steps(run / "dense" / "metrics.jsonl", "loss") == [1, 2]
+        assert {p.name for p in run.iterdir()} >= {"metrics.jsonl", "run.json", "config.json", "loss.png"}
+        assert _steps(run / "metrics.jsonl", "loss") == [1, 2]
     with pytest.raises(SystemExit) as exit_info:   # a folder that holds a run is not written again
         train_main.main(args + ["--run_dir", str(runs[0])])
     assert exit_info.value.code == 2 and "already holds files" in capsys.readouterr().err
@@ -313,9 +343,8 @@ def test_every_run_writes_its_own_folder(tmp_path, monkeypatch, capsys):
     assert choose_run_dir(dataclasses.replace(cfg, resume=True)) == runs[-1].relative_to(tmp_path)   # the newest
 
 
-def test_both_saves_the_config_each_attention_ran(tmp_path):
-    train_main.main(SMALL + ["--attention", "both", "--steps", "2", "--warmup_steps", "1", "--checkpoint_every",
-                             "0", "--max_context", "0", "--run_dir", str(tmp_path)])
+def test_both_saves_the_config_each_attention_ran(both_run):
+    tmp_path = both_run
     for attention in ("dense", "flash"):
         for name in ("config.json", "run.json"):
             saved = json.loads((tmp_path / attention / name).read_text())
@@ -405,7 +434,8 @@ def _cut_recall_run(out_dir, name, seq_len, batch_size, evals, last_step, *, con
     run_dir.mkdir(parents=True)
     lines = [{"step": s, "loss": 0.07, "grad_norm": 0.1} for s in range(1, last_step + 1)]
     lines += [{"step": step, **values} for step, values in evals.items()]
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sorted(lines, key=lambda r: r["step"])))
+    lines.sort(key=lambda r: r["step"])
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     if config_json:
         config = json.loads(json.dumps(dataclasses.asdict(
             parse_args(["--preset", "long", "--seq_len", str(seq_len), "--batch_size", str(batch_size),

@@ -1,0 +1,141 @@
+"""The Hopper kernels' configs (`pallas_flash/hopper/config.py`): validation, the measured defaults, and
+what fits an H100's shared memory."""
+import dataclasses
+
+import pytest
+
+from pallas_flash import masks
+from pallas_flash.config import KernelConfig
+from pallas_flash.hopper import bwd as hopper_bwd
+from pallas_flash.hopper import fwd as hopper_fwd
+from pallas_flash.hopper import vjp as hopper_vjp
+from pallas_flash.hopper.bwd_ordered import dq_split
+from pallas_flash.hopper.config import H100_SHARED_MEMORY, HopperBwdConfig, HopperConfig
+
+# ---- forward --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("head_dim, kv_len, is_causal, window, overlap", [
+    (128, 2048, False, None, True), (128, 16384, True, None, True), (128, None, False, None, True),
+    (128, 1024, False, None, False),  # short rows: no overlap (unmeasured with it)
+    (128, 2048, False, (300, 77), True), (128, 4096, False, (None, 0), True),  # windows: as unmasked calls
+    (64, 8192, False, None, False)])
+def test_hopper_default_overlaps_only_where_measured(head_dim, kv_len, is_causal, window, overlap):
+    """The forward default turns FA3's overlap on at head_dim 128 past 1k keys, windowed calls included (their
+    GPU mask tests pass with it), and keeps head_dim 64 (slower with it) on the ping-pong."""
+    config = hopper_fwd.default_config(head_dim, kv_len, masks.Band.of(is_causal, window))
+    assert config.overlap == overlap
+    if overlap:
+        assert (config.block_kv, config.persistent) == (128, False)
+
+
+def test_hopper_default_tiles_at_head_dim_64():
+    """head_dim 64: causal rows up to 1k on 128-key blocks, 3 stages, persistent; longer causal rows (2k
+    measured 1.040x cuDNN on 256-key blocks against 0.989x on 128) on 256-key blocks, persistent up to 8k."""
+    assert HopperConfig.default(64, 1024, True) == HopperConfig(64, 128, 3, True)
+    assert HopperConfig.default(64, 2048, True) == HopperConfig(64, 256, 2, True)
+    assert HopperConfig.default(64, 8193, True) == HopperConfig(64, 256, 2, False)
+
+
+# ---- backward -------------------------------------------------------------------------------------------------
+
+def test_config_validation():
+    assert HopperBwdConfig() == HopperBwdConfig(64, 64, 2, 64, 64, 2)
+    for bad in (dict(block_q_dkv=32), dict(block_kv_dq=100), dict(block_kv_dkv=320), dict(num_stages_dq=1),
+                dict(block_q_dq=64.0), dict(num_stages_dkv=True), dict(dq_atomic=1), dict(dq_overlap=1),
+                dict(portable=1)):
+        with pytest.raises(ValueError):
+            HopperBwdConfig(**bad)
+    with pytest.raises(TypeError):
+        KernelConfig(hopper_bwd=dict(block_q_dkv=64))
+    assert KernelConfig(hopper_bwd=HopperBwdConfig()).hopper_bwd == HopperBwdConfig()
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_default_tiles_fit_shared_memory(head_dim):
+    config = HopperBwdConfig.default(head_dim)
+    assert config.smem_bytes_dkv(head_dim) <= H100_SHARED_MEMORY
+    assert config.smem_bytes_dq(head_dim) <= H100_SHARED_MEMORY
+    hopper_bwd.check_config(config, head_dim)
+    with pytest.raises(ValueError, match="shared memory"):
+        hopper_bwd.check_config(dataclasses.replace(config, num_stages_dkv=8), head_dim)
+    # The one pass's dS^T tile and dQ staging slots fit beside the default tiles, with a 2-stage ring (the
+    # two-pass dkv_overlap default at head_dim 128 takes 4).
+    one_pass = dataclasses.replace(config, dq_atomic=True, num_stages_dkv=2)
+    hopper_bwd.check_config(one_pass, head_dim)
+    with pytest.raises(ValueError, match="shared memory"):
+        hopper_bwd.check_config(dataclasses.replace(one_pass, num_stages_dkv=3), head_dim)
+
+
+def test_one_pass_needs_a_dq_split():
+    """At head_dim 64 the consumers split dQ by query rows (half a head_dim is not a whole 64-column swizzle
+    tile), which needs block_q_dkv >= 128."""
+    assert dq_split(128, 64) == "columns" and dq_split(64, 128) == "rows"
+    with pytest.raises(ValueError, match="block_q_dkv >= 128"):
+        hopper_bwd.check_config(HopperBwdConfig(block_q_dkv=64, dq_atomic=True), 64)
+
+
+def test_head_dim_256_is_refused():
+    import jax.numpy as jnp
+    with pytest.raises(ValueError, match="head_dim <= 128"):
+        HopperBwdConfig.default(256)
+    x = jnp.zeros((1, 64, 1, 256), jnp.bfloat16)
+    with pytest.raises(ValueError, match="head_dim <= 128"):
+        hopper_bwd.hopper_backward(x, x, x, x, jnp.zeros((1, 1, 64)), x, None, scale=1.0, is_causal=False)
+
+
+def test_dq_ordered_config():
+    """dq_ordered is a bool, only with dq_atomic (the two-pass backward is deterministic already). The
+    defaults are deterministic unless asked not to be: head_dim 64 runs the one pass, ordered by default,
+    except deterministic causal rows up to 2k keys (the two passes); head_dim 128 the two passes either way,
+    both kernels pipelined, causal or not."""
+    assert HopperBwdConfig(dq_atomic=True, dq_ordered=True).dq_ordered
+    for bad in (dict(dq_ordered=True), dict(dq_ordered=1, dq_atomic=True), dict(dq_ordered=None)):
+        with pytest.raises(ValueError, match="dq_ordered"):
+            HopperBwdConfig(**bad)
+    for deterministic in (True, False):
+        at_64, at_128 = HopperBwdConfig.default(64, deterministic), HopperBwdConfig.default(128, deterministic)
+        assert at_64.dq_atomic and at_64.dq_ordered == deterministic
+        assert not at_128.dq_atomic and not at_128.dq_ordered and at_128.dq_overlap and at_128.dkv_overlap
+        assert HopperBwdConfig.default(128, deterministic, is_causal=True) == at_128
+        for kv_len, is_causal in ((2048, False), (2049, True), (None, True)):
+            assert HopperBwdConfig.default(64, deterministic, kv_len, is_causal) == at_64
+    short_causal = HopperBwdConfig.default(64, True, kv_len=2048, is_causal=True)
+    assert not short_causal.dq_atomic and not short_causal.dq_ordered
+    assert HopperBwdConfig.default(64, False, kv_len=2048, is_causal=True).dq_atomic
+    config = HopperBwdConfig(block_q_dkv=128, dq_atomic=True)  # same shared memory: the counters are global
+    assert dataclasses.replace(config, dq_ordered=True).smem_bytes_dkv(64) == config.smem_bytes_dkv(64)
+
+
+def test_delta_in_dp_config():
+    """delta_in_dp (dP^T's accumulator starting at -delta) is a bool, on by default at head_dim 64 (the one pass,
+    ordered or free, and the two passes of causal rows up to 2k keys) and for head_dim 128's causal rows up to 8k
+    keys; off for head_dim 128's other rows."""
+    for deterministic in (True, False):
+        for kv_len, is_causal in ((None, False), (2048, True), (16384, True), (2048, False)):
+            assert HopperBwdConfig.default(64, deterministic, kv_len=kv_len, is_causal=is_causal).delta_in_dp
+        assert not HopperBwdConfig.default(128, deterministic).delta_in_dp
+        assert not HopperBwdConfig.default(128, deterministic, kv_len=2048, is_causal=False).delta_in_dp
+        assert not HopperBwdConfig.default(128, deterministic, kv_len=16384, is_causal=True).delta_in_dp
+        for kv_len in (1, 2048, 8192):
+            assert HopperBwdConfig.default(128, deterministic, kv_len=kv_len, is_causal=True).delta_in_dp
+    two_passes = HopperBwdConfig.default(64, True, kv_len=2048, is_causal=True)
+    assert not two_passes.dq_atomic and two_passes.delta_in_dp
+    assert not HopperBwdConfig().delta_in_dp
+    with pytest.raises(ValueError, match="delta_in_dp"):
+        HopperBwdConfig(delta_in_dp=1)
+
+
+def test_backward_after_the_hopper_forward():
+    """Which backward runs after the Hopper forward: the Hopper one (the call's default tiles, or
+    config.hopper_bwd's), the portable one where `HopperBwdConfig(portable=True)` asks for it, and the
+    portable one past head_dim 128 whatever the config says."""
+    band = masks.Band.of(True)
+    choose = hopper_vjp._backward_config
+    assert choose(KernelConfig(), 64, 1024, band, True) == hopper_bwd.default_config(64, 1024, band, True)
+    assert choose(KernelConfig(), 128, 4096, band, False) == hopper_bwd.default_config(128, 4096, band, False)
+    tiles = HopperBwdConfig(dq_overlap=True, num_stages_dq=3)
+    assert choose(KernelConfig(hopper_bwd=tiles), 64, 1024, band, True) == tiles
+    assert choose(KernelConfig(hopper_bwd=HopperBwdConfig(portable=True)), 64, 1024, band, True) is None
+    assert choose(KernelConfig(hopper_bwd=tiles), 256, 1024, band, True) is None
+    assert choose(KernelConfig(), 192, 1024, band, True) is None
