@@ -21,6 +21,7 @@ def _fast_cpu_compile_flags() -> str:
     in the last bit, far inside every tolerance. Nothing is set where a CUDA plugin is installed (compiled GPU
     code stays optimised) or where XLA_FLAGS already names either flag."""
     from importlib import metadata
+
     dists = {(dist.metadata["Name"] or "").lower().replace("_", "-") for dist in metadata.distributions()}
     if any(name.startswith("jax-cuda") for name in dists):
         return ""

@@ -1,6 +1,7 @@
 """What more than one test module builds: inputs, the float32 oracle, the grid check every implementation runs,
 segment ids, the reference's view of a call's masks, score-modifier cases and the lowering tests' abstract
 inputs. Tolerances live in tests/tolerances.py."""
+
 import functools
 
 import jax
@@ -12,8 +13,9 @@ from pallas_flash import masks
 from tests.tolerances import GRADIENT, assert_close
 
 # Small tiles, so that in interpret mode every loop, diagonal tile and ragged tail runs at small shapes.
-SMALL_BLOCKS = pf.KernelConfig(block_q=16, block_kv=16, block_q_dkv=16, block_kv_dkv=32, block_q_dq=32,
-                               block_kv_dq=16, xla_block_kv=16)
+SMALL_BLOCKS = pf.KernelConfig(
+    block_q=16, block_kv=16, block_q_dkv=16, block_kv_dkv=32, block_q_dq=32, block_kv_dq=16, xla_block_kv=16
+)
 
 
 def shape_id(shape) -> str:
@@ -22,6 +24,7 @@ def shape_id(shape) -> str:
 
 
 # ---- inputs ---------------------------------------------------------------------------------------------------
+
 
 def _normal(rng, shape, dtype):
     # Drawn by NumPy: jax.random would compile a program per new shape, a few hundred ms each on CPU.
@@ -56,8 +59,11 @@ def abstract_inputs(shape, segments: bool):
     q = jax.ShapeDtypeStruct((batch, q_len, heads, head_dim), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((batch, kv_len, kv_heads, head_dim), jnp.bfloat16)
     lse = jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)
-    ids = ((jax.ShapeDtypeStruct((batch, q_len), jnp.int32), jax.ShapeDtypeStruct((batch, kv_len), jnp.int32))
-           if segments else (None, None))
+    ids = (
+        (jax.ShapeDtypeStruct((batch, q_len), jnp.int32), jax.ShapeDtypeStruct((batch, kv_len), jnp.int32))
+        if segments
+        else (None, None)
+    )
     return q, k, lse, ids
 
 
@@ -67,6 +73,7 @@ def lower_for_cuda(fn, *args) -> str:
 
 
 # ---- segment ids ----------------------------------------------------------------------------------------------
+
 
 def packed_ids(length: int, *starts: int):
     """int32 [length] ids of documents packed back to back: id i from starts[i - 1] (sorted) on."""
@@ -92,14 +99,22 @@ def reference_mask_args(shape, kwargs, is_causal):
     """The reference's band and segment ids for a flash_attention call's mask arguments, built through the
     public API's own folding (lengths become padding ids)."""
     from pallas_flash import api
+
     q, k, _, _ = make_inputs(shape, jnp.float32, 0)
     window = api._check_window(kwargs.get("local_window_size"))
-    q_ids, kv_ids = api._segments(q, k, kwargs.get("segment_ids"), kwargs.get("kv_segment_ids"),
-                                  kwargs.get("query_seq_lengths"), kwargs.get("key_value_seq_lengths"))
+    q_ids, kv_ids = api._segments(
+        q,
+        k,
+        kwargs.get("segment_ids"),
+        kwargs.get("kv_segment_ids"),
+        kwargs.get("query_seq_lengths"),
+        kwargs.get("key_value_seq_lengths"),
+    )
     return dict(band=masks.Band.of(is_causal, window), q_segment_ids=q_ids, kv_segment_ids=kv_ids)
 
 
 # ---- the oracle and the grid check ----------------------------------------------------------------------------
+
 
 def reference(q, k, v, *, is_causal, scale=None):
     """(out, lse) of the dense reference in float32."""
@@ -127,11 +142,13 @@ def _outputs_and_grads(ours, ref, primals, ref_primals, cotangent):
 def check_against_reference(impl, shape, dtype, is_causal, config, seed=0):
     """Output, LSE and dq/dk/dv of `flash_attention(implementation=impl)` against the float32 reference."""
     q, k, v, cotangent = make_inputs(shape, dtype, seed)
-    attend = functools.partial(pf.flash_attention, is_causal=is_causal, implementation=impl, config=config,
-                               return_lse=True)
+    attend = functools.partial(
+        pf.flash_attention, is_causal=is_causal, implementation=impl, config=config, return_lse=True
+    )
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
     (out, lse), grads, (ref_out, ref_lse), ref_grads = _outputs_and_grads(
-        attend, functools.partial(reference, is_causal=is_causal), (q, k, v), f32, cotangent)
+        attend, functools.partial(reference, is_causal=is_causal), (q, k, v), f32, cotangent
+    )
     assert out.dtype == q.dtype and out.shape == q.shape
     assert lse.dtype == jnp.float32 and lse.shape == (shape[0], shape[3], shape[1])
     assert_close(out, ref_out, dtype)
@@ -153,17 +170,20 @@ def _check_rows_and_lse(out, lse, ref_out, ref_lse, dtype):
     return empty
 
 
-def check_masked_against_reference(impl, shape, kwargs, is_causal, *, dtype=jnp.float32, config=SMALL_BLOCKS,
-                                   seed=8, block_mask=None):
+def check_masked_against_reference(
+    impl, shape, kwargs, is_causal, *, dtype=jnp.float32, config=SMALL_BLOCKS, seed=8, block_mask=None
+):
     """`flash_attention(implementation=impl, **kwargs)` with mask arguments (segment ids, lengths, a window, a
     block mask) against the reference given the same masks: output, LSE, dq/dk/dv; rows that see no key must
     be exact zeros with LSE -inf. Returns the [batch, q_len, heads] rows that see no key."""
     q, k, v, cotangent = make_inputs(shape, dtype, seed)
     extra = {} if block_mask is None else dict(block_mask=block_mask)
-    ours = functools.partial(pf.flash_attention, is_causal=is_causal, implementation=impl, config=config,
-                             return_lse=True, **extra, **kwargs)
-    ref = functools.partial(pf.attention_reference, scale=shape[-1] ** -0.5, **extra,
-                            **reference_mask_args(shape, kwargs, is_causal))
+    ours = functools.partial(
+        pf.flash_attention, is_causal=is_causal, implementation=impl, config=config, return_lse=True, **extra, **kwargs
+    )
+    ref = functools.partial(
+        pf.attention_reference, scale=shape[-1] ** -0.5, **extra, **reference_mask_args(shape, kwargs, is_causal)
+    )
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
     (out, lse), grads, (ref_out, ref_lse), ref_grads = _outputs_and_grads(ours, ref, (q, k, v), f32, cotangent)
     assert out.dtype == q.dtype and out.shape == q.shape
@@ -175,6 +195,7 @@ def check_masked_against_reference(impl, shape, kwargs, is_causal, *, dtype=jnp.
 
 
 # ---- score modifiers ------------------------------------------------------------------------------------------
+
 
 def normal(seed, shape, scale=1.0):
     return scale * jax.random.normal(jax.random.key(seed), shape, jnp.float32)
@@ -206,15 +227,32 @@ def modifier_case(name, shape):
         "soft_cap": dict(logits_soft_cap=0.7),
         "dropout": dict(dropout_rate=0.3, dropout_rng=jax.random.key(29)),
         "dropout_broadcast": dict(dropout_rate=0.5, dropout_rng=jax.random.key(30), broadcast_dropout=True),
-        "everything": dict(bias=normal(31, (1, heads, q_len, kv_len)), mask=rows_hidden,
-                           alibi_slopes=jnp.geomspace(0.5, 0.05, heads), logits_soft_cap=2.0, dropout_rate=0.2,
-                           dropout_rng=jax.random.key(32)),
+        "everything": dict(
+            bias=normal(31, (1, heads, q_len, kv_len)),
+            mask=rows_hidden,
+            alibi_slopes=jnp.geomspace(0.5, 0.05, heads),
+            logits_soft_cap=2.0,
+            dropout_rate=0.2,
+            dropout_rng=jax.random.key(32),
+        ),
     }[name]
 
 
-MODIFIER_CASES = ["bias_full", "bias_heads_keys", "bias_batch_queries", "bias_rank2_bf16", "bias_minus_inf_rows",
-                  "mask_empty_rows", "mask_keys", "alibi", "alibi_per_example_soft_cap", "soft_cap", "dropout",
-                  "dropout_broadcast", "everything"]
+MODIFIER_CASES = [
+    "bias_full",
+    "bias_heads_keys",
+    "bias_batch_queries",
+    "bias_rank2_bf16",
+    "bias_minus_inf_rows",
+    "mask_empty_rows",
+    "mask_keys",
+    "alibi",
+    "alibi_per_example_soft_cap",
+    "soft_cap",
+    "dropout",
+    "dropout_broadcast",
+    "everything",
+]
 # Cases meant to contain rows that see no key.
 MODIFIER_CASES_WITH_EMPTY_ROWS = ("mask_empty_rows", "bias_minus_inf_rows", "everything")
 
@@ -233,13 +271,17 @@ def modifier_block_mask(shape):
 def modifier_with_block_mask_case(name, shape):
     """Modifier arguments combined with `modifier_block_mask` in one call."""
     batch, q_len, kv_len, heads, _, _ = shape
-    return dict({
-        # dbias sums dS over query blocks: the hidden tiles must add nothing
-        "bias_heads_keys": dict(bias=normal(71, (1, heads, 1, kv_len), 2.0)),
-        "mask": dict(mask=random_mask(72, (batch, 1, q_len, kv_len))),
-        "dropout_bias": dict(dropout_rate=0.3, dropout_rng=jax.random.key(73),
-                             bias=normal(74, (batch, 1, q_len, 1))),
-    }[name], block_mask=modifier_block_mask(shape))
+    return dict(
+        {
+            # dbias sums dS over query blocks: the hidden tiles must add nothing
+            "bias_heads_keys": dict(bias=normal(71, (1, heads, 1, kv_len), 2.0)),
+            "mask": dict(mask=random_mask(72, (batch, 1, q_len, kv_len))),
+            "dropout_bias": dict(
+                dropout_rate=0.3, dropout_rng=jax.random.key(73), bias=normal(74, (batch, 1, q_len, 1))
+            ),
+        }[name],
+        block_mask=modifier_block_mask(shape),
+    )
 
 
 def _reference_modifier_kwargs(kwargs):
@@ -262,13 +304,15 @@ def check_modifiers_against_reference(impl, shape, dtype, is_causal, kwargs, con
     primals = (q, k, v) if bias is None else (q, k, v, bias)
 
     def ours(q, k, v, bias=None):
-        return pf.flash_attention(q, k, v, bias=bias, is_causal=is_causal, implementation=impl, config=config,
-                                  return_lse=True, **rest)
+        return pf.flash_attention(
+            q, k, v, bias=bias, is_causal=is_causal, implementation=impl, config=config, return_lse=True, **rest
+        )
 
     def ref(q, k, v, bias=None):
         f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-        return pf.attention_reference(*f32, scale=scale, is_causal=is_causal, bias=bias,
-                                      **_reference_modifier_kwargs(rest))
+        return pf.attention_reference(
+            *f32, scale=scale, is_causal=is_causal, bias=bias, **_reference_modifier_kwargs(rest)
+        )
 
     (out, lse), grads, (ref_out, ref_lse), ref_grads = _outputs_and_grads(ours, ref, primals, primals, cotangent)
     assert out.dtype == q.dtype and out.shape == q.shape
@@ -282,13 +326,17 @@ def check_modifiers_against_reference(impl, shape, dtype, is_causal, kwargs, con
 # ---- the Hopper backward's variants ---------------------------------------------------------------------------
 
 HOPPER_BACKWARD_VARIANTS = {  # HopperBwdConfig fields over the default's, per backward variant under test
-    "two_pass": dict(dq_atomic=False, dq_ordered=False, dq_overlap=False, num_stages_dq=2, dkv_overlap=False,
-                     num_stages_dkv=2),
-    "two_pass_dq_overlap": dict(dq_atomic=False, dq_ordered=False, dq_overlap=True, num_stages_dq=4,
-                                dkv_overlap=False, num_stages_dkv=2),
-    "two_pass_dkv_overlap": dict(dq_atomic=False, dq_ordered=False, dkv_overlap=True, num_stages_dkv=4,
-                                 delta_in_dp=False),
-    "two_pass_dkv_overlap_delta_in_dp": dict(dq_atomic=False, dq_ordered=False, dkv_overlap=True, num_stages_dkv=4,
-                                             delta_in_dp=True),
+    "two_pass": dict(
+        dq_atomic=False, dq_ordered=False, dq_overlap=False, num_stages_dq=2, dkv_overlap=False, num_stages_dkv=2
+    ),
+    "two_pass_dq_overlap": dict(
+        dq_atomic=False, dq_ordered=False, dq_overlap=True, num_stages_dq=4, dkv_overlap=False, num_stages_dkv=2
+    ),
+    "two_pass_dkv_overlap": dict(
+        dq_atomic=False, dq_ordered=False, dkv_overlap=True, num_stages_dkv=4, delta_in_dp=False
+    ),
+    "two_pass_dkv_overlap_delta_in_dp": dict(
+        dq_atomic=False, dq_ordered=False, dkv_overlap=True, num_stages_dkv=4, delta_in_dp=True
+    ),
     "one_pass": dict(dq_atomic=True, dq_ordered=False, num_stages_dkv=2),
 }

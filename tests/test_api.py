@@ -1,4 +1,5 @@
 """Argument checking, dispatch, and behaviour under JAX transformations."""
+
 import functools
 import logging
 
@@ -41,6 +42,7 @@ def test_jit_checkpoint_and_scan(impl):
     def layers(fn, q):  # two "layers" through lax.scan, each rematerialised
         def body(x, _):
             return jax.checkpoint(lambda x: fn(x, k, v) + x)(x), None
+
         return jnp.sum(jax.lax.scan(body, q, None, length=2)[0] ** 2)
 
     ours = jax.jit(jax.value_and_grad(functools.partial(layers, attend)))(q)
@@ -60,13 +62,15 @@ def test_default_implementation_on_cpu_is_chunked_and_logged_with_its_reason(cap
     messages = [r.getMessage() for r in caplog.records if "implementation=None" in r.getMessage()]
     assert len(messages) == 1, messages
     assert messages[0].startswith(
-        "pallas_flash: implementation=None ran 'xla_chunked' on backend 'cpu' (not 'mosaic': ")
+        "pallas_flash: implementation=None ran 'xla_chunked' on backend 'cpu' (not 'mosaic': "
+    )
     assert "sm90" in messages[0] and "; not 'pallas': no NVIDIA GPU" in messages[0]
 
 
 def test_eager_calls_are_traced_once_per_configuration(monkeypatch):
     """Outside jit, repeated calls reuse one compiled function (no re-trace of the chunked scan per call)."""
     from pallas_flash import xla_chunked
+
     traces = []
     original = xla_chunked.attention_chunked
     monkeypatch.setattr(xla_chunked, "attention_chunked", lambda *a, **kw: traces.append(1) or original(*a, **kw))
@@ -100,10 +104,19 @@ def test_traced_scale_matches_reference_and_has_a_gradient(impl):
 def test_numpy_scalars_are_accepted_as_options():
     q, k, v, _ = make_inputs((1, 16, 16, 2, 2, 16), jnp.float32, seed=17)
     rng = jax.random.key(0)
-    ours = pf.flash_attention(q, k, v, scale=np.float32(0.25), is_causal=np.bool_(True),
-                              dropout_rate=np.float32(0.1), dropout_rng=rng, logits_soft_cap=np.float64(30.0))
-    plain = pf.flash_attention(q, k, v, scale=0.25, is_causal=True, dropout_rate=float(np.float32(0.1)),
-                               dropout_rng=rng, logits_soft_cap=30.0)
+    ours = pf.flash_attention(
+        q,
+        k,
+        v,
+        scale=np.float32(0.25),
+        is_causal=np.bool_(True),
+        dropout_rate=np.float32(0.1),
+        dropout_rng=rng,
+        logits_soft_cap=np.float64(30.0),
+    )
+    plain = pf.flash_attention(
+        q, k, v, scale=0.25, is_causal=True, dropout_rate=float(np.float32(0.1)), dropout_rng=rng, logits_soft_cap=30.0
+    )
     np.testing.assert_array_equal(ours, plain)
 
 
@@ -123,29 +136,39 @@ def _bad(shape_q=(1, 8, 4, 16), shape_kv=(1, 8, 2, 16), dtype=jnp.float32, kv_dt
     return q, kv, kv
 
 
-@pytest.mark.parametrize("args, kwargs, error, words", [
-    (_bad(shape_q=(8, 4, 16)), {}, ValueError, "query must have rank 4"),
-    (_bad(shape_kv=(2, 8, 2, 16)), {}, ValueError, "key has batch 2"),
-    (_bad(shape_kv=(1, 8, 3, 16)), {}, ValueError, "must be a multiple of it"),
-    (_bad(shape_kv=(1, 8, 0, 16)), {}, ValueError, "head counts must be >= 1"),
-    (_bad(shape_kv=(1, 8, 2, 32)), {}, ValueError, "head_dim 32"),
-    (_bad(shape_q=(1, 8, 4, 8), shape_kv=(1, 8, 2, 8)), {}, ValueError, "head_dim is 8"),
-    (_bad(shape_q=(1, 8, 4, 512), shape_kv=(1, 8, 2, 512)), {}, ValueError, "head_dim is 512"),
-    (_bad(dtype=jnp.int32), {}, TypeError, "query has dtype int32"),
-    (_bad(kv_dtype=jnp.bfloat16), {}, TypeError, "share one dtype"),
-    (_bad(), {"implementation": "cuda"}, ValueError, "implementation must be"),
-    (_bad(), {"scale": "big"}, TypeError, "scale must be"),
-    (_bad(), {"is_causal": 1}, TypeError, "is_causal must be a bool"),
-    (_bad(), {"deterministic": None}, TypeError, "deterministic must be a bool"),
-    (_bad(), {"config": {"block_q": 64}}, TypeError, "config must be"),
-])
+@pytest.mark.parametrize(
+    "args, kwargs, error, words",
+    [
+        (_bad(shape_q=(8, 4, 16)), {}, ValueError, "query must have rank 4"),
+        (_bad(shape_kv=(2, 8, 2, 16)), {}, ValueError, "key has batch 2"),
+        (_bad(shape_kv=(1, 8, 3, 16)), {}, ValueError, "must be a multiple of it"),
+        (_bad(shape_kv=(1, 8, 0, 16)), {}, ValueError, "head counts must be >= 1"),
+        (_bad(shape_kv=(1, 8, 2, 32)), {}, ValueError, "head_dim 32"),
+        (_bad(shape_q=(1, 8, 4, 8), shape_kv=(1, 8, 2, 8)), {}, ValueError, "head_dim is 8"),
+        (_bad(shape_q=(1, 8, 4, 512), shape_kv=(1, 8, 2, 512)), {}, ValueError, "head_dim is 512"),
+        (_bad(dtype=jnp.int32), {}, TypeError, "query has dtype int32"),
+        (_bad(kv_dtype=jnp.bfloat16), {}, TypeError, "share one dtype"),
+        (_bad(), {"implementation": "cuda"}, ValueError, "implementation must be"),
+        (_bad(), {"scale": "big"}, TypeError, "scale must be"),
+        (_bad(), {"is_causal": 1}, TypeError, "is_causal must be a bool"),
+        (_bad(), {"deterministic": None}, TypeError, "deterministic must be a bool"),
+        (_bad(), {"config": {"block_q": 64}}, TypeError, "config must be"),
+    ],
+)
 def test_bad_input_is_named(args, kwargs, error, words):
     with pytest.raises(error, match=words):
         pf.flash_attention(*args, **kwargs)
 
 
-@pytest.mark.parametrize("field, value, words", [("block_q", 48, "power of two"), ("block_kv", 8, "at least 16"),
-                                                 ("num_warps", 0, "positive int"), ("num_stages", 1.5, "positive int")])
+@pytest.mark.parametrize(
+    "field, value, words",
+    [
+        ("block_q", 48, "power of two"),
+        ("block_kv", 8, "at least 16"),
+        ("num_warps", 0, "positive int"),
+        ("num_stages", 1.5, "positive int"),
+    ],
+)
 def test_bad_config_is_named(field, value, words):
     with pytest.raises(ValueError, match=f"KernelConfig.{field}.*{words}"):
         pf.KernelConfig(**{field: value})
@@ -175,6 +198,7 @@ def test_default_implementation_on_hopper_is_mosaic_where_it_serves(caplog):
 
 
 # ---- the registry ---------------------------------------------------------------------------------------------
+
 
 def _call(dtype=jnp.bfloat16, head_dim=64, features=()):
     x = jax.ShapeDtypeStruct((1, 256, 2, head_dim), dtype)
@@ -211,9 +235,11 @@ def test_dispatch_where_the_hopper_kernel_serves(monkeypatch, caplog):
     api._logged.clear()
     with caplog.at_level(logging.DEBUG, logger="pallas_flash"):
         assert api.dispatch(None, _call()) == "mosaic"
-        for call, words in ((_call(dtype=jnp.float32), "bfloat16 or float16"),
-                            (_call(features=("bias", "dropout")), "no bias or dropout"),
-                            (_call(head_dim=512), "head_dim <= 256")):
+        for call, words in (
+            (_call(dtype=jnp.float32), "bfloat16 or float16"),
+            (_call(features=("bias", "dropout")), "no bias or dropout"),
+            (_call(head_dim=512), "head_dim <= 256"),
+        ):
             assert api.dispatch(None, call) != "mosaic"
             with pytest.raises(ValueError, match=f"implementation='mosaic' cannot serve this call: .*{words}"):
                 api.dispatch("mosaic", call)

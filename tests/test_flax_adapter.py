@@ -1,5 +1,6 @@
 """pallas_flash.flax: Flax's attention modules with our attention_fn match their default attention, every
 argument is honoured, and a dense fallback is logged once naming the argument."""
+
 import functools
 import logging
 import re
@@ -47,9 +48,11 @@ def _inputs(kind, dtype):
     return inputs_q, inputs_kv
 
 
-GRID = [("self", m, "float32") for m in ("none", "padding", "causal", "random")] + [
-    ("cross", m, "float32") for m in ("none", "padding", "random")] + [
-    ("self", "none", "bfloat16"), ("self", "causal", "bfloat16"), ("cross", "padding", "bfloat16")]
+GRID = (
+    [("self", m, "float32") for m in ("none", "padding", "causal", "random")]
+    + [("cross", m, "float32") for m in ("none", "padding", "random")]
+    + [("self", "none", "bfloat16"), ("self", "causal", "bfloat16"), ("cross", "padding", "bfloat16")]
+)
 
 
 @pytest.mark.parametrize("kind, mask_kind, dtype", GRID)
@@ -61,8 +64,9 @@ def test_linen_module_matches_default(kind, mask_kind, dtype):
     module = functools.partial(linen.MultiHeadDotProductAttention, num_heads=HEADS, qkv_features=FEATURES)
     params = module().init(jax.random.key(0), inputs_q, inputs_kv, mask=mask)
     # The reference is Flax's default attention in float32, on the same parameters.
-    ref = module(dtype=jnp.float32).apply(params, inputs_q.astype(jnp.float32), inputs_kv.astype(jnp.float32),
-                                          mask=mask)
+    ref = module(dtype=jnp.float32).apply(
+        params, inputs_q.astype(jnp.float32), inputs_kv.astype(jnp.float32), mask=mask
+    )
     out = jax.jit(module(attention_fn=ours, dtype=dtype).apply)(params, inputs_q, inputs_kv, mask=mask)
     assert out.dtype == jnp.dtype(dtype)
     assert_close(out, ref, dtype)
@@ -86,8 +90,14 @@ def test_linen_module_gradients_match_default(kind, mask_kind):
         assert_close(got, want, jnp.float32, table=GRADIENT, what="gradient")
 
 
-NNX_GRID = [("self", "none", False), ("self", "padding", False), ("self", "none", True),
-            ("self", "padding", True), ("cross", "none", False), ("cross", "random", False)]
+NNX_GRID = [
+    ("self", "none", False),
+    ("self", "padding", False),
+    ("self", "none", True),
+    ("self", "padding", True),
+    ("cross", "none", False),
+    ("cross", "random", False),
+]
 
 
 @pytest.mark.parametrize("kind, mask_kind, is_causal", NNX_GRID)
@@ -95,7 +105,8 @@ def test_nnx_module_matches_default(kind, mask_kind, is_causal):
     inputs_q, inputs_kv = _inputs(kind, jnp.float32)
     mask = _mask(mask_kind, Q_LEN, inputs_kv.shape[1])
     module = lambda attention_fn: nnx.MultiHeadAttention(
-        num_heads=HEADS, in_features=FEATURES, attention_fn=attention_fn, decode=False, rngs=nnx.Rngs(0))
+        num_heads=HEADS, in_features=FEATURES, attention_fn=attention_fn, decode=False, rngs=nnx.Rngs(0)
+    )
     call = lambda m: m(inputs_q, inputs_kv, mask=mask, is_causal=is_causal)
     ref = call(module(nnx.dot_product_attention))
     out = nnx.jit(call)(module(pf.attention_fn))
@@ -125,13 +136,22 @@ def test_dropout_runs_in_the_kernels(broadcast_dropout, caplog):
     flash_attention's with the same key, not Flax's bernoulli draw (same distribution, other bits)."""
     query, key, value = (_normal(i, (BATCH, Q_LEN, HEADS, 16)) for i in range(3))
     mask = _mask("random", Q_LEN, Q_LEN)
-    kwargs = dict(dropout_rng=jax.random.key(11), dropout_rate=0.4, broadcast_dropout=broadcast_dropout,
-                  deterministic=False)
+    kwargs = dict(
+        dropout_rng=jax.random.key(11), dropout_rate=0.4, broadcast_dropout=broadcast_dropout, deterministic=False
+    )
     with caplog.at_level(logging.WARNING, logger="pallas_flash"):
         out = FLASH(query, key, value, mask=mask, **kwargs)
     assert caplog.records == []
-    ours = flash_attention(query, key, value, mask=mask, dropout_rate=0.4, dropout_rng=jax.random.key(11),
-                           broadcast_dropout=broadcast_dropout, implementation="xla")
+    ours = flash_attention(
+        query,
+        key,
+        value,
+        mask=mask,
+        dropout_rate=0.4,
+        dropout_rng=jax.random.key(11),
+        broadcast_dropout=broadcast_dropout,
+        implementation="xla",
+    )
     # Query 3 sees no key: Flax's uniform row (the mean of the values), undropped.
     ours = ours.at[:, 3].set(jnp.mean(value, axis=1))
     assert_close(out, ours, jnp.float32)
@@ -157,13 +177,16 @@ def test_sown_attention_weights_match_default(api, caplog):
         if api == "linen":
             module = lambda fn: linen.MultiHeadDotProductAttention(num_heads=HEADS, attention_fn=fn)
             params = module(FLASH).init(jax.random.key(0), inputs_q)
-            sown = [module(fn).apply(params, inputs_q, sow_weights=True, mutable=["intermediates"])[1]
-                    for fn in (FLASH, linen.dot_product_attention)]
+            sown = [
+                module(fn).apply(params, inputs_q, sow_weights=True, mutable=["intermediates"])[1]
+                for fn in (FLASH, linen.dot_product_attention)
+            ]
         else:
             sown = []
             for fn in (FLASH, nnx.dot_product_attention):
-                module = nnx.MultiHeadAttention(num_heads=HEADS, in_features=FEATURES, attention_fn=fn,
-                                                decode=False, rngs=nnx.Rngs(0))
+                module = nnx.MultiHeadAttention(
+                    num_heads=HEADS, in_features=FEATURES, attention_fn=fn, decode=False, rngs=nnx.Rngs(0)
+                )
                 # nnx.capture collects what `sow` stores (sowing outside it is deprecated in Flax).
                 forward = nnx.capture(lambda module, x: module(x, sow_weights=True), nnx.Intermediate)
                 sown.append(forward(module, inputs_q)[1])
@@ -237,6 +260,7 @@ def test_factory_passes_deterministic_gradients(deterministic_gradients, monkeyp
     """Flax's own `deterministic` (dropout off) is not ours: `deterministic_gradients` is what reaches
     flash_attention's `deterministic`."""
     import pallas_flash.flax as adapter
+
     seen = []
     real = adapter.flash_attention
     monkeypatch.setattr(adapter, "flash_attention", lambda *a, **kw: seen.append(kw["deterministic"]) or real(*a, **kw))
@@ -246,9 +270,15 @@ def test_factory_passes_deterministic_gradients(deterministic_gradients, monkeyp
     assert seen == [deterministic_gradients]
 
 
-@pytest.mark.parametrize("impl, is_causal", [
-    ("xla_chunked", False), ("xla_chunked", True), ("pallas", True),
-    pytest.param("pallas", False, marks=pytest.mark.slow)])  # is_causal=True holds both kinds of empty rows
+@pytest.mark.parametrize(
+    "impl, is_causal",
+    [
+        ("xla_chunked", False),
+        ("xla_chunked", True),
+        ("pallas", True),
+        pytest.param("pallas", False, marks=pytest.mark.slow),
+    ],
+)  # is_causal=True holds both kinds of empty rows
 def test_key_padding_mask_runs_in_the_kernels(impl, is_causal, caplog):
     """A [batch, 1, 1, kv_len] key-padding mask is served by the kernels (no dense fallback is logged), with
     Flax's semantics kept for queries that see no key: example 1 has no valid key at all, and with
@@ -257,16 +287,22 @@ def test_key_padding_mask_runs_in_the_kernels(impl, is_causal, caplog):
     k, v = _normal(12, (3, 20, 2, 16)), _normal(13, (3, 20, 2, 16))
     valid = jnp.array([[True] * 14 + [False] * 6, [False] * 20, [False] * 5 + [True] * 15])
     mask = valid[:, None, None, :]
-    fn = pf.make_attention_fn(implementation=impl, config=KernelConfig(
-        block_q=16, block_kv=16, block_q_dkv=16, block_kv_dkv=16, block_q_dq=16, block_kv_dq=16))
+    fn = pf.make_attention_fn(
+        implementation=impl,
+        config=KernelConfig(block_q=16, block_kv=16, block_q_dkv=16, block_kv_dkv=16, block_q_dq=16, block_kv_dq=16),
+    )
     with caplog.at_level(logging.WARNING, logger="pallas_flash"):
-        out, grads = jax.value_and_grad(lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v, mask=mask, is_causal=is_causal))),
-                                        argnums=(0, 1, 2))(q, k, v)
+        out, grads = jax.value_and_grad(
+            lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v, mask=mask, is_causal=is_causal))), argnums=(0, 1, 2)
+        )(q, k, v)
     assert "dense" not in caplog.text
     ref_fn = lambda q, k, v: jnp.sum(jnp.sin(nnx.dot_product_attention(q, k, v, mask=mask, is_causal=is_causal)))
     ref, ref_grads = jax.value_and_grad(ref_fn, argnums=(0, 1, 2))(q, k, v)
     assert_close(out, ref, jnp.float32)
-    assert_close(fn(q, k, v, mask=mask, is_causal=is_causal),
-                 nnx.dot_product_attention(q, k, v, mask=mask, is_causal=is_causal), jnp.float32)
+    assert_close(
+        fn(q, k, v, mask=mask, is_causal=is_causal),
+        nnx.dot_product_attention(q, k, v, mask=mask, is_causal=is_causal),
+        jnp.float32,
+    )
     for g, rg in zip(grads, ref_grads):
         assert_close(g, rg, jnp.float32, table=GRADIENT)

@@ -1,5 +1,6 @@
 """The model zoo: flash and dense attention give the same logits and parameter gradients from the same
 parameters; parameters do not depend on the attention choice; a step runs under jit, grad and vmap."""
+
 import dataclasses
 
 import jax
@@ -30,16 +31,23 @@ def _lengths_mask():
 ONE_LAYER = dict(num_layers=1, mlp="gelu", norm="layernorm")
 CASES = {  # name -> (model class, config, make inputs)
     "gpt": (gpt.GPT, gpt.PRESETS["tiny"], lambda: (_tokens(256),)),
-    "encoder_padded": (encoder.Encoder, dataclasses.replace(encoder.PRESETS["tiny"], **ONE_LAYER),
-                       lambda: (_tokens(256), _lengths_mask())),
-    "vit": (vit.ViT, dataclasses.replace(vit.PRESETS["tiny"], **ONE_LAYER),
-            lambda: (jax.random.normal(jax.random.key(3), (BATCH, 16, 16, 3)),)),
+    "encoder_padded": (
+        encoder.Encoder,
+        dataclasses.replace(encoder.PRESETS["tiny"], **ONE_LAYER),
+        lambda: (_tokens(256), _lengths_mask()),
+    ),
+    "vit": (
+        vit.ViT,
+        dataclasses.replace(vit.PRESETS["tiny"], **ONE_LAYER),
+        lambda: (jax.random.normal(jax.random.key(3), (BATCH, 16, 16, 3)),),
+    ),
 }
 
 
 def _build(cls, cfg, attention, dtype="float32", **overrides):
-    cfg = dataclasses.replace(cfg, attention=attention, attention_implementation="xla_chunked", dtype=dtype,
-                              **overrides)
+    cfg = dataclasses.replace(
+        cfg, attention=attention, attention_implementation="xla_chunked", dtype=dtype, **overrides
+    )
     return cls(cfg, rngs=nnx.Rngs(params=0, dropout=1))
 
 
@@ -70,8 +78,15 @@ def _relative(ours, ref) -> float:
 
 # ViT's gradients are `slow`: its forward through flash is checked against dense in
 # test_parameters_do_not_depend_on_attention, and gradients through flash in the other models.
-@pytest.mark.parametrize("case, dtype", [("encoder_padded", "float32"), ("gpt", "float32"), ("gpt", "bfloat16"),
-                                         pytest.param("vit", "float32", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "case, dtype",
+    [
+        ("encoder_padded", "float32"),
+        ("gpt", "float32"),
+        ("gpt", "bfloat16"),
+        pytest.param("vit", "float32", marks=pytest.mark.slow),
+    ],
+)
 def test_flash_matches_dense(case, dtype):
     cls, cfg, make_inputs = CASES[case]
     inputs = make_inputs()
@@ -90,6 +105,7 @@ def test_flash_matches_dense(case, dtype):
 def test_token_lookup_is_the_tables_rows(lookup, dtype, monkeypatch):
     """Both lookups give exactly nnx.Embed's rows, and the table's gradient sums each token's cotangents."""
     from models import transformer
+
     if lookup == "gather":
         monkeypatch.setattr(transformer, "ONE_HOT_MAX_VOCAB", 0)
     model = _build(gpt.GPT, gpt.PRESETS["tiny"], "flash", dtype)
@@ -101,8 +117,11 @@ def test_token_lookup_is_the_tables_rows(lookup, dtype, monkeypatch):
     cotangent = jax.random.normal(jax.random.key(2), ours.shape)
     got = jax.grad(lambda t: jnp.sum(transformer.lookup_rows(t, tokens, jnp.dtype(dtype)) * cotangent))(table)
     expected = np.zeros(table.shape)
-    np.add.at(expected, np.asarray(tokens).ravel(),
-              np.asarray(cotangent.astype(dtype), np.float64).reshape(-1, table.shape[1]))
+    np.add.at(
+        expected,
+        np.asarray(tokens).ravel(),
+        np.asarray(cotangent.astype(dtype), np.float64).reshape(-1, table.shape[1]),
+    )
     assert np.abs(np.asarray(got, np.float64)[7:]).max() == 0.0, "rows of unused tokens got a gradient"
     np.testing.assert_allclose(np.asarray(got, np.float64), expected, rtol=1e-5, atol=1e-5)
 
@@ -140,16 +159,14 @@ def test_parameters_do_not_depend_on_attention(case):
     dense = cls(dataclasses.replace(cfg, attention="dense"), rngs=nnx.Rngs(5))
     nnx.update(dense, states[0])
     flash = _build(cls, cfg, "flash")
-    np.testing.assert_allclose(_forward(dense, *make_inputs()), _forward(flash, *make_inputs()), rtol=1e-4,
-                               atol=1e-5)
+    np.testing.assert_allclose(_forward(dense, *make_inputs()), _forward(flash, *make_inputs()), rtol=1e-4, atol=1e-5)
 
 
 def test_callable_attention_and_dropout():
     """A callable attention runs; residual dropout draws the same masks whatever the attention."""
     cfg = dataclasses.replace(gpt.PRESETS["tiny"], dropout_rate=0.2)
     tokens = _tokens(256)
-    runs = {name: _forward(_build(gpt.GPT, cfg, name), tokens, deterministic=False)
-            for name in ("flash", "dense")}
+    runs = {name: _forward(_build(gpt.GPT, cfg, name), tokens, deterministic=False) for name in ("flash", "dense")}
     runs["callable"] = _forward(_build(gpt.GPT, cfg, attention_fn), tokens, deterministic=False)
     np.testing.assert_allclose(runs["flash"], runs["dense"], rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(runs["callable"], runs["dense"], rtol=1e-4, atol=1e-5)
@@ -190,41 +207,48 @@ def test_per_example_gradients_under_vmap():
     per_example = jax.jit(jax.vmap(jax.grad(loss), in_axes=(None, 0)))(params, tokens[:, None, :])
     grad = jax.jit(jax.grad(loss))
     for i in range(BATCH):
-        alone = grad(params, tokens[i:i + 1])
+        alone = grad(params, tokens[i : i + 1])
         assert _relative(jax.tree.map(lambda g: g[i], per_example), alone) <= 1e-5
     assert _relative(jax.tree.map(lambda g: g[0], per_example), jax.tree.map(lambda g: g[1], per_example)) > 0.1
 
 
-@pytest.mark.parametrize("field, value, match", [
-    ("num_heads", 3, "multiple of it"),
-    ("num_kv_heads", 3, "multiple of it"),
-    ("embed_dim", 0, "positive int"),
-    ("norm", "batchnorm", "norm must be"),
-    ("mlp", "relu", "mlp must be"),
-    ("attention", "sparse", "attention must be"),
-    ("attention_implementation", "cuda", "attention_implementation"),
-    ("dtype", "float64", "dtype must be"),
-    ("dropout_rate", 1.0, "dropout_rate"),
-    ("deterministic_gradients", "no", "deterministic_gradients must be a bool"),
-])
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("num_heads", 3, "multiple of it"),
+        ("num_kv_heads", 3, "multiple of it"),
+        ("embed_dim", 0, "positive int"),
+        ("norm", "batchnorm", "norm must be"),
+        ("mlp", "relu", "mlp must be"),
+        ("attention", "sparse", "attention must be"),
+        ("attention_implementation", "cuda", "attention_implementation"),
+        ("dtype", "float64", "dtype must be"),
+        ("dropout_rate", 1.0, "dropout_rate"),
+        ("deterministic_gradients", "no", "deterministic_gradients must be a bool"),
+    ],
+)
 @pytest.mark.parametrize("config_cls", [TransformerConfig, gpt.GPTConfig, encoder.EncoderConfig, vit.ViTConfig])
 def test_config_errors(config_cls, field, value, match):
     with pytest.raises(ValueError, match=match):
         config_cls(**{field: value})
 
 
-@pytest.mark.parametrize("config_cls, field, value", [
-    (gpt.GPTConfig, "vocab_size", 0),
-    (encoder.EncoderConfig, "max_seq_len", -1),
-    (vit.ViTConfig, "patch_size", 5),
-])
+@pytest.mark.parametrize(
+    "config_cls, field, value",
+    [
+        (gpt.GPTConfig, "vocab_size", 0),
+        (encoder.EncoderConfig, "max_seq_len", -1),
+        (vit.ViTConfig, "patch_size", 5),
+    ],
+)
 def test_model_config_errors(config_cls, field, value):
     with pytest.raises(ValueError, match=field):
         config_cls(**{field: value})
 
 
-@pytest.mark.parametrize("presets, base", [(gpt.PRESETS, "gpt2_small"), (encoder.PRESETS, "bert_base"),
-                                           (vit.PRESETS, "vit_base")])
+@pytest.mark.parametrize(
+    "presets, base", [(gpt.PRESETS, "gpt2_small"), (encoder.PRESETS, "bert_base"), (vit.PRESETS, "vit_base")]
+)
 def test_presets(presets, base):
     assert {"tiny", "small", base} <= set(presets)
     assert (presets[base].num_layers, presets[base].embed_dim, presets[base].num_heads) == (12, 768, 12)
@@ -235,6 +259,7 @@ def test_presets(presets, base):
 def test_flash_attention_fn_passes_deterministic_gradients(monkeypatch, deterministic_gradients):
     """`deterministic_gradients` reaches `flash_attention` as `deterministic`, with the implementation."""
     from pallas_flash import flax as pf_flax
+
     seen = {}
     original = pf_flax.flash_attention
 
@@ -243,8 +268,9 @@ def test_flash_attention_fn_passes_deterministic_gradients(monkeypatch, determin
         return original(*args, **kwargs)
 
     monkeypatch.setattr(pf_flax, "flash_attention", recording)
-    cfg = dataclasses.replace(gpt.PRESETS["tiny"], deterministic_gradients=deterministic_gradients,
-                              attention_implementation="xla_chunked")
+    cfg = dataclasses.replace(
+        gpt.PRESETS["tiny"], deterministic_gradients=deterministic_gradients, attention_implementation="xla_chunked"
+    )
     x = jnp.ones((1, 8, 2, cfg.head_dim), jnp.float32)
     cfg.attention_fn()(x, x, x)
     assert seen["deterministic"] is deterministic_gradients and seen["implementation"] == "xla_chunked"

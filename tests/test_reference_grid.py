@@ -4,6 +4,7 @@ On CPU "pallas" runs the portable kernels in Pallas interpret mode (small shapes
 loop, diagonal tile and ragged tail is exercised); on an NVIDIA GPU the same grid runs the compiled kernels, and
 the tests marked `gpu` add realistic shapes, the default block sizes and the Hopper kernels ("mosaic").
 """
+
 import functools
 
 import jax
@@ -35,10 +36,18 @@ PALLAS_FAST = {(SHAPES[0], False), (SHAPES[0], True), (SHAPES[1], True), (SHAPES
 def _grid(cases, fast):
     """pytest params of (case, is_causal, impl): every case on every implementation; the portable kernels'
     cases outside `fast` are `slow`."""
-    return [pytest.param(case, is_causal, impl, id=f"{shape_id(case) if isinstance(case, tuple) else case}-"
-                                                   f"{is_causal}-{impl}",
-                         marks=() if impl != "pallas" or (case, is_causal) in fast else pytest.mark.slow)
-            for case in cases for is_causal in (False, True) for impl in IMPLEMENTATIONS]
+    return [
+        pytest.param(
+            case,
+            is_causal,
+            impl,
+            id=f"{shape_id(case) if isinstance(case, tuple) else case}-{is_causal}-{impl}",
+            marks=() if impl != "pallas" or (case, is_causal) in fast else pytest.mark.slow,
+        )
+        for case in cases
+        for is_causal in (False, True)
+        for impl in IMPLEMENTATIONS
+    ]
 
 
 @pytest.mark.parametrize("shape, is_causal, impl", _grid(SHAPES, PALLAS_FAST))
@@ -52,9 +61,15 @@ def test_low_precision(impl, dtype, is_causal):
     check_against_reference(impl, (2, 50, 70, 4, 2, 32), dtype, is_causal, SMALL_BLOCKS, seed=1)
 
 
-@pytest.mark.parametrize("is_causal, impl", [
-    (False, "pallas"), (False, "xla_chunked"), (True, "xla_chunked"),
-    pytest.param(True, "pallas", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "is_causal, impl",
+    [
+        (False, "pallas"),
+        (False, "xla_chunked"),
+        (True, "xla_chunked"),
+        pytest.param(True, "pallas", marks=pytest.mark.slow),
+    ],
+)
 def test_lse_combines_key_halves(impl, is_causal):
     """Split-KV: partial results over two key slices, weighted by exp(lse_i - lse), give the full result."""
     q, k, v, _ = make_inputs((1, 40, 64, 2, 1, 32), jnp.float32, seed=3)
@@ -83,8 +98,9 @@ def test_gradient_through_lse(impl):
         out, lse = fn(q, k, v)
         return jnp.sum(jnp.sin(out)) + jnp.sum(jnp.cos(lse))
 
-    ours = functools.partial(pf.flash_attention, is_causal=True, return_lse=True, implementation=impl,
-                             config=SMALL_BLOCKS)
+    ours = functools.partial(
+        pf.flash_attention, is_causal=True, return_lse=True, implementation=impl, config=SMALL_BLOCKS
+    )
     ref = functools.partial(reference, is_causal=True)
     grads = jax.grad(functools.partial(loss, ours), argnums=(0, 1, 2))(q, k, v)
     ref_grads = jax.grad(functools.partial(loss, ref), argnums=(0, 1, 2))(q, k, v)
@@ -101,8 +117,13 @@ def test_custom_scale(impl):
 
 # ---- GPU: the compiled kernels at realistic sizes -------------------------------------------------------------
 
-GPU_SHAPES = [(2, 1000, 1000, 8, 8, 64), (1, 777, 1531, 8, 2, 128), (1, 1531, 513, 4, 1, 96),
-              (2, 256, 256, 4, 4, 256), (1, 2048, 2048, 4, 4, 128)]
+GPU_SHAPES = [
+    (2, 1000, 1000, 8, 8, 64),
+    (1, 777, 1531, 8, 2, 128),
+    (1, 1531, 513, 4, 1, 96),
+    (2, 256, 256, 4, 4, 256),
+    (1, 2048, 2048, 4, 4, 128),
+]
 
 
 def gpu_grid(dtypes, slow_float32=True):
@@ -118,8 +139,9 @@ def gpu_grid(dtypes, slow_float32=True):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("shape,dtype", gpu_grid([(jnp.float32, "fp32"), (jnp.bfloat16, "bf16"),
-                                                  (jnp.float16, "fp16")]))
+@pytest.mark.parametrize(
+    "shape,dtype", gpu_grid([(jnp.float32, "fp32"), (jnp.bfloat16, "bf16"), (jnp.float16, "fp16")])
+)
 def test_gpu_default_blocks(shape, dtype, is_causal):
     check_against_reference("pallas", shape, dtype, is_causal, None, seed=2)
 

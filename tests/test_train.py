@@ -1,5 +1,6 @@
 """CPU smoke tests of the trainer: config/CLI, data, loss decreases, exact resume, Ctrl-C, run folders and
 what each run writes, the `both` report."""
+
 import dataclasses
 import datetime
 import json
@@ -19,9 +20,30 @@ from train import loop, report
 from train.config import TRAINER_SET_MODEL_FIELDS, TrainConfig, choose_run_dir, parse_args
 
 # A model small enough for a few CPU steps; every run below compiles in seconds.
-SMALL = ["--model.num_layers", "1", "--model.num_heads", "2", "--model.num_kv_heads", "2",
-         "--model.embed_dim", "64", "--model.mlp_dim", "128", "--seq_len", "64", "--batch_size", "8",
-         "--corpus_bytes", "400000", "--eval_tokens", "1024", "--progress", "false", "--log_every", "5"]
+SMALL = [
+    "--model.num_layers",
+    "1",
+    "--model.num_heads",
+    "2",
+    "--model.num_kv_heads",
+    "2",
+    "--model.embed_dim",
+    "64",
+    "--model.mlp_dim",
+    "128",
+    "--seq_len",
+    "64",
+    "--batch_size",
+    "8",
+    "--corpus_bytes",
+    "400000",
+    "--eval_tokens",
+    "1024",
+    "--progress",
+    "false",
+    "--log_every",
+    "5",
+]
 
 
 def _losses(path):
@@ -34,23 +56,41 @@ def _steps(path, key):
 
 
 def test_cli_overrides_every_level():
-    cfg = parse_args(["--steps", "50", "--model.num_layers", "4", "--seq-len", "256", "--attention", "both",
-                      "--model.remat", "--resume", "false", "--model.attention_implementation", "none"])
+    cfg = parse_args(
+        [
+            "--steps",
+            "50",
+            "--model.num_layers",
+            "4",
+            "--seq-len",
+            "256",
+            "--attention",
+            "both",
+            "--model.remat",
+            "--resume",
+            "false",
+            "--model.attention_implementation",
+            "none",
+        ]
+    )
     assert (cfg.steps, cfg.model.num_layers, cfg.seq_len, cfg.attention) == (50, 4, 256, "both")
     assert cfg.model.remat is True and cfg.resume is False and cfg.model.attention_implementation is None
     assert cfg.model_config("dense").attention == "dense" and cfg.model_config("dense").max_seq_len == 256
 
 
-@pytest.mark.parametrize("args, field", [
-    (["--steps", "0"], "steps"),
-    (["--attention", "sparse"], "attention"),
-    (["--data", "/no/such/file.txt"], "data"),
-    (["--warmup_steps", "500", "--steps", "100"], "warmup_steps"),
-    (["--min_lr_ratio", "1.5"], "min_lr_ratio"),
-    (["--recall_doc_len", "31"], "recall_doc_len"),
-    (["--recall_num_keys", "16", "--recall_values_per_key", "16"], "recall_num_keys"),
-    (["--recall_fact_probability", "0"], "recall_fact_probability"),
-])
+@pytest.mark.parametrize(
+    "args, field",
+    [
+        (["--steps", "0"], "steps"),
+        (["--attention", "sparse"], "attention"),
+        (["--data", "/no/such/file.txt"], "data"),
+        (["--warmup_steps", "500", "--steps", "100"], "warmup_steps"),
+        (["--min_lr_ratio", "1.5"], "min_lr_ratio"),
+        (["--recall_doc_len", "31"], "recall_doc_len"),
+        (["--recall_num_keys", "16", "--recall_values_per_key", "16"], "recall_num_keys"),
+        (["--recall_fact_probability", "0"], "recall_fact_probability"),
+    ],
+)
 def test_bad_values_name_the_field(args, field, capsys):
     with pytest.raises(SystemExit):
         parse_args(args)
@@ -95,15 +135,29 @@ def test_recall_distances_follow_the_designed_distribution():
 
 def test_recall_documents_are_a_function_of_the_seed():
     def batch(seed, step):
-        args = ["--data", "recall", "--recall_doc_len", "256", "--recall_fact_probability", "0.5", "--seq_len",
-                "64", "--batch_size", "4", "--seed", str(seed), "--eval_tokens", "512"]
+        args = [
+            "--data",
+            "recall",
+            "--recall_doc_len",
+            "256",
+            "--recall_fact_probability",
+            "0.5",
+            "--seq_len",
+            "64",
+            "--batch_size",
+            "4",
+            "--seed",
+            str(seed),
+            "--eval_tokens",
+            "512",
+        ]
         dataset = data_lib.make_dataset(parse_args(args))
         return dataset.train_batch(step), dataset.eval_batches()
 
     (train_a, val_a), (train_b, _), (train_c, val_c) = batch(0, 3), batch(0, 3), batch(1, 3)
     assert all(np.array_equal(train_a[k], train_b[k]) for k in train_a)
     assert not np.array_equal(train_a["inputs"], train_c["inputs"])
-    assert all(np.array_equal(a[k], c[k]) for a, c in zip(val_a, val_c) for k in a)   # validation: seed-free
+    assert all(np.array_equal(a[k], c[k]) for a, c in zip(val_a, val_c) for k in a)  # validation: seed-free
 
 
 def test_answer_groups_split_by_window_and_distance():
@@ -122,8 +176,9 @@ def test_recall_batches_do_not_depend_on_the_window_layout():
     dense_facts = ["--data", "recall", "--recall_doc_len", "64", "--recall_fact_probability", "0.5"]
     cfg = parse_args(dense_facts + ["--seq_len", "32", "--batch_size", "4", "--eval_tokens", "256"])
     short = data_lib.make_dataset(cfg)
-    long = data_lib.make_dataset(parse_args(dense_facts + ["--seq_len", "128", "--batch_size", "1",
-                                                           "--eval_tokens", "256"]))
+    long = data_lib.make_dataset(
+        parse_args(dense_facts + ["--seq_len", "128", "--batch_size", "1", "--eval_tokens", "256"])
+    )
     for step in (0, 5):
         a, b = short.train_batch(step), long.train_batch(step)
         assert np.array_equal(a["inputs"].reshape(-1), b["inputs"].reshape(-1))
@@ -145,25 +200,28 @@ def test_stdlib_split_is_deterministic_and_disjoint():
 
 
 def test_tiny_steps_lower_the_loss(tmp_path):
-    cfg = parse_args(SMALL + ["--steps", "30", "--warmup_steps", "3", "--checkpoint_every", "0",
-                              "--run_dir", str(tmp_path)])
+    cfg = parse_args(
+        SMALL + ["--steps", "30", "--warmup_steps", "3", "--checkpoint_every", "0", "--run_dir", str(tmp_path)]
+    )
     result = loop.train(cfg, "flash", tmp_path)
     assert np.mean(result.losses[-5:]) < result.losses[0] - 1.0
     assert result.evals[-1]["val_loss"] < np.log(256) - 1.0
-    config = json.loads((tmp_path / "config.json").read_text())   # written before the first step
+    config = json.loads((tmp_path / "config.json").read_text())  # written before the first step
     assert config["attention"] == "flash" and config["steps"] == 30 and config["seq_len"] == 64
 
 
 def test_evaluation_records_the_standard_error_over_windows():
     from flax import nnx
+
     cfg = parse_args(SMALL)
     graphdef, params, rest = loop.init_model(cfg, "flash")
     _, eval_step = loop.make_steps(graphdef, loop.make_optimizer(cfg))
     batches = data_lib.make_dataset(cfg).eval_batches()
     metrics = loop.evaluate(eval_step, params, rest, batches)
     model = nnx.merge(graphdef, params, rest)
-    window_means = np.concatenate([np.asarray(loop._token_losses(model, b, deterministic=True)[0]).mean(axis=-1)
-                                   for b in batches])
+    window_means = np.concatenate(
+        [np.asarray(loop._token_losses(model, b, deterministic=True)[0]).mean(axis=-1) for b in batches]
+    )
     assert metrics["val_windows"] == len(window_means) == 1024 // 64 and metrics["val_tokens"] == 1024
     assert metrics["val_loss"] == pytest.approx(window_means.mean(), rel=1e-5)
     assert metrics["val_loss_se"] == pytest.approx(window_means.std(ddof=1) / len(window_means) ** 0.5, rel=1e-3)
@@ -171,12 +229,22 @@ def test_evaluation_records_the_standard_error_over_windows():
 
 
 def test_resume_reproduces_the_next_loss_exactly(tmp_path):
-    args = SMALL + ["--steps", "6", "--warmup_steps", "2", "--checkpoint_every", "3", "--run_dir", str(tmp_path),
-                    "--model.dropout_rate", "0.1"]
+    args = SMALL + [
+        "--steps",
+        "6",
+        "--warmup_steps",
+        "2",
+        "--checkpoint_every",
+        "3",
+        "--run_dir",
+        str(tmp_path),
+        "--model.dropout_rate",
+        "0.1",
+    ]
     train_main.main(args)
     reference = _losses(tmp_path / "metrics.jsonl")
     (tmp_path / "metrics.jsonl").rename(tmp_path / "first.jsonl")
-    shutil.rmtree(tmp_path / "checkpoints" / "6")   # a crash after step 3's checkpoint: no later one, no run.json
+    shutil.rmtree(tmp_path / "checkpoints" / "6")  # a crash after step 3's checkpoint: no later one, no run.json
     (tmp_path / "run.json").unlink()
     train_main.main(args + ["--resume"])
     resumed = _losses(tmp_path / "metrics.jsonl")
@@ -191,8 +259,23 @@ def both_run(tmp_path_factory):
     the run's context 64: its doubling is test_context_search_doubles_until_a_step_fails's), shared by the tests
     of what such a run writes."""
     run_dir = tmp_path_factory.mktemp("both")
-    train_main.main(SMALL + ["--attention", "both", "--steps", "4", "--warmup_steps", "1", "--checkpoint_every",
-                             "0", "--max_context", "64", "--run_dir", str(run_dir)])
+    train_main.main(
+        SMALL
+        + [
+            "--attention",
+            "both",
+            "--steps",
+            "4",
+            "--warmup_steps",
+            "1",
+            "--checkpoint_every",
+            "0",
+            "--max_context",
+            "64",
+            "--run_dir",
+            str(run_dir),
+        ]
+    )
     return run_dir
 
 
@@ -206,9 +289,12 @@ def test_context_search_doubles_until_a_step_fails(monkeypatch):
         return {"seq_len": seq_len, "fits": seq_len <= 256}
 
     monkeypatch.setattr(loop, "try_context", probe)
-    cfg = parse_args(SMALL)   # seq_len 64
-    for limit, probes, longest, reached in ((1024, [64, 128, 256, 512], 256, False), (128, [64, 128], 128, True),
-                                            (32, [], None, False)):
+    cfg = parse_args(SMALL)  # seq_len 64
+    for limit, probes, longest, reached in (
+        (1024, [64, 128, 256, 512], 256, False),
+        (128, [64, 128], 128, True),
+        (32, [], None, False),
+    ):
         tried.clear()
         search = loop.find_max_context(dataclasses.replace(cfg, max_context=limit), "dense", log=lambda _: None)
         assert tried == [("dense", s) for s in probes] and [p["seq_len"] for p in search["probes"]] == probes
@@ -241,7 +327,7 @@ def test_help_gives_every_flag_a_meaning_a_default_and_its_choices(capsys, monke
     flags = [f"--{f.name}" for f in dataclasses.fields(TrainConfig) if f.name != "model"]
     flags += [f"--model.{f.name}" for f in dataclasses.fields(GPTConfig) if f.name not in TRAINER_SET_MODEL_FIELDS]
     for flag in ["--preset", *flags]:
-        _, _, rest = helps[flag].partition(" ")   # after the metavar
+        _, _, rest = helps[flag].partition(" ")  # after the metavar
         description, _, default = rest.partition("(default: ")
         assert len(description.split()) >= 2 and default.endswith(")"), (flag, helps[flag])
     assert helps["--attention"].startswith("{flash,dense,both} ") and "(default: flash)" in helps["--attention"]
@@ -250,7 +336,7 @@ def test_help_gives_every_flag_a_meaning_a_default_and_its_choices(capsys, monke
     assert helps["--model.norm"].startswith("{rmsnorm,layernorm} normalisation layer (default: rmsnorm)")
     assert helps["--steps"].endswith("(default: 200; preset long: 1000)")
     assert "(default: float32; preset small: bfloat16, long: bfloat16)" in helps["--model.dtype"]
-    assert "--seq-len" not in helps   # the dashed spelling works but is not listed twice
+    assert "--seq-len" not in helps  # the dashed spelling works but is not listed twice
     assert parse_args(["--seq-len", "32"]).seq_len == 32
 
 
@@ -278,7 +364,7 @@ def test_ctrl_c_saves_a_checkpoint_and_prints_the_command_that_resumes(tmp_path,
     train_main.main(args + ["--run_dir", str(tmp_path / "reference")])
     run = tmp_path / "run"
     with monkeypatch.context() as patch:
-        _interrupt_at(patch, 2)   # while step 3 (batch 2) runs
+        _interrupt_at(patch, 2)  # while step 3 (batch 2) runs
         capsys.readouterr()
         with pytest.raises(SystemExit) as exit_info:
             try:
@@ -294,19 +380,27 @@ def test_ctrl_c_saves_a_checkpoint_and_prints_the_command_that_resumes(tmp_path,
     assert _steps(run / "metrics.jsonl", "loss") == [1, 2, 3]
 
     train_main.main(shlex.split(command)[3:])
-    assert _losses(run / "metrics.jsonl") == _losses(tmp_path / "reference" / "metrics.jsonl")   # bit-exact
+    assert _losses(run / "metrics.jsonl") == _losses(tmp_path / "reference" / "metrics.jsonl")  # bit-exact
     result = json.loads((run / "run.json").read_text())["result"]
     assert [(s["start_step"], s["end_step"]) for s in result["sessions"]] == [(0, 3), (3, 6)]
 
 
 def test_resume_appends_without_duplicates_and_reports_the_whole_run(tmp_path, capsys):
-    args = SMALL + ["--warmup_steps", "1", "--checkpoint_every", "2", "--keep_checkpoints", "3", "--run_dir",
-                    str(tmp_path)]
+    args = SMALL + [
+        "--warmup_steps",
+        "1",
+        "--checkpoint_every",
+        "2",
+        "--keep_checkpoints",
+        "3",
+        "--run_dir",
+        str(tmp_path),
+    ]
     train_main.main(args + ["--steps", "4"])
-    shutil.rmtree(tmp_path / "checkpoints" / "4")   # a crash after step 4, before its checkpoint and run.json
+    shutil.rmtree(tmp_path / "checkpoints" / "4")  # a crash after step 4, before its checkpoint and run.json
     (tmp_path / "run.json").unlink()
     capsys.readouterr()
-    train_main.main(args + ["--steps", "8", "--resume"])   # from step 2's checkpoint, on to twice the steps
+    train_main.main(args + ["--steps", "8", "--resume"])  # from step 2's checkpoint, on to twice the steps
     metrics = tmp_path / "metrics.jsonl"
     for key in ("loss", "tokens_per_s", "val_loss"):
         steps = _steps(metrics, key)
@@ -333,14 +427,14 @@ def test_every_run_writes_its_own_folder(tmp_path, monkeypatch, capsys):
     for run in runs:
         assert {p.name for p in run.iterdir()} >= {"metrics.jsonl", "run.json", "config.json", "loss.png"}
         assert _steps(run / "metrics.jsonl", "loss") == [1, 2]
-    with pytest.raises(SystemExit) as exit_info:   # a folder that holds a run is not written again
+    with pytest.raises(SystemExit) as exit_info:  # a folder that holds a run is not written again
         train_main.main(args + ["--run_dir", str(runs[0])])
     assert exit_info.value.code == 2 and "already holds files" in capsys.readouterr().err
     cfg = parse_args(["--name", "t"])
     now = datetime.datetime(2026, 1, 2, 3, 4, 5)
-    (tmp_path / "runs" / "t" / "20260102-030405").mkdir()   # a run started in the same second
+    (tmp_path / "runs" / "t" / "20260102-030405").mkdir()  # a run started in the same second
     assert choose_run_dir(cfg, now).name == "20260102-030405-2"
-    assert choose_run_dir(dataclasses.replace(cfg, resume=True)) == runs[-1].relative_to(tmp_path)   # the newest
+    assert choose_run_dir(dataclasses.replace(cfg, resume=True)) == runs[-1].relative_to(tmp_path)  # the newest
 
 
 def test_both_saves_the_config_each_attention_ran(both_run):
@@ -355,15 +449,25 @@ def test_both_saves_the_config_each_attention_ran(both_run):
 
 
 def test_a_single_run_writes_its_loss_plot(tmp_path):
-    train_main.main(SMALL + ["--steps", "2", "--warmup_steps", "1", "--checkpoint_every", "0", "--run_dir",
-                             str(tmp_path)])
+    train_main.main(
+        SMALL + ["--steps", "2", "--warmup_steps", "1", "--checkpoint_every", "0", "--run_dir", str(tmp_path)]
+    )
     assert (tmp_path / "loss.png").read_bytes().startswith(b"\x89PNG")
     assert {"metrics.jsonl", "run.json", "config.json"} <= {p.name for p in tmp_path.iterdir()}
 
 
 def _fake_result(attention, tokens_per_s):
-    return loop.RunResult(attention=attention, steps=[1, 2], losses=[5.0, 4.0], evals=[{"step": 2, "val_loss": 4.1}],
-                          tokens_per_s=tokens_per_s, compile_s=1.0, step_bytes=None, peak_bytes=None, wall_s=3.0)
+    return loop.RunResult(
+        attention=attention,
+        steps=[1, 2],
+        losses=[5.0, 4.0],
+        evals=[{"step": 2, "val_loss": 4.1}],
+        tokens_per_s=tokens_per_s,
+        compile_s=1.0,
+        step_bytes=None,
+        peak_bytes=None,
+        wall_s=3.0,
+    )
 
 
 def test_the_report_says_a_speed_up_measured_on_cpu_is_not_the_kernels(tmp_path):
@@ -382,16 +486,24 @@ def test_the_report_says_a_speed_up_measured_on_cpu_is_not_the_kernels(tmp_path)
 
 def test_long_range_verdict_says_no_to_noise():
     from train.report import long_range_verdict
-    chance = 1 / 64   # the first runs' task: a guess among 64 symbols
+
+    chance = 1 / 64  # the first runs' task: a guess among 64 symbols
     # The first H100 run: nothing learned, the 4k run 0.0003 nats "better".
-    noise = long_range_verdict({"val_loss": 3.7263, "val_answer_accuracy": 0.0167},
-                               {"val_loss": 3.7260, "val_answer_accuracy": 0.0169}, chance)
+    noise = long_range_verdict(
+        {"val_loss": 3.7263, "val_answer_accuracy": 0.0167}, {"val_loss": 3.7260, "val_answer_accuracy": 0.0169}, chance
+    )
     assert not noise["met"] and "3.7263" in noise["why"]
     # A clear loss gain without far answers recalled above chance is still no.
-    assert not long_range_verdict({"val_loss": 3.70, "val_far_answer_accuracy": 0.016},
-                                  {"val_loss": 3.50, "val_far_answer_accuracy": 0.03}, chance)["met"]
-    assert long_range_verdict({"val_loss": 3.70, "val_far_answer_accuracy": 0.016},
-                              {"val_loss": 3.50, "val_far_answer_accuracy": 0.60}, chance)["met"]
+    assert not long_range_verdict(
+        {"val_loss": 3.70, "val_far_answer_accuracy": 0.016},
+        {"val_loss": 3.50, "val_far_answer_accuracy": 0.03},
+        chance,
+    )["met"]
+    assert long_range_verdict(
+        {"val_loss": 3.70, "val_far_answer_accuracy": 0.016},
+        {"val_loss": 3.50, "val_far_answer_accuracy": 0.60},
+        chance,
+    )["met"]
 
 
 # 2026-11-23 H100 run 5 at step 875 (train/results/2026-11-23-h100-run5-recall): 1k vs 4k context.
@@ -401,16 +513,18 @@ RUN5_4K = {"val_loss": 0.0598, "val_far_answer_accuracy": 0.9851}
 
 def test_long_range_loss_gain_beyond_three_standard_errors_is_met():
     from train.report import LOSS_MARGIN, long_range_verdict
+
     # Gain 0.0067, below the stdlib margin, but 3 combined standard errors are 3 * hypot(5e-4, 4e-4) = 0.0019.
     verdict = long_range_verdict({**RUN5_1K, "val_loss_se": 5e-4}, {**RUN5_4K, "val_loss_se": 4e-4}, 1 / 16)
     assert 0.0067 < LOSS_MARGIN
     assert verdict["loss_method"] == "standard_error" and verdict["loss_met"] and verdict["met"], verdict["why"]
-    assert verdict["loss_needed"] == pytest.approx(3 * (5e-4 ** 2 + 4e-4 ** 2) ** 0.5)
+    assert verdict["loss_needed"] == pytest.approx(3 * (5e-4**2 + 4e-4**2) ** 0.5)
     assert "3 combined standard errors = 0.0019" in verdict["why"]
 
 
 def test_long_range_loss_gain_within_three_standard_errors_is_not_met():
     from train.report import long_range_verdict
+
     # 3 * hypot(0.002, 0.002) = 0.0085 > 0.0067: not met, though far answers are recalled far above chance.
     verdict = long_range_verdict({**RUN5_1K, "val_loss_se": 0.002}, {**RUN5_4K, "val_loss_se": 0.002}, 1 / 16)
     assert verdict["loss_method"] == "standard_error"
@@ -419,7 +533,8 @@ def test_long_range_loss_gain_within_three_standard_errors_is_not_met():
 
 def test_long_range_loss_without_standard_errors_falls_back_to_the_stdlib_margin():
     from train.report import LOSS_MARGIN, long_range_verdict
-    for short, long in ((RUN5_1K, RUN5_4K), ({**RUN5_1K, "val_loss_se": 5e-4}, RUN5_4K)):   # none, or one run only
+
+    for short, long in ((RUN5_1K, RUN5_4K), ({**RUN5_1K, "val_loss_se": 5e-4}, RUN5_4K)):  # none, or one run only
         verdict = long_range_verdict(short, long, 1 / 16)
         assert verdict["loss_method"] == "fixed_margin" and verdict["loss_needed"] == LOSS_MARGIN
         assert not verdict["loss_met"] and verdict["accuracy_met"] and not verdict["met"]
@@ -437,39 +552,69 @@ def _cut_recall_run(out_dir, name, seq_len, batch_size, evals, last_step, *, con
     lines.sort(key=lambda r: r["step"])
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     if config_json:
-        config = json.loads(json.dumps(dataclasses.asdict(
-            parse_args(["--preset", "long", "--seq_len", str(seq_len), "--batch_size", str(batch_size),
-                        "--steps", "3500", "--recall_values_per_key", "8"])), default=repr))
+        config = json.loads(
+            json.dumps(
+                dataclasses.asdict(
+                    parse_args(
+                        [
+                            "--preset",
+                            "long",
+                            "--seq_len",
+                            str(seq_len),
+                            "--batch_size",
+                            str(batch_size),
+                            "--steps",
+                            "3500",
+                            "--recall_values_per_key",
+                            "8",
+                        ]
+                    )
+                ),
+                default=repr,
+            )
+        )
         (run_dir / "config.json").write_text(json.dumps({**config, "attention": "flash"}))
     (out_dir / "logs").mkdir(exist_ok=True)
     command = f"python -m train --preset long --seq_len {seq_len} --batch_size {batch_size}"
     (out_dir / "logs" / f"{name}.log").write_text(
         f"== {name}: {command}\nrun long: flash attention, data recall, context {seq_len}, batch {batch_size}, "
-        f"3500 steps -> {run_dir}\n== {name} exit 124\n")
+        f"3500 steps -> {run_dir}\n== {name} exit 124\n"
+    )
 
 
 def test_summary_compares_cut_recall_runs_at_their_last_common_evaluation(tmp_path):
     from train.report import summarize
+
     se = {"val_loss_se": 4e-4}
     # long_1k evaluated at 875 and 1750, long_4k at 875 only: the 1750 numbers must not be compared.
-    _cut_recall_run(tmp_path, "long_1k", 1024, 32, {875: {**RUN5_1K, **se}, 1750: {"val_loss": 0.0590, **se}},
-                    1800, config_json=False)
+    _cut_recall_run(
+        tmp_path,
+        "long_1k",
+        1024,
+        32,
+        {875: {**RUN5_1K, **se}, 1750: {"val_loss": 0.0590, **se}},
+        1800,
+        config_json=False,
+    )
     _cut_recall_run(tmp_path, "long_4k", 4096, 8, {875: {**RUN5_4K, **se}}, 1100, config_json=True)
     claim = summarize(tmp_path)["claims"]["longer_context_lower_val_loss"]
     assert claim["compared_step"] == 875 and claim["compared_eval"]["long_1k"]["val_loss"] == 0.0665
     assert claim["met"] and claim["loss_method"] == "standard_error"
-    assert claim["chance"] == 1 / 8   # long_4k's config.json, not the preset's 16
+    assert claim["chance"] == 1 / 8  # long_4k's config.json, not the preset's 16
     assert claim["runs"]["long_1k"]["config_source"] == "logs/long_1k.log"
     assert claim["runs"]["long_4k"]["config_source"] == "config.json"
     results_md = (tmp_path / "results.md").read_text()
-    assert ("runs cut by their time limit at steps 1,800 and 1,100 of 3,500; compared at step 875, the last "
-            "evaluation both reached") in results_md
+    assert (
+        "runs cut by their time limit at steps 1,800 and 1,100 of 3,500; compared at step 875, the last "
+        "evaluation both reached"
+    ) in results_md
     assert "long_1k stored no config" in results_md and "long_4k stored no config" not in results_md
     assert (tmp_path / "long_range.png").stat().st_size > 0 and "small_both/loss.png" not in results_md
 
 
 def test_context_and_curve_verdicts():
     from train.report import context_verdict, curves_verdict
+
     search = lambda longest, reached: {"longest": longest, "limit_reached": reached, "limit": 262144}  # noqa: E731
     assert not context_verdict({"flash": search(131072, True), "dense": search(16384, False)})["met"]
     assert context_verdict({"flash": search(262144, True), "dense": search(16384, False)})["met"]
@@ -487,6 +632,7 @@ def _finals(pairs):
 
 def test_seed_paired_verdict_meets_differences_within_the_noise():
     from train.report import curves_agree_verdict
+
     # The H100 runs 1-3 (seed 0 each, so run-to-run noise only) as if they were seeds: d = +0.0023, -0.0277,
     # +0.0475 straddle 0.
     verdict = curves_agree_verdict(_finals({0: (1.8704, 1.8681), 1: (1.8658, 1.8935), 2: (1.9481, 1.9006)}), {})
@@ -497,12 +643,13 @@ def test_seed_paired_verdict_meets_differences_within_the_noise():
 
 def test_seed_paired_verdict_fails_a_consistent_offset():
     from train.report import curves_agree_verdict
+
     # flash 0.08 above dense on every seed, give or take 0.01: d = 0.07, 0.08, 0.09, so the mean 0.08 has a
     # standard error of 0.01 / sqrt(3) = 0.0058; dense's seed-to-seed std is 0.03.
     verdict = curves_agree_verdict(_finals({0: (1.97, 1.90), 1: (2.01, 1.93), 2: (1.96, 1.87)}), {})
     assert not verdict["met"]
     assert verdict["mean_diff"] == pytest.approx(0.08)
-    assert verdict["standard_error"] == pytest.approx(0.01 / 3 ** 0.5)
+    assert verdict["standard_error"] == pytest.approx(0.01 / 3**0.5)
     assert verdict["seed_std"]["dense"] == pytest.approx(0.03)
     assert not verdict["within_standard_errors"] and not verdict["within_seed_noise"]
     assert "+0.0800" in verdict["why"]
@@ -510,15 +657,17 @@ def test_seed_paired_verdict_fails_a_consistent_offset():
 
 def test_seed_paired_verdict_fails_a_mean_difference_beyond_one_seeds_spread():
     from train.report import seed_paired_verdict
+
     # d = 0.10, -0.02, 0.20 scatter too much to resolve their mean 0.093 (2 standard errors: 0.127), but it
     # is more than one model differs from another seed's (typical std 0.074): not "within bf16 noise".
     verdict = seed_paired_verdict(_finals({0: (2.00, 1.90), 1: (1.89, 1.91), 2: (2.10, 1.90)}))
     assert verdict["within_standard_errors"] and not verdict["within_seed_noise"] and not verdict["met"]
-    assert verdict["noise"] == pytest.approx(((0.105 ** 2 + 0.01 ** 2 / 3) / 2) ** 0.5, rel=1e-3)
+    assert verdict["noise"] == pytest.approx(((0.105**2 + 0.01**2 / 3) / 2) ** 0.5, rel=1e-3)
 
 
 def test_one_seed_keeps_the_fixed_margins_and_says_it_cannot_tell():
     from train.report import curves_agree_verdict, seed_paired_verdict
+
     run4 = curves_agree_verdict(_finals({0: (1.8541, 1.9337)}), {"mean_abs_diff_second_half": 0.0789})
     assert run4["method"] == "fixed_margins" and not run4["met"] and "one seed cannot" in run4["why"]
     close = curves_agree_verdict(_finals({0: (1.8704, 1.8681)}), {"mean_abs_diff_second_half": 0.0119})
@@ -529,17 +678,30 @@ def test_one_seed_keeps_the_fixed_margins_and_says_it_cannot_tell():
 
 def _comparison_report(seed, flash, dense):
     """A report.json of `--attention both` with only what train.report.summarize reads."""
-    runs = {name: {"steps": [1, 2, 3, 4], "losses": [5.0, 3.0, 2.5, final + 0.3], "final_eval": {"val_loss": final}}
-            for name, final in (("flash", flash), ("dense", dense))}
-    return {"date": "2026-11-23", "device": "gpu: test", "jax": "0", "command": f"python -m train --seed {seed}",
-            "config": {"seed": seed, "seq_len": 4096}, "runs": runs, "max_context": {},
-            "agreement": {"mean_abs_diff": 0.01, "max_abs_diff": 0.02, "mean_abs_diff_second_half": 0.01}}
+    runs = {
+        name: {"steps": [1, 2, 3, 4], "losses": [5.0, 3.0, 2.5, final + 0.3], "final_eval": {"val_loss": final}}
+        for name, final in (("flash", flash), ("dense", dense))
+    }
+    return {
+        "date": "2026-11-23",
+        "device": "gpu: test",
+        "jax": "0",
+        "command": f"python -m train --seed {seed}",
+        "config": {"seed": seed, "seq_len": 4096},
+        "runs": runs,
+        "max_context": {},
+        "agreement": {"mean_abs_diff": 0.01, "max_abs_diff": 0.02, "mean_abs_diff_second_half": 0.01},
+    }
 
 
 def test_summary_pairs_the_seeds(tmp_path):
     from train.report import summarize
-    for name, (seed, flash, dense) in {"small_both": (0, 1.8704, 1.8681), "small_both_seed1": (1, 1.8658, 1.8935),
-                                       "small_both_seed2": (2, 1.9481, 1.9006)}.items():
+
+    for name, (seed, flash, dense) in {
+        "small_both": (0, 1.8704, 1.8681),
+        "small_both_seed1": (1, 1.8658, 1.8935),
+        "small_both_seed2": (2, 1.9481, 1.9006),
+    }.items():
         (tmp_path / name).mkdir()
         (tmp_path / name / "report.json").write_text(json.dumps(_comparison_report(seed, flash, dense)))
     claim = summarize(tmp_path)["claims"]["curves_agree"]

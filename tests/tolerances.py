@@ -3,6 +3,7 @@ float32 dense reference. The low-precision bounds are a few times the error a de
 dtype makes against the same reference (bf16 keeps 8 mantissa bits, fp16 11). Where the true value is
 (near) zero, e.g. dq of a row that sees a single key, the norm is floored at an RMS of 1e-2, a hundredth
 of the unit-normal inputs' scale."""
+
 import jax.numpy as jnp
 import numpy as np
 

@@ -2,6 +2,7 @@
 dK/dV kernels; on sm90 its gradients against the float32 reference, alone and through `jax.grad` of
 `flash_attention(implementation="mosaic")`. Its config, the ordered one pass, the interpreter runs and the
 lowering are in their own modules."""
+
 import dataclasses
 import functools
 import re
@@ -23,8 +24,13 @@ from tests.helpers import HOPPER_BACKWARD_VARIANTS, make_backward_inputs
 from tests.tolerances import GRADIENT, assert_close
 
 # (batch, q_len, kv_len, heads, kv_heads, head_dim)
-GPU_GRID = [(1, 256, 256, 2, 2, 64), (2, 1000, 1000, 4, 2, 128), (1, 777, 1531, 4, 1, 64),
-            (1, 1531, 513, 4, 4, 128), (1, 300, 300, 2, 2, 96)]
+GPU_GRID = [
+    (1, 256, 256, 2, 2, 64),
+    (2, 1000, 1000, 4, 2, 128),
+    (1, 777, 1531, 4, 1, 64),
+    (1, 1531, 513, 4, 4, 128),
+    (1, 300, 300, 2, 2, 96),
+]
 
 
 def needs_hopper():
@@ -44,8 +50,7 @@ def test_fold_vmap_matches_per_example_calls(in_axes):
         return a * b.sum(axis=-1, keepdims=True) + c, jnp.cumsum(a, axis=1)
 
     fn = hopper_bwd._fold_vmap(per_example)
-    a, b, c = (jax.random.normal(jax.random.key(i), shape) for i, shape in
-               enumerate([(4, 2, 5), (4, 2, 3), (4, 2, 5)]))
+    a, b, c = (jax.random.normal(jax.random.key(i), shape) for i, shape in enumerate([(4, 2, 5), (4, 2, 3), (4, 2, 5)]))
     shared_a, shared_b = in_axes == (None, 1, 0), in_axes == (0, None, 0)
     a_in = a[0] if shared_a else a
     b_in = b[0] if shared_b else (jnp.swapaxes(b, 0, 1) if shared_a else b)
@@ -81,8 +86,11 @@ def test_fused_wgmma_order_only_for_the_ordered_one_pass_on_a_full_band(dq_atomi
     shape = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
     lse = jax.ShapeDtypeStruct((1, 2, 256), jnp.float32)
     config = dataclasses.replace(HopperBwdConfig.default(64), dq_atomic=dq_atomic, dq_ordered=dq_ordered)
-    text = str(jax.make_jaxpr(functools.partial(hopper_bwd.hopper_backward, scale=0.125, is_causal=is_causal,
-                                                config=config))(shape, shape, shape, shape, lse, shape, None))
+    text = str(
+        jax.make_jaxpr(functools.partial(hopper_bwd.hopper_backward, scale=0.125, is_causal=is_causal, config=config))(
+            shape, shape, shape, shape, lse, shape, None
+        )
+    )
     assert "wgmma_ref" in text
     assert _largest_wgmma_group(text) == (3 if dq_ordered and not is_causal else 2)
 
@@ -98,8 +106,7 @@ def test_the_backward_after_the_hopper_forward(portable):
     config = dataclasses.replace(KernelConfig.default(64), hopper_bwd=HopperBwdConfig(portable=portable))
 
     def loss(q, k, v):
-        out, _ = hopper_vjp.flash_attention_hopper(q, k, v, scale=0.125, band=masks.Band.of(True, None),
-                                                   config=config)
+        out, _ = hopper_vjp.flash_attention_hopper(q, k, v, scale=0.125, band=masks.Band.of(True, None), config=config)
         return out.astype(jnp.float32).sum()
 
     text = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, k))
@@ -122,12 +129,14 @@ def test_gradients_match_reference(shape, dtype, is_causal, variant):
     q, k, v, d_out, d_lse = make_backward_inputs(shape, dtype, seed=1)
     scale = shape[-1] ** -0.5
     out, lse = hopper_fwd.hopper_forward(q, k, v, scale=scale, is_causal=is_causal)
-    config = dataclasses.replace(HopperBwdConfig.default(padded_head_dim(shape[-1])),
-                                 **HOPPER_BACKWARD_VARIANTS[variant])
-    grads = hopper_bwd.hopper_backward(q, k, v, out, lse, d_out, d_lse, scale=scale, is_causal=is_causal,
-                                       config=config)
-    _, vjp = jax.vjp(lambda *x: reference.attention_reference(*x, scale=scale, is_causal=is_causal),
-                     *(x.astype(jnp.float32) for x in (q, k, v)))
+    config = dataclasses.replace(
+        HopperBwdConfig.default(padded_head_dim(shape[-1])), **HOPPER_BACKWARD_VARIANTS[variant]
+    )
+    grads = hopper_bwd.hopper_backward(q, k, v, out, lse, d_out, d_lse, scale=scale, is_causal=is_causal, config=config)
+    _, vjp = jax.vjp(
+        lambda *x: reference.attention_reference(*x, scale=scale, is_causal=is_causal),
+        *(x.astype(jnp.float32) for x in (q, k, v)),
+    )
     want = vjp((d_out.astype(jnp.float32), d_lse))
     for name, ours, ref, x in zip(("dq", "dk", "dv"), grads, want, (q, k, v)):
         assert ours.shape == x.shape and ours.dtype == x.dtype
@@ -142,18 +151,23 @@ def test_grad_of_mosaic_attention(is_causal, portable):
     default), and the portable one after the Hopper forward (`HopperBwdConfig(portable=True)`)."""
     needs_hopper()
     q, k, v, d_out, _ = make_backward_inputs((2, 640, 640, 4, 2, 128), jnp.bfloat16, seed=2)
-    config = (dataclasses.replace(KernelConfig.default(128), hopper_bwd=HopperBwdConfig(portable=True))
-              if portable else None)
+    config = (
+        dataclasses.replace(KernelConfig.default(128), hopper_bwd=HopperBwdConfig(portable=True)) if portable else None
+    )
 
     def loss(attend, *x):
         return jnp.vdot(attend(*x).astype(jnp.float32), d_out.astype(jnp.float32))
 
-    ours = jax.grad(functools.partial(loss, lambda *x: pf.flash_attention(*x, is_causal=is_causal,
-                                                                          implementation="mosaic", config=config)),
-                    argnums=(0, 1, 2))(q, k, v)
-    ref = jax.grad(functools.partial(loss, lambda *x: reference.attention_reference(
-        *x, scale=128 ** -0.5, is_causal=is_causal)[0]), argnums=(0, 1, 2))(
-        *(x.astype(jnp.float32) for x in (q, k, v)))
+    ours = jax.grad(
+        functools.partial(
+            loss, lambda *x: pf.flash_attention(*x, is_causal=is_causal, implementation="mosaic", config=config)
+        ),
+        argnums=(0, 1, 2),
+    )(q, k, v)
+    ref = jax.grad(
+        functools.partial(loss, lambda *x: reference.attention_reference(*x, scale=128**-0.5, is_causal=is_causal)[0]),
+        argnums=(0, 1, 2),
+    )(*(x.astype(jnp.float32) for x in (q, k, v)))
     for name, a, b in zip(("dq", "dk", "dv"), ours, ref):
         assert_close(a, b, jnp.bfloat16, table=GRADIENT, what=name)
 
@@ -170,11 +184,24 @@ def test_one_pass_grad_under_vmap(is_causal, deterministic):
     def loss(attend, q, k, v, d_out):
         return jnp.vdot(attend(q[None], k[None], v[None])[0].astype(jnp.float32), d_out.astype(jnp.float32))
 
-    ours = jax.vmap(jax.grad(functools.partial(loss, lambda *x: pf.flash_attention(
-        *x, is_causal=is_causal, implementation="mosaic", deterministic=deterministic)), argnums=(0, 1, 2)))(
-        q, k, v, d_out)
-    ref = jax.vmap(jax.grad(functools.partial(loss, lambda *x: reference.attention_reference(
-        *x, scale=64 ** -0.5, is_causal=is_causal)[0]), argnums=(0, 1, 2)))(
-        *(x.astype(jnp.float32) for x in (q, k, v)), d_out)
+    ours = jax.vmap(
+        jax.grad(
+            functools.partial(
+                loss,
+                lambda *x: pf.flash_attention(
+                    *x, is_causal=is_causal, implementation="mosaic", deterministic=deterministic
+                ),
+            ),
+            argnums=(0, 1, 2),
+        )
+    )(q, k, v, d_out)
+    ref = jax.vmap(
+        jax.grad(
+            functools.partial(
+                loss, lambda *x: reference.attention_reference(*x, scale=64**-0.5, is_causal=is_causal)[0]
+            ),
+            argnums=(0, 1, 2),
+        )
+    )(*(x.astype(jnp.float32) for x in (q, k, v)), d_out)
     for name, a, b in zip(("dq", "dk", "dv"), ours, ref):
         assert_close(a, b, jnp.bfloat16, table=GRADIENT, what=name)

@@ -1,5 +1,6 @@
 """The Hopper kernels' configs (`pallas_flash/hopper/config.py`): validation, the measured defaults, and
 what fits an H100's shared memory."""
+
 import dataclasses
 
 import pytest
@@ -15,11 +16,18 @@ from pallas_flash.hopper.config import H100_SHARED_MEMORY, HopperBwdConfig, Hopp
 # ---- forward --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("head_dim, kv_len, is_causal, window, overlap", [
-    (128, 2048, False, None, True), (128, 16384, True, None, True), (128, None, False, None, True),
-    (128, 1024, False, None, False),  # short rows: no overlap (unmeasured with it)
-    (128, 2048, False, (300, 77), True), (128, 4096, False, (None, 0), True),  # windows: as unmasked calls
-    (64, 8192, False, None, False)])
+@pytest.mark.parametrize(
+    "head_dim, kv_len, is_causal, window, overlap",
+    [
+        (128, 2048, False, None, True),
+        (128, 16384, True, None, True),
+        (128, None, False, None, True),
+        (128, 1024, False, None, False),  # short rows: no overlap (unmeasured with it)
+        (128, 2048, False, (300, 77), True),
+        (128, 4096, False, (None, 0), True),  # windows: as unmasked calls
+        (64, 8192, False, None, False),
+    ],
+)
 def test_hopper_default_overlaps_only_where_measured(head_dim, kv_len, is_causal, window, overlap):
     """The forward default turns FA3's overlap on at head_dim 128 past 1k keys, windowed calls included (their
     GPU mask tests pass with it), and keeps head_dim 64 (slower with it) on the ping-pong."""
@@ -39,11 +47,20 @@ def test_hopper_default_tiles_at_head_dim_64():
 
 # ---- backward -------------------------------------------------------------------------------------------------
 
+
 def test_config_validation():
     assert HopperBwdConfig() == HopperBwdConfig(64, 64, 2, 64, 64, 2)
-    for bad in (dict(block_q_dkv=32), dict(block_kv_dq=100), dict(block_kv_dkv=320), dict(num_stages_dq=1),
-                dict(block_q_dq=64.0), dict(num_stages_dkv=True), dict(dq_atomic=1), dict(dq_overlap=1),
-                dict(portable=1)):
+    for bad in (
+        dict(block_q_dkv=32),
+        dict(block_kv_dq=100),
+        dict(block_kv_dkv=320),
+        dict(num_stages_dq=1),
+        dict(block_q_dq=64.0),
+        dict(num_stages_dkv=True),
+        dict(dq_atomic=1),
+        dict(dq_overlap=1),
+        dict(portable=1),
+    ):
         with pytest.raises(ValueError):
             HopperBwdConfig(**bad)
     with pytest.raises(TypeError):
@@ -77,6 +94,7 @@ def test_one_pass_needs_a_dq_split():
 
 def test_head_dim_256_is_refused():
     import jax.numpy as jnp
+
     with pytest.raises(ValueError, match="head_dim <= 128"):
         HopperBwdConfig.default(256)
     x = jnp.zeros((1, 64, 1, 256), jnp.bfloat16)

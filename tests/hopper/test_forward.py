@@ -2,6 +2,7 @@
 (`pallas_flash/hopper/common.py`): the persistent schedule, segment block ranges, and on sm90 the overlapped
 forward through the correctness grid. The interpreter and lowering tests are in test_interpreter.py and
 test_lowering.py."""
+
 import dataclasses
 
 import jax
@@ -16,12 +17,19 @@ from pallas_flash.hopper.config import HopperConfig
 from pallas_flash.hopper.fwd import persistent_order, persistent_split
 from tests.helpers import check_against_reference, shape_id
 
-GPU_SHAPES = [(2, 1000, 1000, 8, 8, 64), (1, 777, 1531, 8, 2, 128), (1, 1531, 513, 4, 1, 96),
-              (2, 256, 256, 4, 4, 256), (1, 2048, 2048, 4, 4, 128)]
+GPU_SHAPES = [
+    (2, 1000, 1000, 8, 8, 64),
+    (1, 777, 1531, 8, 2, 128),
+    (1, 1531, 513, 4, 1, 96),
+    (2, 256, 256, 4, 4, 256),
+    (1, 2048, 2048, 4, 4, 128),
+]
 
 
-@pytest.mark.parametrize("pairs, num_q_tiles, chunk, max_ctas", [
-    (1, 1, 1, 132), (3, 7, 2, 2), (17, 3, 5, 7), (16, 16, 16, 132), (5, 16, 2, 3), (32, 128, 2, 132)])
+@pytest.mark.parametrize(
+    "pairs, num_q_tiles, chunk, max_ctas",
+    [(1, 1, 1, 132), (3, 7, 2, 2), (17, 3, 5, 7), (16, 16, 16, 132), (5, 16, 2, 3), (32, 128, 2, 132)],
+)
 def test_persistent_order_runs_every_tile_once_in_balanced_pairs(pairs, num_q_tiles, chunk, max_ctas):
     """The persistent Hopper forward's static split: every (pair, tile) exactly once over all CTAs, and
     under a causal band (a tile of rank r visits T - r blocks) no CTA more than one (long, short) unit
@@ -30,8 +38,7 @@ def test_persistent_order_runs_every_tile_once_in_balanced_pairs(pairs, num_q_ti
     seen, blocks = [], []
     for cta in range(ctas):
         owned = [2 * (cta + (i // 2) * ctas) + i % 2 for i in range(int(num_tiles_of(np.int32(cta))))]
-        pair, rank = persistent_order(np.asarray(owned, np.int32), pairs=pairs, chunk=chunk,
-                                      num_q_tiles=num_q_tiles)
+        pair, rank = persistent_order(np.asarray(owned, np.int32), pairs=pairs, chunk=chunk, num_q_tiles=num_q_tiles)
         seen += list(zip(np.asarray(pair).tolist(), np.asarray(rank).tolist()))
         blocks.append(int(np.sum(num_q_tiles - np.asarray(rank))))
     assert sorted(seen) == [(p, r) for p in range(pairs) for r in range(num_q_tiles)]
@@ -60,8 +67,11 @@ def test_segment_block_ranges_cover_every_meeting(sort):
     same_runs = 0
     for b in range(3):
         for t in range(rows // tile):
-            same = [j for j in range(cols // block)
-                    if len(set(q_tiles[b, t]) | set(kv_blocks[b, j])) == 1 and q_tiles[b, t, 0] >= 0]
+            same = [
+                j
+                for j in range(cols // block)
+                if len(set(q_tiles[b, t]) | set(kv_blocks[b, j])) == 1 and q_tiles[b, t, 0] >= 0
+            ]
             same_lo, same_hi = ranges[b, t, 2:]
             assert set(range(same_lo, same_hi)) <= set(same), (b, t)
             if sort:
@@ -69,7 +79,7 @@ def test_segment_block_ranges_cover_every_meeting(sort):
             same_runs += same_hi > same_lo
     if sort:
         assert same_runs, "the sorted case is meant to have same-segment blocks"
-    meets = (np.asarray(q_ids)[:, :, None] == np.asarray(kv_ids)[:, None, :])  # [batch, rows, cols]
+    meets = np.asarray(q_ids)[:, :, None] == np.asarray(kv_ids)[:, None, :]  # [batch, rows, cols]
     meets = meets.reshape(3, rows // tile, tile, cols // block, block).any(axis=(2, 4))  # [batch, tiles, blocks]
     for b in range(3):
         for t in range(rows // tile):
@@ -94,6 +104,7 @@ def test_gpu_mosaic_overlap(shape, is_causal, persistent):
     head_dim = padded_head_dim(shape[-1])
     block_kv = 64 if head_dim > 128 else 128
     # The portable backward keeps its tuned tiles (KernelConfig()'s do not fit shared memory at head_dim 256).
-    config = dataclasses.replace(KernelConfig.default(shape[-1]),
-                                 hopper=HopperConfig(64, block_kv, 2, persistent, overlap=True))
+    config = dataclasses.replace(
+        KernelConfig.default(shape[-1]), hopper=HopperConfig(64, block_kv, 2, persistent, overlap=True)
+    )
     check_against_reference("mosaic", shape, jnp.bfloat16, is_causal, config, seed=2)

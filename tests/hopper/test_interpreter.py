@@ -3,6 +3,7 @@
 The interpreter cannot run wgmma on a transposed shared-memory ref or a register operand, so there the matmuls
 are plain dots on the same shared-memory tiles (`interpreting` in the kernels); everything else (barriers, TMA
 rings, schedules, band and segment block ranges, masks) is the kernels that run on the GPU."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,20 +29,34 @@ def interpret_params(**kwargs):
 
 # ---- forward --------------------------------------------------------------------------------------------------
 
-def run_forward(shape, *, is_causal=False, window=None, num_stages=2, persistent=True, q_ids=None, kv_ids=None,
-                overlap=False):
+
+def run_forward(
+    shape, *, is_causal=False, window=None, num_stages=2, persistent=True, q_ids=None, kv_ids=None, overlap=False
+):
     """The Hopper forward on bf16 inputs in the interpreter with race detection, checked against the reference
     (zeros and lse = -inf where a row sees no key). Returns whether each row's lse is finite."""
     params = interpret_params(detect_races=True)
     q, k, v, _ = make_inputs(shape, jnp.bfloat16, seed=14)
-    ids = {} if q_ids is None else dict(q_segment_ids=jnp.asarray(q_ids, jnp.int32),
-                                       kv_segment_ids=jnp.asarray(kv_ids, jnp.int32))
-    out, lse = hopper_fwd.hopper_forward(q, k, v, scale=0.125, is_causal=is_causal, local_window_size=window,
-                                         config=HopperConfig(64, 64, num_stages, persistent, overlap),
-                                         interpret=params, **ids)
+    ids = (
+        {}
+        if q_ids is None
+        else dict(q_segment_ids=jnp.asarray(q_ids, jnp.int32), kv_segment_ids=jnp.asarray(kv_ids, jnp.int32))
+    )
+    out, lse = hopper_fwd.hopper_forward(
+        q,
+        k,
+        v,
+        scale=0.125,
+        is_causal=is_causal,
+        local_window_size=window,
+        config=HopperConfig(64, 64, num_stages, persistent, overlap),
+        interpret=params,
+        **ids,
+    )
     assert not _compat.mosaic_gpu_races_found()
-    ref_out, ref_lse = pf.attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)), scale=0.125,
-                                              band=masks.Band.of(is_causal, window), **ids)
+    ref_out, ref_lse = pf.attention_reference(
+        *(x.astype(jnp.float32) for x in (q, k, v)), scale=0.125, band=masks.Band.of(is_causal, window), **ids
+    )
     assert_close(out, ref_out, jnp.bfloat16)
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
     finite = np.isfinite(np.asarray(ref_lse))
@@ -70,8 +85,12 @@ def segment_case(name):
         ids = np.stack([packed_ids(150, 20, 37, 90, 101), packed_ids(150, 140)])  # keys 0-127 (unmasked run)
         return (2, 150, 150, 1, 1, 64), False, ids, ids
     if name == "lengths":  # per-example lengths as padding ids (as `api._segments` folds them); GQA
-        return ((2, 100, 150, 2, 1, 64), False, _length_ids([100, 37], 100, masks.QUERY_PADDING_ID),
-                _length_ids([60, 150], 150, masks.KEY_PADDING_ID))
+        return (
+            (2, 100, 150, 2, 1, 64),
+            False,
+            _length_ids([100, 37], 100, masks.QUERY_PADDING_ID),
+            _length_ids([60, 150], 150, masks.KEY_PADDING_ID),
+        )
     if name == "no_key":  # document 9 has no keys: rows 80-89 of tile 0, and all of tile 1 (visits no block)
         q_ids = packed_ids(256, 40, 100)
         q_ids[80:90] = q_ids[128:] = 9
@@ -106,29 +125,39 @@ def test_hopper_forward_in_mosaic_gpu_interpreter(case):
         assert (~finite).any(), "this case is meant to contain rows that see no key"
 
 
-@pytest.mark.parametrize("name, num_stages, persistent", [
-    pytest.param("packed", 2, True), pytest.param("lengths", 2, False, marks=pytest.mark.slow),
-    pytest.param("no_key", 2, True, marks=pytest.mark.slow), pytest.param("causal", 3, True, id="causal_segments")])
+@pytest.mark.parametrize(
+    "name, num_stages, persistent",
+    [
+        pytest.param("packed", 2, True),
+        pytest.param("lengths", 2, False, marks=pytest.mark.slow),
+        pytest.param("no_key", 2, True, marks=pytest.mark.slow),
+        pytest.param("causal", 3, True, id="causal_segments"),
+    ],
+)
 def test_hopper_forward_segments_in_mosaic_gpu_interpreter(name, num_stages, persistent):
     """Segment ids: the tile's block range from `segment_block_ranges` (read as scalars from global memory),
     the key ids riding the K ring, the id mask, the unmasked same-segment run, rows and whole tiles that see no
     key (zeros, lse = -inf), and segments under a causal band."""
     shape, is_causal, q_ids, kv_ids = segment_case(name)
-    finite = run_forward(shape, is_causal=is_causal, num_stages=num_stages, persistent=persistent, q_ids=q_ids,
-                         kv_ids=kv_ids)
+    finite = run_forward(
+        shape, is_causal=is_causal, num_stages=num_stages, persistent=persistent, q_ids=q_ids, kv_ids=kv_ids
+    )
     if name in ("lengths", "no_key"):
         assert (~finite).any(), "this case is meant to contain rows that see no key"
 
 
-@pytest.mark.parametrize("case", _params(["ragged", "causal", "causal_per_tile_ctas", "window", "empty_tiles",
-                                           "packed", "no_key"], FAST_OVERLAP))
+@pytest.mark.parametrize(
+    "case",
+    _params(["ragged", "causal", "causal_per_tile_ctas", "window", "empty_tiles", "packed", "no_key"], FAST_OVERLAP),
+)
 def test_overlapped_hopper_forward_in_mosaic_gpu_interpreter(case):
     """`HopperConfig.overlap` (S_j issued before P_{j-1} V_{j-1}, block j's softmax under that P V; the first
     block peeled off and masked; V slots released a step later) on the cases above."""
     if case in BAND_CASES:
         shape, is_causal, window, num_stages, persistent = BAND_CASES[case]
-        run_forward(shape, is_causal=is_causal, window=window, num_stages=num_stages, persistent=persistent,
-                    overlap=True)
+        run_forward(
+            shape, is_causal=is_causal, window=window, num_stages=num_stages, persistent=persistent, overlap=True
+        )
     else:
         shape, is_causal, q_ids, kv_ids = segment_case(case)
         run_forward(shape, is_causal=is_causal, q_ids=q_ids, kv_ids=kv_ids, overlap=True)
@@ -144,14 +173,27 @@ BACKWARD_CASES = {  # (shape, is_causal, window, segments)
 }
 PIPELINING = {"plain": {}, "dq_overlap": dict(dq_overlap=True), "dkv_overlap": dict(dkv_overlap=True, num_stages_dkv=3)}
 # Outside `slow` (a run takes 4-13 s of CPU), each case once and each pipelining at least once.
-FAST_BACKWARD = {("plain", "segments"), ("dq_overlap", "ragged_gqa"), ("dq_overlap", "window"),
-                 ("dkv_overlap", "causal")}
+FAST_BACKWARD = {
+    ("plain", "segments"),
+    ("dq_overlap", "ragged_gqa"),
+    ("dq_overlap", "window"),
+    ("dkv_overlap", "causal"),
+}
 
 
-@pytest.mark.parametrize("case, pipelining", [
-    pytest.param(case, pipelining, id=f"{pipelining}-{case}",
-                 marks=() if (pipelining, case) in FAST_BACKWARD else pytest.mark.slow)
-    for pipelining in PIPELINING for case in BACKWARD_CASES])
+@pytest.mark.parametrize(
+    "case, pipelining",
+    [
+        pytest.param(
+            case,
+            pipelining,
+            id=f"{pipelining}-{case}",
+            marks=() if (pipelining, case) in FAST_BACKWARD else pytest.mark.slow,
+        )
+        for pipelining in PIPELINING
+        for case in BACKWARD_CASES
+    ],
+)
 def test_backward_in_mosaic_gpu_interpreter(case, pipelining):
     """The dK/dV and dQ kernels (barriers, TMA rings, band and segment block ranges, masks, padded rows and
     keys, the GQA head loop) from the reference's residuals, against the reference's gradients. (The one-pass
@@ -165,18 +207,34 @@ def test_backward_in_mosaic_gpu_interpreter(case, pipelining):
     batch, q_len, kv_len = shape[:3]
     ids = dict(q_segment_ids=None, kv_segment_ids=None)
     if segments:
-        ids = dict(q_segment_ids=packed_segment_ids(batch, q_len, [[70], []]),
-                   kv_segment_ids=packed_segment_ids(batch, kv_len, [[60], []]))
+        ids = dict(
+            q_segment_ids=packed_segment_ids(batch, q_len, [[70], []]),
+            kv_segment_ids=packed_segment_ids(batch, kv_len, [[60], []]),
+        )
     scale = 0.125
     (out, lse), vjp = jax.vjp(
         lambda *x: reference.attention_reference(*x, scale=scale, band=masks.Band.of(is_causal, window), **ids),
-        *(x.astype(jnp.float32) for x in (q, k, v)))
+        *(x.astype(jnp.float32) for x in (q, k, v)),
+    )
     want = vjp((d_out.astype(jnp.float32), d_lse))
     with _compat.mosaic_gpu_race_states() as kernels:  # one state per kernel: dK/dV, then dQ
-        grads = jax.block_until_ready(hopper_bwd.hopper_backward(
-            q, k, v, out.astype(q.dtype), lse, d_out, d_lse, scale=scale, is_causal=is_causal,
-            local_window_size=window, config=HopperBwdConfig(**PIPELINING[pipelining]), interpret=params,
-            **ids))
+        grads = jax.block_until_ready(
+            hopper_bwd.hopper_backward(
+                q,
+                k,
+                v,
+                out.astype(q.dtype),
+                lse,
+                d_out,
+                d_lse,
+                scale=scale,
+                is_causal=is_causal,
+                local_window_size=window,
+                config=HopperBwdConfig(**PIPELINING[pipelining]),
+                interpret=params,
+                **ids,
+            )
+        )
     assert [state.races_found for state in kernels] == [False, False]
     for name, ours, ref, x in zip(("dq", "dk", "dv"), grads, want, (q, k, v)):
         assert ours.shape == x.shape and ours.dtype == x.dtype
@@ -189,5 +247,15 @@ def test_dq_atomic_is_refused_in_the_interpreter():
     params = interpret_params()
     x = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
     with pytest.raises(ValueError, match="dq_atomic"):
-        hopper_bwd.hopper_backward(x, x, x, x, jnp.zeros((1, 1, 64)), x, None, scale=1.0,
-                                   config=HopperBwdConfig(dq_atomic=True), interpret=params)
+        hopper_bwd.hopper_backward(
+            x,
+            x,
+            x,
+            x,
+            jnp.zeros((1, 1, 64)),
+            x,
+            None,
+            scale=1.0,
+            config=HopperBwdConfig(dq_atomic=True),
+            interpret=params,
+        )

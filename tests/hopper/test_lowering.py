@@ -1,6 +1,7 @@
 """The Hopper kernels lowered for CUDA on this machine (Mosaic GPU's lowering runs without a GPU; nothing
 runs): every variant of the forward and the backward, ragged, GQA, padded head_dim, bands and segment ids,
 under the kernel names a profile shows."""
+
 import dataclasses
 import math
 
@@ -25,9 +26,11 @@ def _overlap_params():
     """Each mask and schedule at head_dim 128 (where the overlap is the default), and once at 64 and 256; the
     rest is `slow`."""
     fast = {(128, 0), (128, 1), (128, 2), (64, 1), (256, 2)}
-    return [pytest.param(head_dim, block_kv, *case, marks=() if (head_dim, i) in fast else pytest.mark.slow)
-            for head_dim, block_kv in ((64, 128), (128, 128), (256, 64))
-            for i, case in enumerate([(False, False, False), (True, False, True), (False, True, False)])]
+    return [
+        pytest.param(head_dim, block_kv, *case, marks=() if (head_dim, i) in fast else pytest.mark.slow)
+        for head_dim, block_kv in ((64, 128), (128, 128), (256, 64))
+        for i, case in enumerate([(False, False, False), (True, False, True), (False, True, False)])
+    ]
 
 
 @pytest.mark.parametrize("head_dim, block_kv, is_causal, segments, persistent", _overlap_params())
@@ -39,8 +42,9 @@ def test_overlapped_hopper_forward_lowers_for_gpu(head_dim, block_kv, is_causal,
     config = HopperConfig(64, block_kv, 2, persistent, overlap=True)
 
     def forward(q, k, v, q_ids, kv_ids):
-        return hopper_fwd.hopper_forward(q, k, v, scale=0.1, is_causal=is_causal, q_segment_ids=q_ids,
-                                         kv_segment_ids=kv_ids, config=config)
+        return hopper_fwd.hopper_forward(
+            q, k, v, scale=0.1, is_causal=is_causal, q_segment_ids=q_ids, kv_segment_ids=kv_ids, config=config
+        )
 
     text = lower_for_cuda(forward, q, k, k, *ids)
     assert text.count(MOSAIC_CALL) == 1
@@ -51,9 +55,12 @@ def _variant_params():
     """Every variant at both shapes, causal at the first (q_len > kv_len) and not at the second (a padded
     head_dim, q_len < kv_len); the other causality at each shape is `slow`."""
     shapes = [((1, 300, 200, 4, 2, 64), jnp.bfloat16), ((1, 200, 333, 2, 1, 96), jnp.float16)]
-    return [pytest.param(shape, dtype, is_causal, variant, marks=() if is_causal == (i == 0) else pytest.mark.slow)
-            for variant in HOPPER_BACKWARD_VARIANTS for is_causal in (False, True)
-            for i, (shape, dtype) in enumerate(shapes)]
+    return [
+        pytest.param(shape, dtype, is_causal, variant, marks=() if is_causal == (i == 0) else pytest.mark.slow)
+        for variant in HOPPER_BACKWARD_VARIANTS
+        for is_causal in (False, True)
+        for i, (shape, dtype) in enumerate(shapes)
+    ]
 
 
 @pytest.mark.parametrize("shape, dtype, is_causal, variant", _variant_params())
@@ -64,8 +71,9 @@ def test_lowers_for_gpu(shape, dtype, is_causal, variant):
     q = jax.ShapeDtypeStruct((batch, q_len, heads, head_dim), dtype)
     k = jax.ShapeDtypeStruct((batch, kv_len, kv_heads, head_dim), dtype)
     lse = jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)
-    config = dataclasses.replace(HopperBwdConfig.default(128 if head_dim > 64 else 64),
-                                 **HOPPER_BACKWARD_VARIANTS[variant])
+    config = dataclasses.replace(
+        HopperBwdConfig.default(128 if head_dim > 64 else 64), **HOPPER_BACKWARD_VARIANTS[variant]
+    )
     dq_atomic = config.dq_atomic
 
     def backward(*args):
@@ -78,17 +86,22 @@ def test_lowers_for_gpu(shape, dtype, is_causal, variant):
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("head_dim, dtype", [
-    (64, jnp.float16), (128, jnp.bfloat16),  # test_lowers_for_gpu's one_pass runs (64, bf16), (96 -> 128, fp16)
-    pytest.param(64, jnp.bfloat16, marks=pytest.mark.slow), pytest.param(128, jnp.float16, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "head_dim, dtype",
+    [
+        (64, jnp.float16),
+        (128, jnp.bfloat16),  # test_lowers_for_gpu's one_pass runs (64, bf16), (96 -> 128, fp16)
+        pytest.param(64, jnp.bfloat16, marks=pytest.mark.slow),
+        pytest.param(128, jnp.float16, marks=pytest.mark.slow),
+    ],
+)
 def test_one_pass_lowers_for_gpu(head_dim, is_causal, dtype):
     """The one-pass kernel (shared dS^T tile, each consumer's share of dQ from all keys: columns at head_dim
     128, query rows at 64; two dQ staging slots) goes through Mosaic GPU's lowering: ragged, GQA."""
     q = jax.ShapeDtypeStruct((1, 200, 4, head_dim), dtype)
     k = jax.ShapeDtypeStruct((1, 333, 2, head_dim), dtype)
     lse = jax.ShapeDtypeStruct((1, 4, 200), jnp.float32)
-    config = dataclasses.replace(HopperBwdConfig.default(head_dim), dq_atomic=True, dq_ordered=False,
-                                 num_stages_dkv=2)
+    config = dataclasses.replace(HopperBwdConfig.default(head_dim), dq_atomic=True, dq_ordered=False, num_stages_dkv=2)
 
     def backward(*args):
         return hopper_bwd.hopper_backward(*args, scale=0.125, is_causal=is_causal, config=config)
@@ -101,17 +114,30 @@ def test_one_pass_lowers_for_gpu(head_dim, is_causal, dtype):
 MASKS = [((30, 5), False), ((40, None), True), (None, True)]  # (local window, segment ids)
 
 
-@pytest.mark.parametrize("window, segments, is_causal", [
-    pytest.param(*mask, is_causal, marks=() if is_causal == (i == 1) else pytest.mark.slow)
-    for i, mask in enumerate(MASKS) for is_causal in (False, True)])  # causal with the window and segment ids
+@pytest.mark.parametrize(
+    "window, segments, is_causal",
+    [
+        pytest.param(*mask, is_causal, marks=() if is_causal == (i == 1) else pytest.mark.slow)
+        for i, mask in enumerate(MASKS)
+        for is_causal in (False, True)
+    ],
+)  # causal with the window and segment ids
 def test_masked_forward_lowers_for_gpu(window, segments, is_causal):
     """The forward with a local window and/or segment ids (the key ids streamed beside K) goes through Mosaic
     GPU's lowering."""
     q, k, _, ids = abstract_inputs((2, 300, 200, 4, 2, 64), segments)
 
     def forward(q, k, v, q_ids, kv_ids):
-        return hopper_fwd.hopper_forward(q, k, v, q_segment_ids=q_ids, kv_segment_ids=kv_ids, scale=0.125,
-                                         is_causal=is_causal, local_window_size=window)
+        return hopper_fwd.hopper_forward(
+            q,
+            k,
+            v,
+            q_segment_ids=q_ids,
+            kv_segment_ids=kv_ids,
+            scale=0.125,
+            is_causal=is_causal,
+            local_window_size=window,
+        )
 
     assert lower_for_cuda(forward, q, k, k, *ids).count(MOSAIC_CALL) == 1
 
@@ -134,20 +160,41 @@ def test_masked_backward_lowers_for_gpu(window, segments, variant):
     q, k, lse, ids = abstract_inputs((2, 300, 200, 4, 2, 64), segments)
     config = dataclasses.replace(HopperBwdConfig.default(64), **HOPPER_BACKWARD_VARIANTS[variant])
     for is_causal in (False, True):
+
         def backward(q, k, v, out, lse, d_out, d_lse, q_ids, kv_ids):
-            return hopper_bwd.hopper_backward(q, k, v, out, lse, d_out, d_lse, q_segment_ids=q_ids,
-                                              kv_segment_ids=kv_ids, config=config, scale=0.125,
-                                              is_causal=is_causal, local_window_size=window)
+            return hopper_bwd.hopper_backward(
+                q,
+                k,
+                v,
+                out,
+                lse,
+                d_out,
+                d_lse,
+                q_segment_ids=q_ids,
+                kv_segment_ids=kv_ids,
+                config=config,
+                scale=0.125,
+                is_causal=is_causal,
+                local_window_size=window,
+            )
 
         text = lower_for_cuda(backward, q, k, k, q, lse, q, lse, *ids)
         assert text.count(MOSAIC_CALL) == (1 if config.dq_atomic else 2)
 
 
-@pytest.mark.parametrize("head_dim, is_causal, window, segments", [
-    (64, False, None, False), (64, True, None, False), (64, False, (40, 10), True), (64, True, None, True),
-    (128, False, None, False), (128, False, (40, 10), True),  # dQ split by columns instead of rows
-    pytest.param(128, True, None, False, marks=pytest.mark.slow),
-    pytest.param(128, True, None, True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "head_dim, is_causal, window, segments",
+    [
+        (64, False, None, False),
+        (64, True, None, False),
+        (64, False, (40, 10), True),
+        (64, True, None, True),
+        (128, False, None, False),
+        (128, False, (40, 10), True),  # dQ split by columns instead of rows
+        pytest.param(128, True, None, False, marks=pytest.mark.slow),
+        pytest.param(128, True, None, True, marks=pytest.mark.slow),
+    ],
+)
 def test_dq_ordered_lowers_for_gpu(head_dim, is_causal, window, segments):
     """The deterministic one-pass kernel (dq_ordered) goes through Mosaic GPU's lowering: one kernel, its TMA
     reduce-adds into the dQ buffer, a GPU-scope acquire wait and release signal on global semaphores, which
@@ -162,9 +209,21 @@ def test_dq_ordered_lowers_for_gpu(head_dim, is_causal, window, segments):
         config = dataclasses.replace(one_pass, dq_ordered=ordered)
 
         def backward(q, k, v, out, lse, d_out, d_lse, q_ids, kv_ids):
-            return hopper_bwd.hopper_backward(q, k, v, out, lse, d_out, d_lse, q_segment_ids=q_ids,
-                                              kv_segment_ids=kv_ids, scale=0.125, is_causal=is_causal,
-                                              local_window_size=window, config=config)
+            return hopper_bwd.hopper_backward(
+                q,
+                k,
+                v,
+                out,
+                lse,
+                d_out,
+                d_lse,
+                q_segment_ids=q_ids,
+                kv_segment_ids=kv_ids,
+                scale=0.125,
+                is_causal=is_causal,
+                local_window_size=window,
+                config=config,
+            )
 
         texts[ordered] = lower_for_cuda(backward, q, k, k, q, lse, q, lse, *ids)
     granule = math.lcm(one_pass.block_q_dkv, 2 * one_pass.block_q_dq)  # of the padded query length
@@ -173,7 +232,7 @@ def test_dq_ordered_lowers_for_gpu(head_dim, is_causal, window, segments):
     for ordered, text in texts.items():
         assert text.count(MOSAIC_CALL) == 1
         call = next(line for line in text.splitlines() if MOSAIC_CALL in line)
-        operand_types, result_types = call[call.rindex(": ("):].split("->")
+        operand_types, result_types = call[call.rindex(": (") :].split("->")
         assert (dq_buffer in operand_types) != ordered and dq_buffer in result_types
         assert "cp.reduce.async.bulk.tensor" in text
         for ptx in ("red.release.gpu.global.add", "ld.relaxed.gpu.global", "fence.acquire.gpu"):
@@ -181,9 +240,16 @@ def test_dq_ordered_lowers_for_gpu(head_dim, is_causal, window, segments):
         assert (counters in text) == ordered
 
 
-@pytest.mark.parametrize("head_dim, deterministic, is_causal, kernels", [
-    (64, True, False, 2), (64, True, True, 3), (64, False, True, 2), (128, True, False, 3),
-    pytest.param(128, False, True, 3, marks=pytest.mark.slow)])  # test_dq_ordered_config: the same config
+@pytest.mark.parametrize(
+    "head_dim, deterministic, is_causal, kernels",
+    [
+        (64, True, False, 2),
+        (64, True, True, 3),
+        (64, False, True, 2),
+        (128, True, False, 3),
+        pytest.param(128, False, True, 3, marks=pytest.mark.slow),
+    ],
+)  # test_dq_ordered_config: the same config
 def test_deterministic_picks_the_backward(head_dim, deterministic, is_causal, kernels):
     """jax.grad of the Hopper attention lowers to forward + dK/dV + dQ kernels (3) at head_dim 128, and to the
     one-pass backward (2: its dK/dV kernel sums dQ) at head_dim 64, where it measured faster: with its dQ
@@ -194,8 +260,15 @@ def test_deterministic_picks_the_backward(head_dim, deterministic, is_causal, ke
     k = jax.ShapeDtypeStruct((3, 1, 333, 2, head_dim), jnp.bfloat16)
 
     def loss(q, k, v):
-        out, _ = hopper_vjp.flash_attention_hopper(q, k, v, scale=0.125, band=masks.Band.of(is_causal, None),
-                                                   config=KernelConfig(), deterministic=deterministic)
+        out, _ = hopper_vjp.flash_attention_hopper(
+            q,
+            k,
+            v,
+            scale=0.125,
+            band=masks.Band.of(is_causal, None),
+            config=KernelConfig(),
+            deterministic=deterministic,
+        )
         return out.astype(jnp.float32).sum()
 
     grad = jax.grad(loss, argnums=(0, 1, 2))

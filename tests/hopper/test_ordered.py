@@ -1,6 +1,7 @@
 """The deterministic one-pass Hopper backward's dQ order (`pallas_flash/hopper/bwd_ordered.py`): the rank
 table its CTAs wait on, the launch order in L2-sized groups, the protocol simulated on the CPU (deadlock-free,
 one fixed order), and on sm90 its gradients against the reference, bitwise repeatable."""
+
 import dataclasses
 import functools
 
@@ -33,20 +34,32 @@ def _brute_force_ranks(batch, num_tiles, tile_keys, num_q_blocks, block_q, band,
     visits = seen.reshape(num_q_blocks, block_q, num_tiles, tile_keys).any(axis=(1, 3)).T  # [tile, block]
     visits = np.broadcast_to(visits, (batch, num_tiles, num_q_blocks)).copy()
     if q_ids is not None:
+
         def interval(ids, size):
             ids = np.asarray(ids).reshape(batch, -1, size)
             valid = ids > masks.KEY_PADDING_ID
-            return (np.where(valid, ids, np.iinfo(np.int32).max).min(2),
-                    np.where(valid, ids, np.iinfo(np.int32).min).max(2))
+            return (
+                np.where(valid, ids, np.iinfo(np.int32).max).min(2),
+                np.where(valid, ids, np.iinfo(np.int32).min).max(2),
+            )
+
         (t_lo, t_hi), (b_lo, b_hi) = interval(kv_ids, tile_keys), interval(q_ids, block_q)
         visits &= (t_lo[:, :, None] <= b_hi[:, None, :]) & (b_lo[:, None, :] <= t_hi[:, :, None])
     visits = visits.astype(np.int32)
     return np.cumsum(visits[:, ::-1], axis=1)[:, ::-1] - visits, visits
 
 
-@pytest.mark.parametrize("is_causal, window, segments", [
-    (False, None, False), (True, None, False), (False, (300, 100), False), (True, (200, None), False),
-    (False, None, True), (True, (300, None), True)])
+@pytest.mark.parametrize(
+    "is_causal, window, segments",
+    [
+        (False, None, False),
+        (True, None, False),
+        (False, (300, 100), False),
+        (True, (200, None), False),
+        (False, None, True),
+        (True, (300, None), True),
+    ],
+)
 def test_dq_order_ranks(is_causal, window, segments):
     """The rank table the dq_ordered kernel waits on: per (example, key tile, query block), how many higher key
     tiles visit that block, against a brute-force count (queries and keys of unequal lengths, padding); and the
@@ -55,12 +68,22 @@ def test_dq_order_ranks(is_causal, window, segments):
     band = masks.Band.of(is_causal, window)
     q_ids = kv_ids = q_ranges = None
     if segments:  # packed sequences, the last rows / keys padding (as `pad_segment_ids` leaves them)
-        q_ids, kv_ids = masks.pad_segment_ids(packed_segment_ids(batch, 520, [[100, 300], [250]]),
-                                              packed_segment_ids(batch, 800, [[150, 500], [40]]),
-                                              num_q_blocks * block_q, num_tiles * tile_keys)
+        q_ids, kv_ids = masks.pad_segment_ids(
+            packed_segment_ids(batch, 520, [[100, 300], [250]]),
+            packed_segment_ids(batch, 800, [[150, 500], [40]]),
+            num_q_blocks * block_q,
+            num_tiles * tile_keys,
+        )
         q_ranges = segment_block_ranges(kv_ids, q_ids, rows_per_tile=tile_keys, cols_per_block=block_q)
-    common = dict(batch=batch, num_tiles=num_tiles, block_q=block_q, tile_keys=tile_keys,
-                  num_q_blocks=num_q_blocks, kv_pad=num_tiles * tile_keys, band=band)
+    common = dict(
+        batch=batch,
+        num_tiles=num_tiles,
+        block_q=block_q,
+        tile_keys=tile_keys,
+        num_q_blocks=num_q_blocks,
+        kv_pad=num_tiles * tile_keys,
+        band=band,
+    )
     visits_table = bwd_ordered.tile_visits(q_ranges, **common)
     ranks = bwd_ordered.dq_order_ranks(visits_table)
     want, visits = _brute_force_ranks(batch, num_tiles, tile_keys, num_q_blocks, block_q, band, q_ids, kv_ids)
@@ -72,8 +95,7 @@ def test_dq_order_ranks(is_causal, window, segments):
     assert 0 < visits.sum() and (visits.sum() < visits.size) == (not band.is_full or segments)  # masks skip some
 
 
-def _simulate_dq_order(ranks, visited, *, heads_per_kv: int, kv_heads: int, resident: int, seed: int,
-                       monkeypatch):
+def _simulate_dq_order(ranks, visited, *, heads_per_kv: int, kv_heads: int, resident: int, seed: int, monkeypatch):
     """The dq_ordered protocol on the CPU: CTAs dispatched in `bwd_ordered.ordered_launch`'s order (decoded by
     `ordered_cta`; 3 pairs per launch group, so that the last group is partial), at most `resident` at once;
     each move is one random resident CTA's store warp's next action. A CTA's steps are (g, block) for each
@@ -92,15 +114,19 @@ def _simulate_dq_order(ranks, visited, *, heads_per_kv: int, kv_heads: int, resi
         b, h, t, active = (int(x) for x in bwd_ordered.ordered_cta(batch, kv_heads, num_tiles, group=3))
         pending.append((b, h, t) if active else None)
     monkeypatch.undo()
-    assert sorted(cta for cta in pending if cta) == [(b, h, t) for b in range(batch) for h in range(kv_heads)
-                                                     for t in range(num_tiles)]
+    assert sorted(cta for cta in pending if cta) == [
+        (b, h, t) for b in range(batch) for h in range(kv_heads) for t in range(num_tiles)
+    ]
+
     def cta_steps(lo, hi):  # the kernel's own decode of step numbers (its loader's and store warp's order)
         decode = functools.partial(step_block, q_lo=np.int32(lo), q_steps=np.int32(hi - lo))
         return [tuple(int(x) for x in decode(np.int32(i))) for i in range(heads_per_kv * (hi - lo))]
 
     steps = {cta: cta_steps(*visited[cta[0]][cta[2]]) for cta in pending if cta}
-    assert all(sorted(s) == [(g, j) for g in range(heads_per_kv) for j in range(*visited[cta[0]][cta[2]])]
-               for cta, s in steps.items())
+    assert all(
+        sorted(s) == [(g, j) for g in range(heads_per_kv) for j in range(*visited[cta[0]][cta[2]])]
+        for cta, s in steps.items()
+    )
     semaphores, order, running = {}, {}, {}  # running: slot -> [cta, next step, whether step - 1 is signalled]
 
     def counter(cta, step):
@@ -136,12 +162,16 @@ def _simulate_dq_order(ranks, visited, *, heads_per_kv: int, kv_heads: int, resi
     return order, semaphores
 
 
-@pytest.mark.parametrize("pairs, dq_bytes, want", [
-    (256, 1024 * 64 * 4, 32),   # 1k keys, head_dim 64: 256 KiB of dQ per pair; at most 32 pairs
-    (256, 2048 * 64 * 4, 16),   # 2k: 512 KiB per pair, 8 MiB per group
-    (32, 16384 * 64 * 4, 2),    # 16k, head_dim 64: 4 MiB per pair
-    (3, 1024 * 64 * 4, 3),      # fewer pairs than a group holds
-    (8, 1 << 26, 1)])           # one pair's dQ alone over the L2 budget: one pair per group
+@pytest.mark.parametrize(
+    "pairs, dq_bytes, want",
+    [
+        (256, 1024 * 64 * 4, 32),  # 1k keys, head_dim 64: 256 KiB of dQ per pair; at most 32 pairs
+        (256, 2048 * 64 * 4, 16),  # 2k: 512 KiB per pair, 8 MiB per group
+        (32, 16384 * 64 * 4, 2),  # 16k, head_dim 64: 4 MiB per pair
+        (3, 1024 * 64 * 4, 3),  # fewer pairs than a group holds
+        (8, 1 << 26, 1),
+    ],
+)  # one pair's dQ alone over the L2 budget: one pair per group
 def test_dq_ordered_launch_groups_keep_dq_in_l2(pairs, dq_bytes, want):
     """A dq_ordered launch group's dQ (every pair a wave of CTAs adds into) stays within bwd_ordered.DQ_L2_BYTES,
     with at least one and at most MAX_PAIRS_PER_GROUP pairs; the grid covers every pair."""
@@ -151,8 +181,7 @@ def test_dq_ordered_launch_groups_keep_dq_in_l2(pairs, dq_bytes, want):
     assert tiles == 5 and per_group == group and groups * group >= pairs > (groups - 1) * group
 
 
-@pytest.mark.parametrize("is_causal, window", [(False, None), (True, None), (True, (200, None)),
-                                               (False, (300, 100))])
+@pytest.mark.parametrize("is_causal, window", [(False, None), (True, None), (True, (200, None)), (False, (300, 100))])
 def test_dq_order_protocol_is_deadlock_free_and_fixed(is_causal, window, monkeypatch):
     """Simulated on the CPU with the kernel's rank table, visited blocks and launch order: under in-order
     dispatch (1 to 5 CTAs resident, random interleaving) no CTA waits forever, every (batch, head, block)
@@ -160,16 +189,21 @@ def test_dq_order_protocol_is_deadlock_free_and_fixed(is_causal, window, monkeyp
     the number of tiles that visit its block."""
     batch, kv_heads, group, block_q, tile_keys, num_q_blocks, num_tiles = 2, 2, 2, 64, 128, 9, 7  # 4 pairs
     band = masks.Band.of(is_causal, window)
-    common = dict(block_q=block_q, tile_keys=tile_keys, num_q_blocks=num_q_blocks, kv_pad=num_tiles * tile_keys,
-                  band=band)
-    ranks = np.asarray(bwd_ordered.dq_order_ranks(bwd_ordered.tile_visits(None, batch=batch, num_tiles=num_tiles,
-                                                                         **common)))
-    visited = [[tuple(int(x) for x in bwd_ordered.visited_q_blocks(t, None, **common)[:2]) for t in range(num_tiles)]
-               for _ in range(batch)]
+    common = dict(
+        block_q=block_q, tile_keys=tile_keys, num_q_blocks=num_q_blocks, kv_pad=num_tiles * tile_keys, band=band
+    )
+    ranks = np.asarray(
+        bwd_ordered.dq_order_ranks(bwd_ordered.tile_visits(None, batch=batch, num_tiles=num_tiles, **common))
+    )
+    visited = [
+        [tuple(int(x) for x in bwd_ordered.visited_q_blocks(t, None, **common)[:2]) for t in range(num_tiles)]
+        for _ in range(batch)
+    ]
     orders = []
     for resident, seed in ((1, 0), (2, 1), (3, 2), (5, 3), (5, 4)):
-        order, semaphores = _simulate_dq_order(ranks, visited, heads_per_kv=group, kv_heads=kv_heads,
-                                               resident=resident, seed=seed, monkeypatch=monkeypatch)
+        order, semaphores = _simulate_dq_order(
+            ranks, visited, heads_per_kv=group, kv_heads=kv_heads, resident=resident, seed=seed, monkeypatch=monkeypatch
+        )
         for (b, head, j), tiles_in_order in order.items():
             assert tiles_in_order == sorted(tiles_in_order, reverse=True)
             assert semaphores[(b, head, j)] == len(tiles_in_order)
@@ -181,8 +215,13 @@ def test_dq_order_protocol_is_deadlock_free_and_fixed(is_causal, window, monkeyp
 
 # The last shape's three (batch, kv head) pairs launch in groups of two (`pairs_per_group`: 2.75 MiB of dQ per
 # pair), so its second group has an inactive CTA per key tile (checked on CPU below).
-DQ_ORDERED_GPU_SHAPES = [(2, 1000, 1000, 4, 2, 64), (1, 777, 1531, 4, 1, 64), (2, 1000, 1000, 4, 2, 128),
-                         (1, 1531, 513, 4, 4, 128), (1, 2816, 2816, 12, 3, 64)]
+DQ_ORDERED_GPU_SHAPES = [
+    (2, 1000, 1000, 4, 2, 64),
+    (1, 777, 1531, 4, 1, 64),
+    (2, 1000, 1000, 4, 2, 128),
+    (1, 1531, 513, 4, 4, 128),
+    (1, 2816, 2816, 12, 3, 64),
+]
 
 
 def test_dq_ordered_gpu_grid_has_a_partial_launch_group():
@@ -204,19 +243,24 @@ def test_dq_ordered_gradients_match_reference_and_repeat(shape, mask):
     is_causal, window = mask == "causal", (200, 30) if mask == "window" else None
     ids = dict(q_segment_ids=None, kv_segment_ids=None)
     if mask == "segments":
-        ids = dict(q_segment_ids=packed_segment_ids(batch, q_len, [[300, 500], [100]]),
-                   kv_segment_ids=packed_segment_ids(batch, kv_len, [[300, 500], [100]]))
+        ids = dict(
+            q_segment_ids=packed_segment_ids(batch, q_len, [[300, 500], [100]]),
+            kv_segment_ids=packed_segment_ids(batch, kv_len, [[300, 500], [100]]),
+        )
     scale = shape[-1] ** -0.5
     band = dict(is_causal=is_causal, local_window_size=window)
     out, lse = hopper_fwd.hopper_forward(q, k, v, scale=scale, **band, **ids)
-    config = dataclasses.replace(HopperBwdConfig.default(padded_head_dim(shape[-1])), dq_atomic=True,
-                                 dq_ordered=True, num_stages_dkv=2)
-    call = functools.partial(hopper_bwd.hopper_backward, q, k, v, out, lse, d_out, d_lse, scale=scale,
-                             config=config, **band, **ids)
+    config = dataclasses.replace(
+        HopperBwdConfig.default(padded_head_dim(shape[-1])), dq_atomic=True, dq_ordered=True, num_stages_dkv=2
+    )
+    call = functools.partial(
+        hopper_bwd.hopper_backward, q, k, v, out, lse, d_out, d_lse, scale=scale, config=config, **band, **ids
+    )
     grads = jax.block_until_ready(call())
-    _, vjp = jax.vjp(lambda *x: reference.attention_reference(*x, scale=scale, band=masks.Band.of(is_causal, window),
-                                                              **ids),
-                     *(x.astype(jnp.float32) for x in (q, k, v)))
+    _, vjp = jax.vjp(
+        lambda *x: reference.attention_reference(*x, scale=scale, band=masks.Band.of(is_causal, window), **ids),
+        *(x.astype(jnp.float32) for x in (q, k, v)),
+    )
     want = vjp((d_out.astype(jnp.float32), d_lse))
     for name, ours, ref, x in zip(("dq", "dk", "dv"), grads, want, (q, k, v)):
         assert ours.shape == x.shape and ours.dtype == x.dtype

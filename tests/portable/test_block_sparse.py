@@ -2,6 +2,7 @@
 the dense kernels, the block-sparse kernels lower to Triton for CUDA, and on a GPU the compiled kernels at
 realistic sizes against the float32 reference. The block mask's semantics in every implementation are in
 tests/test_block_sparse.py."""
+
 import functools
 
 import jax
@@ -29,15 +30,17 @@ def test_masked_blocks_are_never_read():
     hidden_queries = np.arange(64) // 16 == 1  # query block 1
     nan = lambda x, rows: x.at[:, rows].set(jnp.nan)
     q_nan, k_nan, v_nan = nan(q, hidden_queries), nan(k, hidden_keys), nan(v, hidden_keys)
-    ours = functools.partial(pf.flash_attention, implementation="pallas", config=SMALL_BLOCKS, return_lse=True,
-                             block_mask=block_mask)
-    ref = functools.partial(pf.attention_reference, scale=16 ** -0.5, block_mask=block_mask)
+    ours = functools.partial(
+        pf.flash_attention, implementation="pallas", config=SMALL_BLOCKS, return_lse=True, block_mask=block_mask
+    )
+    ref = functools.partial(pf.attention_reference, scale=16**-0.5, block_mask=block_mask)
     loss = lambda fn, q, k, v: jnp.sum(fn(q, k, v)[0] * cotangent)
 
     @jax.jit
     def run(q_nan, k_nan, v_nan):
-        return ours(q_nan, k_nan, v_nan), jax.grad(functools.partial(loss, ours), argnums=(0, 1, 2))(q_nan, k_nan,
-                                                                                                  v_nan)
+        return ours(q_nan, k_nan, v_nan), jax.grad(functools.partial(loss, ours), argnums=(0, 1, 2))(
+            q_nan, k_nan, v_nan
+        )
 
     (out, lse), grads = run(q_nan, k_nan, v_nan)
     ref_out, ref_lse = ref(q, k, v)
@@ -52,10 +55,14 @@ def test_full_block_mask_runs_the_dense_kernels():
     """An all-True mask is dropped at the boundary: the benchmark's dense baseline is the dense kernel."""
     q, k, v, _ = make_inputs((1, 40, 40, 2, 2, 16), jnp.float32, seed=17)
     full = pf.BlockMask.full(40, 40, block_q=16, block_kv=16)
-    jaxpr = str(jax.make_jaxpr(functools.partial(pf.flash_attention, implementation="pallas", config=SMALL_BLOCKS,
-                                                 block_mask=full))(q, k, v))
-    dense = str(jax.make_jaxpr(functools.partial(pf.flash_attention, implementation="pallas",
-                                                 config=SMALL_BLOCKS))(q, k, v))
+    jaxpr = str(
+        jax.make_jaxpr(
+            functools.partial(pf.flash_attention, implementation="pallas", config=SMALL_BLOCKS, block_mask=full)
+        )(q, k, v)
+    )
+    dense = str(
+        jax.make_jaxpr(functools.partial(pf.flash_attention, implementation="pallas", config=SMALL_BLOCKS))(q, k, v)
+    )
     assert jaxpr == dense
 
 
@@ -67,8 +74,7 @@ def test_block_sparse_default_blocks_interpret(is_causal):
     block_mask = pf.BlockMask.global_local(300, 280, 1, 1, block_q=64, block_kv=128)
     q, k, v, cotangent = make_inputs(shape, jnp.float32, seed=15)
     ours = functools.partial(pf.flash_attention, is_causal=is_causal, implementation="pallas", block_mask=block_mask)
-    ref = lambda q, k, v: pf.attention_reference(q, k, v, scale=64 ** -0.5, is_causal=is_causal,
-                                                 block_mask=block_mask)[0]
+    ref = lambda q, k, v: pf.attention_reference(q, k, v, scale=64**-0.5, is_causal=is_causal, block_mask=block_mask)[0]
     assert_close(ours(q, k, v), ref(q, k, v), jnp.float32)
     loss = lambda fn, q, k, v: jnp.sum(fn(q, k, v) * cotangent)
     grads = jax.grad(functools.partial(loss, ours), argnums=(0, 1, 2))(q, k, v)
@@ -93,17 +99,25 @@ def test_kernels_lower_to_triton_for_cuda(is_causal):
 
     def fwd_bwd(q, k, v):  # the kernels' own entry point: flash_attention would pick interpret mode here
         fn = lambda q, k, v: portable.flash_attention_portable(
-            q, k, v, scale=0.1, band=masks.Band.of(is_causal), config=pf.KernelConfig.default(head_dim),
-            interpret=False, q_segment_ids=jnp.zeros((batch, q_len), jnp.int32),
+            q,
+            k,
+            v,
+            scale=0.1,
+            band=masks.Band.of(is_causal),
+            config=pf.KernelConfig.default(head_dim),
+            interpret=False,
+            q_segment_ids=jnp.zeros((batch, q_len), jnp.int32),
             kv_segment_ids=masks.segments_from_lengths(None, lengths, kv_len, masks.KEY_PADDING_ID),
-            block_mask=block_mask)
+            block_mask=block_mask,
+        )
         out, vjp = jax.vjp(fn, q, k, v)
         return vjp(out)
 
     triton = "__gpu$xla.gpu.triton"
     with _compat.lowering_gpu():
-        exported = jax.export.export(jax.jit(fwd_bwd), platforms=["cuda"],
-                                     disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)])(q, k, k)
+        exported = jax.export.export(
+            jax.jit(fwd_bwd), platforms=["cuda"], disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)]
+        )(q, k, k)
     assert exported.mlir_module().count(f"stablehlo.custom_call @{triton}") == 3
 
 
@@ -127,8 +141,9 @@ def test_gpu_block_sparse(pattern, head_dim, is_causal):
     block_mask = GPU_PATTERNS[pattern](2048, 2000)
     q, k, v, cotangent = make_inputs(shape, jnp.bfloat16, seed=16)
     ours = functools.partial(pf.flash_attention, is_causal=is_causal, implementation="pallas", block_mask=block_mask)
-    ref = lambda q, k, v: pf.attention_reference(q, k, v, scale=head_dim ** -0.5, is_causal=is_causal,
-                                                 block_mask=block_mask)[0]
+    ref = lambda q, k, v: pf.attention_reference(
+        q, k, v, scale=head_dim**-0.5, is_causal=is_causal, block_mask=block_mask
+    )[0]
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
     assert_close(ours(q, k, v), ref(*f32), jnp.bfloat16)
     loss = lambda fn, q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * cotangent.astype(jnp.float32))

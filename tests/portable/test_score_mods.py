@@ -2,6 +2,7 @@
 kernel's reductions over each broadcast axis, mask tiles and vectors, ALiBi, the soft cap's gradient factor,
 dropout, with a block mask), the dbias kernel dropped when unused, the Triton lowering, and on a GPU the compiled
 kernels at realistic sizes. Their semantics in every implementation are in tests/test_score_mods.py."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,9 +36,14 @@ from tests.helpers import (
 CODE_PATHS = {
     "bias_full": (False, modifier_case("bias_full", (1, 37, 45, 2, 1, 16))),
     "bias_rank2_bf16": (True, modifier_case("bias_rank2_bf16", MODIFIER_SHAPE)),
-    "mask_keys_alibi_soft_cap_broadcast_dropout": (False, dict(
-        modifier_case("mask_keys", MODIFIER_SHAPE), **modifier_case("alibi_per_example_soft_cap", MODIFIER_SHAPE),
-        **modifier_case("dropout_broadcast", MODIFIER_SHAPE))),
+    "mask_keys_alibi_soft_cap_broadcast_dropout": (
+        False,
+        dict(
+            modifier_case("mask_keys", MODIFIER_SHAPE),
+            **modifier_case("alibi_per_example_soft_cap", MODIFIER_SHAPE),
+            **modifier_case("dropout_broadcast", MODIFIER_SHAPE),
+        ),
+    ),
 }
 
 
@@ -53,32 +59,49 @@ def test_modifier_code_path_against_reference(path):
 @pytest.mark.parametrize("case", MODIFIER_CASES)
 def test_every_modifier_case(case, is_causal):
     """The XLA chunked grid of tests/test_score_mods.py on the portable kernels."""
-    empty = check_modifiers_against_reference("pallas", MODIFIER_SHAPE, jnp.float32, is_causal,
-                                              modifier_case(case, MODIFIER_SHAPE), SMALL_BLOCKS)
+    empty = check_modifiers_against_reference(
+        "pallas", MODIFIER_SHAPE, jnp.float32, is_causal, modifier_case(case, MODIFIER_SHAPE), SMALL_BLOCKS
+    )
     if case in MODIFIER_CASES_WITH_EMPTY_ROWS:
         assert empty.any(), "this case is meant to contain fully masked rows"
 
 
-@pytest.mark.parametrize("case, is_causal", [("bias_heads_keys", True), ("mask", False), ("dropout_bias", False)],
-                         ids=str)
+@pytest.mark.parametrize(
+    "case, is_causal", [("bias_heads_keys", True), ("mask", False), ("dropout_bias", False)], ids=str
+)
 def test_modifiers_with_block_mask(case, is_causal):
     """A BlockMask and score modifiers in one call: the visit tables skip hidden tiles in the forward, dK/dV,
     dQ and dbias kernels (dbias sums dS over query blocks: the hidden tiles must add nothing)."""
-    empty = check_modifiers_against_reference("pallas", MODIFIER_SHAPE, jnp.float32, is_causal,
-                                              modifier_with_block_mask_case(case, MODIFIER_SHAPE), SMALL_BLOCKS)
+    empty = check_modifiers_against_reference(
+        "pallas",
+        MODIFIER_SHAPE,
+        jnp.float32,
+        is_causal,
+        modifier_with_block_mask_case(case, MODIFIER_SHAPE),
+        SMALL_BLOCKS,
+    )
     assert empty.any(), "the block mask hides a whole query block of head 0"
 
 
 def test_dropout_lse_is_the_undropped_one():
     q, k, v, _ = make_inputs((1, 20, 30, 2, 1, 16), jnp.float32, seed=55)
     _, lse = pf.flash_attention(q, k, v, return_lse=True, implementation="pallas", config=SMALL_BLOCKS)
-    _, lse_dropped = pf.flash_attention(q, k, v, return_lse=True, implementation="pallas", config=SMALL_BLOCKS,
-                                        dropout_rate=0.5, dropout_rng=jax.random.key(0))
+    _, lse_dropped = pf.flash_attention(
+        q,
+        k,
+        v,
+        return_lse=True,
+        implementation="pallas",
+        config=SMALL_BLOCKS,
+        dropout_rate=0.5,
+        dropout_rng=jax.random.key(0),
+    )
     # Not bit-equal: the modifier path scales the logits in two multiplies (scale, then log2(e)).
     np.testing.assert_allclose(lse, lse_dropped, rtol=1e-6)
 
 
 # ---- the dbias kernel is dropped when unused ------------------------------------------------------------------
+
 
 def _while_loops(fn, *args):
     return jax.jit(fn).lower(*args).compile().as_text().count(" while(")
@@ -113,32 +136,49 @@ def test_kernels_with_modifiers_and_block_mask_lower_to_triton_for_cuda():
 
     def fwd_bwd(q, k, v, bias):  # the kernels' own entry point: flash_attention would pick interpret mode here
         fn = lambda q, k, v, bias: portable.flash_attention_portable(
-            q, k, v, scale=0.1, band=masks.Band.of(True), config=pf.KernelConfig.default(head_dim),
-            interpret=False, block_mask=block_mask, mods=mods,
-            mod_arrays=masks.ModArrays(bias=bias, dropout_seed=jnp.array([1, 2], jnp.uint32)))
+            q,
+            k,
+            v,
+            scale=0.1,
+            band=masks.Band.of(True),
+            config=pf.KernelConfig.default(head_dim),
+            interpret=False,
+            block_mask=block_mask,
+            mods=mods,
+            mod_arrays=masks.ModArrays(bias=bias, dropout_seed=jnp.array([1, 2], jnp.uint32)),
+        )
         out, vjp = jax.vjp(fn, q, k, v, bias)
         return vjp(out)
 
     triton = "__gpu$xla.gpu.triton"
     with _compat.lowering_gpu():
-        exported = jax.export.export(jax.jit(fwd_bwd), platforms=["cuda"],
-                                     disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)])(q, k, k,
-                                                                                                          bias)
+        exported = jax.export.export(
+            jax.jit(fwd_bwd), platforms=["cuda"], disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)]
+        )(q, k, k, bias)
     assert exported.mlir_module().count(f"stablehlo.custom_call @{triton}") == 4
 
 
 # ---- GPU: the compiled kernels at realistic sizes ---------------------------------------------------------------
 
+
 def _gpu_case(name, shape):
     batch, q_len, kv_len, heads, _, _ = shape
     return {
-        "bias_mask": dict(bias=normal(60, (batch, heads, q_len, kv_len)),
-                          mask=random_mask(61, (batch, 1, q_len, kv_len), 0.2).at[:, :, 7, :].set(False)),
-        "broadcast_bias_alibi_cap": dict(bias=normal(62, (1, heads, 1, kv_len)), logits_soft_cap=5.0,
-                                         alibi_slopes=jnp.geomspace(0.25, 0.004, heads)),
-        "dropout_everything": dict(bias=normal(63, (batch, 1, q_len, kv_len)), mask=random_mask(64, (1, 1, 1, kv_len)),
-                                   alibi_slopes=jnp.geomspace(0.25, 0.004, heads), logits_soft_cap=5.0,
-                                   dropout_rate=0.1, dropout_rng=jax.random.key(65)),
+        "bias_mask": dict(
+            bias=normal(60, (batch, heads, q_len, kv_len)),
+            mask=random_mask(61, (batch, 1, q_len, kv_len), 0.2).at[:, :, 7, :].set(False),
+        ),
+        "broadcast_bias_alibi_cap": dict(
+            bias=normal(62, (1, heads, 1, kv_len)), logits_soft_cap=5.0, alibi_slopes=jnp.geomspace(0.25, 0.004, heads)
+        ),
+        "dropout_everything": dict(
+            bias=normal(63, (batch, 1, q_len, kv_len)),
+            mask=random_mask(64, (1, 1, 1, kv_len)),
+            alibi_slopes=jnp.geomspace(0.25, 0.004, heads),
+            logits_soft_cap=5.0,
+            dropout_rate=0.1,
+            dropout_rng=jax.random.key(65),
+        ),
     }[name]
 
 
@@ -146,8 +186,9 @@ def _gpu_case(name, shape):
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("case", ["bias_mask", "broadcast_bias_alibi_cap", "dropout_everything"])
-@pytest.mark.parametrize("shape", [(2, 1000, 1000, 4, 2, 64), (1, 2048, 1531, 4, 4, 128)],
-                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize(
+    "shape", [(2, 1000, 1000, 4, 2, 64), (1, 2048, 1531, 4, 4, 128)], ids=lambda s: "x".join(map(str, s))
+)
 def test_gpu_modifiers_default_blocks(shape, case, dtype, is_causal):
     check_modifiers_against_reference("pallas", shape, dtype, is_causal, _gpu_case(case, shape), None, seed=3)
 
@@ -174,7 +215,7 @@ def test_default_tiles_leave_room_for_bias_and_mask_tiles(bias_dtype, mask_spans
     mask = jnp.ones((batch, 1, q_len if mask_spans_queries else 1, kv_len), bool)
     mods, mod_arrays = pf.api._score_mods(q, q, bias, mask, None, None, 0.0, None, False)
     tile_bytes = pf.api._score_tile_bytes(mods, mod_arrays)
-    expected = ((0 if bias_dtype is None else jnp.dtype(bias_dtype).itemsize) + (1 if mask_spans_queries else 0))
+    expected = (0 if bias_dtype is None else jnp.dtype(bias_dtype).itemsize) + (1 if mask_spans_queries else 0)
     assert tile_bytes == expected
     config = pf.KernelConfig.default(128, 2, H100_SHARED_MEMORY, tile_bytes)
     needed = config.shared_memory(128, 2, tile_bytes)
