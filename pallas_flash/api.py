@@ -137,30 +137,41 @@ REGISTRY = (
 IMPLEMENTATIONS = tuple(impl.name for impl in REGISTRY)
 
 
-def dispatch(implementation: str | None, call: Call) -> str:
-    """The implementation that runs `call`, logged with the reason each preferred one was passed over."""
+def choose(registry, implementation: str | None, call, *, what: str = ""):
+    """The entry of `registry` (ordered by preference, each with `name`, `cannot_serve` and `defers`) that runs
+    `call`: with implementation=None the first that serves it and does not defer it, logged with the reason each
+    preferred one was passed over; else the named entry, or a ValueError saying why it cannot serve. `what`
+    prefixes the messages with the entry point's name ("" for flash_attention)."""
     if implementation is None:
         passed = []
-        for impl in REGISTRY:
+        for impl in registry:
             reason = impl.cannot_serve(call) or impl.defers(call)
             if reason is None:
                 why = "; ".join(f"not {name!r}: {why}" for name, why in passed) or "the first choice"
                 _log_once(
-                    f"pallas_flash: implementation=None ran {impl.name!r} on backend {jax.default_backend()!r} ({why})"
+                    f"pallas_flash: {what}implementation=None ran {impl.name!r} on backend "
+                    f"{jax.default_backend()!r} ({why})"
                 )
-                return impl.name
+                return impl
             passed.append((impl.name, reason))
-        raise AssertionError("the registry ends with implementations that serve every call")
-    chosen = {impl.name: impl for impl in REGISTRY}.get(implementation)
+        raise AssertionError("a registry ends with implementations that serve every call")
+    chosen = {impl.name: impl for impl in registry}.get(implementation)
     if chosen is None:
-        raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}, got {implementation!r}")
+        names = tuple(impl.name for impl in registry)
+        raise ValueError(f"implementation must be None or one of {names}, got {implementation!r}")
     reason = chosen.cannot_serve(call)
     if reason is not None:
-        raise ValueError(f"implementation={implementation!r} cannot serve this call: {reason}")
-    reason = chosen.defers(call)
-    if reason is not None and implementation == "pallas":
+        raise ValueError(f"implementation={implementation!r} cannot serve this {what}call: {reason}")
+    return chosen
+
+
+def dispatch(implementation: str | None, call: Call) -> str:
+    """The name of the implementation that runs `call` (`choose` over `REGISTRY`)."""
+    chosen = choose(REGISTRY, implementation, call)
+    reason = chosen.defers(call) if implementation == "pallas" else None
+    if reason is not None:  # forced onto a CPU: interpret mode, said once
         _log_once(f"pallas_flash: implementation='pallas' runs although {reason}")
-    return implementation
+    return chosen.name
 
 
 def _check_window(local_window_size):
@@ -281,8 +292,6 @@ def _score_mods(query, key, bias, mask, alibi_slopes, logits_soft_cap, dropout_r
         logits_soft_cap = float(logits_soft_cap)
     if not isinstance(dropout_rate, (int, float)) or isinstance(dropout_rate, bool) or not 0.0 <= dropout_rate < 1.0:
         raise ValueError(f"dropout_rate must be a Python float in [0, 1), got {dropout_rate!r}")
-    if not isinstance(broadcast_dropout, bool):
-        raise TypeError(f"broadcast_dropout must be a bool, got {broadcast_dropout!r}")
     seed = None
     if dropout_rate > 0.0:
         if dropout_rng is None:
@@ -484,21 +493,8 @@ def flash_attention(
     return (out, lse) if return_lse else out
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "scale",
-        "is_causal",
-        "local_window_size",
-        "block_mask",
-        "logits_soft_cap",
-        "dropout_rate",
-        "broadcast_dropout",
-        "implementation",
-        "config",
-        "deterministic",
-    ),
-)
+# Every option but return_lse (applied outside) is static, and so is a Python-float scale.
+@functools.partial(jax.jit, static_argnames=("scale", *(n for n in STATIC_ARGNAMES if n != "return_lse")))
 def _attention(
     query,
     key,

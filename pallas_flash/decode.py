@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import math
 import typing
 
@@ -32,8 +31,7 @@ import numpy as np
 from jax import lax
 
 from pallas_flash import masks, reference
-
-logger = logging.getLogger("pallas_flash")
+from pallas_flash.api import choose
 
 MAX_QUERY_LEN = 16  # Tq: a decoded token, or a speculative / chunked-prefill tail
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -273,35 +271,6 @@ DECODE_REGISTRY = (
 )
 DECODE_IMPLEMENTATIONS = tuple(impl.name for impl in DECODE_REGISTRY)
 
-_logged: set = set()
-
-
-def _dispatch(implementation: str | None, call: DecodeCall) -> DecodeImplementation:
-    if implementation is None:
-        passed = []
-        for impl in DECODE_REGISTRY:
-            reason = impl.cannot_serve(call) or impl.defers(call)
-            if reason is None:
-                message = (
-                    f"pallas_flash: flash_decode ran {impl.name!r} ("
-                    + ("; ".join(f"not {n!r}: {r}" for n, r in passed) or "the first choice")
-                    + ")"
-                )
-                if message not in _logged:
-                    _logged.add(message)
-                    logger.debug(message)
-                return impl
-            passed.append((impl.name, reason))
-        raise AssertionError("the decode registry ends with implementations that serve every call")
-    chosen = {impl.name: impl for impl in DECODE_REGISTRY}.get(implementation)
-    if chosen is None:
-        raise ValueError(f"implementation must be None or one of {DECODE_IMPLEMENTATIONS}, got {implementation!r}")
-    reason = chosen.cannot_serve(call)
-    if reason is not None:
-        raise ValueError(f"implementation={implementation!r} cannot serve this flash_decode call: {reason}")
-    return chosen
-
-
 # ---- checks --------------------------------------------------------------------------------------------------
 
 
@@ -521,7 +490,7 @@ def flash_decode(
         page_size,
         params,
     )
-    impl = _dispatch(implementation, call)
+    impl = choose(DECODE_REGISTRY, implementation, call, what="flash_decode ")
     out, lse = _decode(
         query,
         key_cache,
