@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_flash import device, masks, reference, xla_chunked
+from pallas_flash import device, masks, mods, reference, xla_chunked
 from pallas_flash.block_sparse import BlockMask
 from pallas_flash.config import KernelConfig
 from pallas_flash.hopper import vjp as hopper
@@ -119,12 +119,17 @@ def _never(call: Call) -> None:
     return None
 
 
+def _portable_cannot_serve(call: Call) -> str | None:
+    programs = [name for name in call.features if name in ("score_mod", "mask_mod")]
+    return f"the portable kernels have no {' or '.join(programs)} yet" if programs else None
+
+
 # In order of preference: the first entry that serves a call and does not defer it runs.
 REGISTRY = (
     Implementation("mosaic", _mosaic_cannot_serve, _never),
     Implementation(
         "pallas",
-        _never,
+        _portable_cannot_serve,
         lambda call: (
             None
             if device.on_nvidia_gpu()
@@ -359,6 +364,9 @@ def flash_attention(
     dropout_rate=0.0,
     dropout_rng=None,
     broadcast_dropout=False,
+    score_mod=None,
+    mask_mod=None,
+    sinks=None,
     return_lse=False,
     implementation=None,
     config=None,
@@ -399,8 +407,16 @@ def flash_attention(
         every implementation and for every block size (it is not `jax.random.bernoulli`'s draw). With
         broadcast_dropout one mask is shared by every batch element and head (as Flax's
         broadcast_dropout); otherwise each (batch, head) draws its own.
+      score_mod: a function (score, batch, head, q_idx, kv_idx) -> score of scalars (PyTorch flex attention's
+        convention), applied to the float32 logit after scale, soft cap, bias and ALiBi; `pallas_flash.mods`
+        has the common ones. It may close over arrays (a bias table, slopes): they are arguments of the
+        compiled call (new values, no recompile) and get gradients.
+      mask_mod: a function (batch, head, q_idx, kv_idx) -> bool (True = attend), ANDed with the masks above;
+        may close over arrays (document ids) likewise.
+      sinks: float [heads]: attention sinks, a learned logit per head that joins every row's softmax
+        denominator (exp(sink)) and attends to nothing; differentiable. A row that sees no key gets zeros.
       return_lse: also return the log-sum-exp of the logits, [batch, heads, q_len] float32 (after soft cap,
-        bias, ALiBi and masks; of the softmax before dropout).
+        bias, ALiBi, score_mod and masks, with the sink's term; of the softmax before dropout).
       implementation: None (best available: on a Hopper GPU "mosaic" where it serves the call, else
         "pallas" on an NVIDIA GPU, else "xla_chunked"), or force "mosaic" (Hopper only: bf16/fp16, causal,
         window, segment ids and lengths, no score modifiers or block mask; raises where it cannot serve the
@@ -466,6 +482,8 @@ def flash_attention(
         hash((local_window_size, block_mask, logits_soft_cap, dropout_rate, implementation, config))
     except TypeError as e:
         raise TypeError(f"flash_attention's options must be hashable (they are static): {e}") from None
+    score_program, score_consts = (None, ()) if score_mod is None else mods.trace(score_mod, "score")
+    mask_program, mask_consts = (None, ()) if mask_mod is None else mods.trace(mask_mod, "mask")
     out, lse = _attention(
         query,
         key,
@@ -479,7 +497,12 @@ def flash_attention(
         mask,
         alibi_slopes,
         dropout_rng,
+        score_consts,
+        mask_consts,
+        sinks,
         scale=None if scale is None else float(scale),
+        score_mod=score_program,
+        mask_mod=mask_program,
         is_causal=is_causal,
         local_window_size=local_window_size,
         block_mask=block_mask,
@@ -494,7 +517,9 @@ def flash_attention(
 
 
 # Every option but return_lse (applied outside) is static, and so is a Python-float scale.
-@functools.partial(jax.jit, static_argnames=("scale", *(n for n in STATIC_ARGNAMES if n != "return_lse")))
+@functools.partial(
+    jax.jit, static_argnames=("scale", "score_mod", "mask_mod", *(n for n in STATIC_ARGNAMES if n != "return_lse"))
+)
 def _attention(
     query,
     key,
@@ -508,8 +533,13 @@ def _attention(
     mask,
     alibi_slopes,
     dropout_rng,
+    score_consts,
+    mask_consts,
+    sinks,
     *,
     scale,
+    score_mod,
+    mask_mod,
     is_causal,
     local_window_size,
     block_mask,
@@ -529,6 +559,9 @@ def _attention(
     mods, mod_arrays = _score_mods(
         query, key, bias, mask, alibi_slopes, logits_soft_cap, dropout_rate, dropout_rng, broadcast_dropout
     )
+    mods = dataclasses.replace(mods, score_mod=score_mod, mask_mod=mask_mod)
+    mod_arrays = mod_arrays._replace(score_consts=tuple(score_consts), mask_consts=tuple(mask_consts))
+    sinks = _check_sinks(sinks, query.shape[2])
     head_dim = query.shape[-1]
     if scale_value is not None:  # a traced scale: fold it into the query, the kernels scale by 1
         query = (query.astype(jnp.float32) * scale_value.astype(jnp.float32)).astype(query.dtype)
@@ -548,6 +581,8 @@ def _attention(
         ("alibi_slopes", mods.alibi),
         ("logits_soft_cap", mods.soft_cap is not None),
         ("dropout", mods.dropout_rate > 0.0),
+        ("score_mod", score_mod is not None),
+        ("mask_mod", mask_mod is not None),
     )
     call = Call(
         jax.ShapeDtypeStruct(query.shape, query.dtype),
@@ -557,6 +592,34 @@ def _attention(
         tuple(name for name, used in features if used),
     )
     impl = dispatch(implementation, call)
+    if impl == "xla":
+        return _reference(query, key, value, scale, band, q_ids, kv_ids, block_mask, mods, mod_arrays, sinks)
+    out, lse = _kernels(impl, query, key, value, scale, band, config, q_ids, kv_ids, block_mask, mods, mod_arrays,
+                        deterministic)  # fmt: skip
+    return (out, lse) if sinks is None else _add_sinks(out, lse, sinks)
+
+
+def _check_sinks(sinks, heads):
+    if sinks is None:
+        return None
+    if not hasattr(sinks, "dtype") or not jnp.issubdtype(sinks.dtype, jnp.floating):
+        raise TypeError(f"sinks must be a float array [heads], got {getattr(sinks, 'dtype', type(sinks).__name__)}")
+    if tuple(sinks.shape) != (heads,):
+        raise ValueError(f"sinks must have shape ({heads},) (one logit per query head), got {tuple(sinks.shape)}")
+    return sinks
+
+
+def _add_sinks(out, lse, sinks):
+    """Attention sinks on a finished softmax: each row's denominator gains exp(sink), so its weights (and out)
+    shrink by exp(lse - lse') with lse' = logaddexp(lse, sink). Exact, differentiable, O(q_len) work."""
+    sink = sinks.astype(jnp.float32)[None, :, None]
+    new_lse = jnp.logaddexp(lse, sink)
+    keep = jnp.exp(lse - new_lse)  # 0 where the row saw no key (lse = -inf)
+    out = (out.astype(jnp.float32) * jnp.swapaxes(keep, 1, 2)[..., None]).astype(out.dtype)
+    return out, new_lse
+
+
+def _kernels(impl, query, key, value, scale, band, config, q_ids, kv_ids, block_mask, mods, mod_arrays, deterministic):
     masking = dict(q_segment_ids=q_ids, kv_segment_ids=kv_ids, block_mask=block_mask, mods=mods, mod_arrays=mod_arrays)
     if impl == "mosaic":
         return hopper.flash_attention_hopper(
@@ -578,6 +641,10 @@ def _attention(
         return xla_chunked.attention_chunked(
             query, key, value, scale=scale, band=band, block_kv=config.xla_block_kv, **masking
         )
+    raise AssertionError(impl)
+
+
+def _reference(query, key, value, scale, band, q_ids, kv_ids, block_mask, mods, mod_arrays, sinks):
     return reference.attention_reference(
         query,
         key,
@@ -594,4 +661,9 @@ def _attention(
         dropout_rate=mods.dropout_rate,
         dropout_seed=mod_arrays.dropout_seed,
         broadcast_dropout=mods.broadcast_dropout,
+        score_mod=mods.score_mod,
+        score_consts=mod_arrays.score_consts,
+        mask_mod=mods.mask_mod,
+        mask_consts=mod_arrays.mask_consts,
+        sinks=sinks,
     )

@@ -119,6 +119,7 @@ class ScoreMods:
     bias_dims / mask_dims: which of [batch, heads, q_len, kv_len] the bias / mask spans (False: size 1,
       broadcast), or None without one. alibi: slopes given. soft_cap: logits_soft_cap or None.
     dropout_rate: in [0, 1). broadcast_dropout: one keep mask shared by every batch element and head.
+    score_mod / mask_mod: traced `mods.Program`s or None (their closed-over arrays travel in `ModArrays`).
     """
 
     bias_dims: tuple | None = None
@@ -127,6 +128,8 @@ class ScoreMods:
     soft_cap: float | None = None
     dropout_rate: float = 0.0
     broadcast_dropout: bool = False
+    score_mod: typing.Any = None  # a mods.Program of kind "score", applied after bias and ALiBi
+    mask_mod: typing.Any = None  # a mods.Program of kind "mask", ANDed with the other masks
 
     @property
     def active(self) -> bool:
@@ -142,12 +145,31 @@ class ModArrays(typing.NamedTuple):
     mask: typing.Any = None
     alibi_slopes: typing.Any = None
     dropout_seed: typing.Any = None
+    score_consts: tuple = ()  # the arrays the score_mod closes over
+    mask_consts: tuple = ()  # the arrays the mask_mod closes over
 
-    def cotangents(self, dbias=None) -> ModArrays:
-        """The cotangent of these arrays in a custom_vjp: `dbias` for the bias, float0 for the mask and seed
-        (not differentiable), zeros for the ALiBi slopes (constants: the API stops their gradient)."""
+    def cotangents(self, dbias=None, d_score_consts=None) -> ModArrays:
+        """The cotangent of these arrays in a custom_vjp: `dbias` for the bias, `d_score_consts` for the
+        score_mod's arrays, float0 for the mask and seed (not differentiable), zeros for the ALiBi slopes
+        (constants: the API stops their gradient) and for the mask_mod's arrays (a bool result has no gradient)."""
         slopes = None if self.alibi_slopes is None else jnp.zeros_like(self.alibi_slopes)
-        return ModArrays(dbias, integer_cotangent(self.mask), slopes, integer_cotangent(self.dropout_seed))
+        if d_score_consts is None:
+            d_score_consts = tuple(zero_cotangent(c) for c in self.score_consts)
+        return ModArrays(
+            dbias,
+            integer_cotangent(self.mask),
+            slopes,
+            integer_cotangent(self.dropout_seed),
+            tuple(d_score_consts),
+            tuple(zero_cotangent(c) for c in self.mask_consts),
+        )
+
+
+def zero_cotangent(x):
+    """A cotangent of zeros for x: float zeros, or float0 for integer and bool arrays."""
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.zeros_like(x)
+    return integer_cotangent(x)
 
 
 def soft_cap(x, cap: float):

@@ -30,6 +30,11 @@ def attention_reference(
     dropout_rate: float = 0.0,
     dropout_seed=None,
     broadcast_dropout: bool = False,
+    score_mod=None,
+    score_consts=(),
+    mask_mod=None,
+    mask_consts=(),
+    sinks=None,
 ):
     """Exact attention, computed densely in float32.
 
@@ -45,6 +50,10 @@ def attention_reference(
       alibi_slopes: float [heads] or [batch, heads]. logits_soft_cap: float or None.
       dropout_rate, dropout_seed (uint32 [2], `masks.dropout_seed`), broadcast_dropout: attention dropout
         with `masks.dropout_keep_mask`. The order of all of these is defined in `masks` (score modifiers).
+      score_mod, mask_mod: traced `mods.Program`s (or None) with their closed-over arrays `score_consts`,
+        `mask_consts`: the score_mod after bias and ALiBi, the mask_mod ANDed with the other masks.
+      sinks: float [heads] or None: a logit per head that joins every row's softmax denominator and attends
+        to nothing (gpt-oss's attention sinks).
     Returns:
       (out [batch, q_len, heads, head_dim] in query's dtype, lse [batch, heads, q_len] float32, natural log).
       A query that sees no key gets out = 0 and lse = -inf.
@@ -66,7 +75,11 @@ def attention_reference(
         logits = masks.soft_cap(logits, logits_soft_cap)
     logits = masks.add_biases(
         logits.reshape(batch, heads, q_len, kv_len), q_pos=q_pos, k_pos=k_pos, bias=bias, slope=slope
-    ).reshape(logits.shape)
+    )
+    b_idx, h_idx = jnp.arange(batch)[:, None, None, None], jnp.arange(heads)[None, :, None, None]
+    if score_mod is not None:
+        logits = score_mod.apply(score_consts, logits, b_idx, h_idx, q_pos, k_pos)
+    logits = logits.reshape(batch, kv_heads, group, q_len, kv_len)
     segments = {}
     if q_segment_ids is not None:  # [batch, 1, 1, q_len, 1] against [batch, 1, 1, 1, kv_len]
         segments = dict(
@@ -80,13 +93,24 @@ def attention_reference(
     if mask is not None:
         mask = jnp.broadcast_to(mask, (batch, heads, q_len, kv_len)).reshape(logits.shape)
         seen = mask if seen is None else jnp.logical_and(seen, mask)
+    if mask_mod is not None:
+        mask = mask_mod.apply(mask_consts, b_idx, h_idx, q_pos, k_pos)
+        mask = jnp.broadcast_to(mask, (batch, heads, q_len, kv_len)).reshape(logits.shape)
+        seen = mask if seen is None else jnp.logical_and(seen, mask)
     if seen is not None:
         logits = jnp.where(seen, logits, -jnp.inf)
     row_max = jnp.max(logits, axis=-1, keepdims=True)
+    if sinks is not None:  # [heads] -> [batch, kv_heads, group, q_len, 1]
+        sink = jnp.broadcast_to(
+            sinks.astype(jnp.float32).reshape(1, kv_heads, group, 1, 1), (batch, kv_heads, group, q_len, 1)
+        )
+        row_max = jnp.maximum(row_max, sink)
     # A fully masked row has max -inf; shifting by 0 instead keeps exp() at exactly 0 rather than NaN.
     row_max = jnp.where(jnp.isneginf(row_max), 0.0, jax.lax.stop_gradient(row_max))
     weights = jnp.exp(logits - row_max)
     denom = jnp.sum(weights, axis=-1, keepdims=True)
+    if sinks is not None:
+        denom = denom + jnp.exp(sink - row_max)
     probs = weights / jnp.where(denom == 0.0, 1.0, denom)
     if dropout_rate > 0.0:
         b, h = (

@@ -63,12 +63,16 @@ def _mod_blocks(mods, mod_arrays, kv_heads, block_kv, num_blocks):
 def _block_logits2(
     q, k_blk, start, seg_blk, q_segment_ids, bias_blk, mask_blk, mod_arrays, *, scale, band, kv_len, mods, block_mask
 ):
-    """Logits of one key block in the log2 domain, masked to -inf: [batch, kv_heads, group, q_len, block],
-    and d logits / d (scaled q.k) for a soft cap (else None)."""
+    """Logits of one key block in the log2 domain, masked to -inf: [batch, kv_heads, group, q_len, block];
+    d logits / d (scaled q.k) for a soft cap (else None); and the score_mod's vjp at this block (else None):
+    (d logit) -> (d logit before the score_mod, d its closed-over arrays)."""
     batch, q_len, kv_heads, group, _ = q.shape
     q_pos = jnp.arange(q_len)[:, None]
     k_pos = start + jnp.arange(k_blk.shape[1])[None, :]
+    b_idx = jnp.arange(batch)[:, None, None, None, None]
+    h_idx = jnp.arange(kv_heads * group).reshape(1, kv_heads, group, 1, 1)
     x = _einsum("bqhgd,bkhd->bhgqk", q, k_blk)
+    score_vjp = None
     if not mods.active:  # the plain path: one multiply
         s, grad_factor = x * (scale * LOG2E), None
     else:
@@ -78,7 +82,19 @@ def _block_logits2(
         x = x * scale
         capped = masks.soft_cap(x, mods.soft_cap) if mods.soft_cap is not None else x
         grad_factor = masks.soft_cap_grad(capped, mods.soft_cap) if mods.soft_cap is not None else None
-        s = masks.add_biases(capped, q_pos=q_pos, k_pos=k_pos, bias=bias_blk, slope=slope) * LOG2E
+        s = masks.add_biases(capped, q_pos=q_pos, k_pos=k_pos, bias=bias_blk, slope=slope)
+        if mods.score_mod is not None:
+            consts = mod_arrays.score_consts
+            floats = [i for i, c in enumerate(consts) if jnp.issubdtype(c.dtype, jnp.inexact)]
+
+            def score_mod(s, float_consts):
+                merged = list(consts)
+                for i, c in zip(floats, float_consts):
+                    merged[i] = c
+                return mods.score_mod.apply(merged, s, b_idx, h_idx, q_pos, k_pos)
+
+            s, score_vjp = jax.vjp(score_mod, s, [consts[i] for i in floats])
+        s = s * LOG2E
     segments = {}
     if q_segment_ids is not None:
         segments = dict(q_segment=q_segment_ids[:, None, None, :, None], kv_segment=seg_blk[:, None, None, None, :])
@@ -88,7 +104,10 @@ def _block_logits2(
     if block_mask is not None:  # expanded for this key chunk only: O(q_len * block_kv)
         tokens = block_sparse.token_mask(block_mask, q_pos[:, 0], k_pos[0], kv_heads)
         visible = block_sparse.combine(visible, tokens)
-    return (s if visible is None else jnp.where(visible, s, -jnp.inf)), grad_factor
+    if mods.mask_mod is not None:
+        seen = mods.mask_mod.apply(mod_arrays.mask_consts, b_idx, h_idx, q_pos, k_pos)
+        visible = seen if visible is None else jnp.logical_and(visible, seen)
+    return (s if visible is None else jnp.where(visible, s, -jnp.inf)), grad_factor, score_vjp
 
 
 def _dropout_scale(mods, mod_arrays, shape, start, block):
@@ -126,11 +145,11 @@ def _visit(
     blk, q, q_segment_ids, mod_arrays, bias_const, mask_const, *, scale, band, kv_len, block_kv, mods, block_mask
 ):
     """One scanned key block -> (k block, v block, log2 logits, soft-cap factor or None, dropout
-    multiplier or None)."""
+    multiplier or None, the score_mod's vjp or None)."""
     batch, q_len, kv_heads, group, _ = q.shape
     idx, k_blk, v_blk, seg_blk, bias_blk, mask_blk = blk
     start = idx * block_kv
-    s, grad_factor = _block_logits2(
+    s, grad_factor, score_vjp = _block_logits2(
         q,
         k_blk,
         start,
@@ -146,7 +165,7 @@ def _visit(
         block_mask=block_mask,
     )
     dropout = _dropout_scale(mods, mod_arrays, (batch, kv_heads, group, q_len), start, block_kv)
-    return k_blk, v_blk, s, grad_factor, dropout
+    return k_blk, v_blk, s, grad_factor, dropout, score_vjp
 
 
 def _forward(q, k, v, q_segment_ids, kv_segment_ids, mod_arrays, scale, band, block_kv, mods, block_mask):
@@ -171,7 +190,7 @@ def _forward(q, k, v, q_segment_ids, kv_segment_ids, mod_arrays, scale, band, bl
 
     def step(carry, blk):
         acc, m, l = carry
-        _, v_blk, s, _, dropout = visit(blk)
+        _, v_blk, s, _, dropout, _ = visit(blk)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         # Rows with nothing visible yet keep m = -inf; shift them by 0 so exp2 gives 0, not NaN.
         shift = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
@@ -242,15 +261,18 @@ def _chunked_bwd(scale, band, block_kv, mods, block_mask, residuals, cotangents)
     )
 
     def step(carry, blk):
-        dq, dbias_acc = carry
-        k_blk, v_blk, s, grad_factor, dropout = visit(blk)
+        dq, dbias_acc, d_consts = carry
+        k_blk, v_blk, s, grad_factor, dropout, score_vjp = visit(blk)
         p = jnp.exp2(s - lse2[..., None])
         p_out = p if dropout is None else p * dropout  # the weights that multiplied V
         dv_blk = _einsum("bhgqk,bhgqd->bkhd", p_out.astype(q.dtype), d_out_lowp)
         dp = _einsum("bhgqd,bkhd->bhgqk", d_out_lowp, v_blk)
         if dropout is not None:
             dp = dp * dropout
-        ds = p * (dp - delta[..., None])  # d loss / d logit (natural units): also d loss / d bias
+        ds = p * (dp - delta[..., None])  # d loss / d logit (natural units)
+        if score_vjp is not None:  # through the score_mod: d loss / d its input (= d bias), d its arrays
+            ds, d_consts_blk = score_vjp(ds)
+            d_consts = jax.tree.map(jnp.add, d_consts, d_consts_blk)
         dbias_blk = None
         if has_bias:
             dbias_blk = _reduce_to(ds, bias_shape)
@@ -261,10 +283,12 @@ def _chunked_bwd(scale, band, block_kv, mods, block_mask, residuals, cotangents)
         ds = ds.astype(q.dtype)
         dq = dq + _einsum("bhgqk,bkhd->bqhgd", ds, k_blk)
         dk_blk = _einsum("bhgqk,bqhgd->bkhd", ds, q)
-        return (dq, dbias_acc), (dk_blk, dv_blk, dbias_blk)
+        return (dq, dbias_acc, d_consts), (dk_blk, dv_blk, dbias_blk)
 
     dbias_init = jnp.zeros(bias_shape, jnp.float32) if has_bias and not bias_blocked else None
-    (dq, dbias), (dk, dv, dbias_blocks) = jax.lax.scan(step, (jnp.zeros(q.shape, jnp.float32), dbias_init), xs)
+    d_consts_init = [jnp.zeros_like(c) for c in mod_arrays.score_consts if jnp.issubdtype(c.dtype, jnp.inexact)]
+    init = (jnp.zeros(q.shape, jnp.float32), dbias_init, d_consts_init)
+    (dq, dbias, d_consts), (dk, dv, dbias_blocks) = jax.lax.scan(step, init, xs)
 
     def unblock(x):  # [num_blocks, batch, block_kv, kv_heads, dim] -> [batch, kv_len, kv_heads, dim]
         x = x.swapaxes(0, 1)
@@ -275,7 +299,12 @@ def _chunked_bwd(scale, band, block_kv, mods, block_mask, residuals, cotangents)
             dbias = jnp.moveaxis(dbias_blocks, 0, -2)
             dbias = dbias.reshape(*dbias.shape[:-2], -1)[..., :kv_len]
         dbias = dbias.reshape(mod_arrays.bias.shape).astype(mod_arrays.bias.dtype)
-    d_mods = mod_arrays.cotangents(dbias if has_bias else None)
+    float_grads = iter(d_consts)
+    d_consts = tuple(
+        next(float_grads) if jnp.issubdtype(c.dtype, jnp.inexact) else masks.zero_cotangent(c)
+        for c in mod_arrays.score_consts
+    )
+    d_mods = mod_arrays.cotangents(dbias if has_bias else None, d_consts if mods.score_mod is not None else None)
     return (
         (dq * scale).astype(q.dtype),
         (unblock(dk) * scale).astype(k.dtype),

@@ -1,0 +1,502 @@
+"""Programmable attention: `score_mod` and `mask_mod`, and the built-in mods written with them.
+
+A score_mod is a plain JAX function of scalars, `score_mod(score, batch, head, q_idx, kv_idx) -> score`, and a
+mask_mod `mask_mod(batch, head, q_idx, kv_idx) -> bool` (True = attend), as in PyTorch's flex attention. `score`
+is the float32 logit after the scale (and after `logits_soft_cap`, `bias` and `alibi_slopes` where given); the
+indices are int32 (query head, positions from each sequence's start). They may close over arrays (document ids,
+a bias table, per-head slopes): those travel as arguments of the compiled call, so new values do not recompile,
+and float ones get gradients.
+
+Each function is traced once to a jaxpr (`Program`). The XLA paths evaluate it with `jax.vmap`, gathers and
+all. The kernels evaluate it on tiles: `stage` splits it into what depends on the query position alone (with
+batch and head), computed for every query in XLA and read by the kernels as row vectors; what depends on the
+key position alone, read as column vectors; and the joint rest, which must be elementwise (no indexing of a
+closed-over array by both positions), evaluated on each [block_q, block_kv] tile of logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import typing
+
+import jax
+import jax.extend.core as jex
+import jax.numpy as jnp
+
+SCORE, BATCH, HEAD, QUERY, KEY = "score", "batch", "head", "query", "key"
+_INDEX_NAMES = (BATCH, HEAD, QUERY, KEY)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Program:
+    """A traced score_mod or mask_mod. Hashable by its printed jaxpr (structure, literals and the shapes of what
+    it closes over, not their values), so it can be a static argument: new closed-over values reuse the compile.
+
+    jaxpr: inputs are the closed-over arrays, then (score,) batch, head, q_idx, kv_idx, all scalars."""
+
+    kind: str  # "score" or "mask"
+    jaxpr: typing.Any
+    num_consts: int
+    key: str
+
+    def __hash__(self):
+        return hash((self.kind, self.key))
+
+    def __eq__(self, other):
+        return isinstance(other, Program) and (self.kind, self.key) == (other.kind, other.key)
+
+    @property
+    def argnames(self):
+        return ((SCORE,) if self.kind == "score" else ()) + _INDEX_NAMES
+
+    def __call__(self, consts, *args):
+        """Evaluate on scalars (`consts`: the closed-over arrays, in order)."""
+        return jex.jaxpr_as_fun(jex.ClosedJaxpr(self.jaxpr, ()))(*consts, *args)[0]
+
+    def apply(self, consts, *args):
+        """Evaluate elementwise over broadcasting arrays (score float32, indices int32): vmapped, so a mod
+        written for scalars (with gathers) gives the broadcast shape of its arguments."""
+        args = [jnp.asarray(a, jnp.float32 if name == SCORE else jnp.int32) for a, name in zip(args, self.argnames)]
+        shape = jnp.broadcast_shapes(*(a.shape for a in args))
+        flat = [jnp.broadcast_to(a, shape).reshape(-1) for a in args]
+        return jax.vmap(lambda *xs: self(consts, *xs))(*flat).reshape(shape)
+
+
+def _signature_error(name: str, fn, count: int):
+    want = "(score, batch, head, q_idx, kv_idx)" if count == 5 else "(batch, head, q_idx, kv_idx)"
+    return TypeError(f"{name} must be a function {want} of scalars, got {fn!r}")
+
+
+def trace(fn, kind: str, name: str | None = None):
+    """`fn` as (Program, closed-over arrays). TypeError naming the argument for a wrong signature or a result
+    that is not one scalar (float for a score_mod, bool for a mask_mod)."""
+    name = name or f"{kind}_mod"
+    count = 5 if kind == "score" else 4
+    if not callable(fn):
+        raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
+    try:
+        inspect.signature(fn).bind(*range(count))
+    except TypeError:
+        raise _signature_error(name, fn, count) from None
+    except ValueError:  # builtins without a signature: tracing will tell
+        pass
+    index = jax.ShapeDtypeStruct((), jnp.int32)
+    args = ((jax.ShapeDtypeStruct((), jnp.float32),) if kind == "score" else ()) + (index,) * 4
+    try:
+        closed = jax.make_jaxpr(fn)(*args)
+    except TypeError as e:
+        raise TypeError(f"{name} failed on scalar arguments: {e}") from e
+    outs = closed.out_avals
+    if len(outs) != 1 or outs[0].shape != ():
+        got = ", ".join(str(a) for a in outs)
+        raise TypeError(f"{name} must return one scalar, got {got}")
+    dtype = outs[0].dtype
+    if kind == "score" and not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"{name} must return a float scalar, got {dtype}")
+    if kind == "mask" and dtype != jnp.bool_:
+        raise TypeError(f"{name} must return a bool scalar (True = attend), got {dtype}")
+    jaxpr = closed.jaxpr
+    # Closed-over arrays become the leading inputs, so their values are arguments, not constants.
+    jaxpr = jaxpr.replace(invars=[*jaxpr.constvars, *jaxpr.invars], constvars=[])
+    if kind == "score" and dtype != jnp.float32:
+        jaxpr = _cast_output(jaxpr, jnp.float32)
+    consts = tuple(jnp.asarray(c) for c in closed.consts)
+    return Program(kind, jaxpr, len(consts), _key(jaxpr)), consts
+
+
+def _key(jaxpr) -> str:
+    return str(jaxpr)
+
+
+def _cast_output(jaxpr, dtype):
+    def cast(*args):
+        return jex.jaxpr_as_fun(jex.ClosedJaxpr(jaxpr, ()))(*args)[0].astype(dtype)
+
+    return jax.make_jaxpr(cast)(*(v.aval for v in jaxpr.invars)).jaxpr
+
+
+# ---- Staging for the kernels ------------------------------------------------------------------------------
+
+# Elementwise primitives the joint part may use (it runs on register tiles inside the kernels).
+_ELEMENTWISE = {
+    "add", "sub", "mul", "div", "rem", "neg", "max", "min", "abs", "sign", "floor", "ceil", "round",
+    "exp", "exp2", "log", "log1p", "tanh", "logistic", "sqrt", "rsqrt", "pow", "integer_pow", "square",
+    "sin", "cos", "erf", "atan2",
+    "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor",
+    "select_n", "convert_element_type", "clamp", "stop_gradient", "copy", "copy_p",
+    "shift_left", "shift_right_logical", "shift_right_arithmetic", "is_finite",
+}  # fmt: skip
+# Call-like primitives whose body is inlined (jnp.where and friends are jitted).
+_CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
+          "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr",
+          "remat": "jaxpr", "checkpoint": "jaxpr"}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class _Eqn:
+    primitive: typing.Any
+    inputs: tuple  # value ids (ints) or ("literal", value)
+    outputs: tuple  # value ids
+    params: tuple  # (name, value) pairs
+    deps: frozenset  # which of SCORE, BATCH, HEAD, QUERY, KEY the outputs depend on
+
+
+@dataclasses.dataclass(frozen=True)
+class _Flat:
+    """A program's jaxpr as a flat list of equations (calls inlined), with each value's dtype, dependencies and
+    whether a float closed-over array reaches it through differentiable operations."""
+
+    eqns: tuple
+    inputs: tuple  # value ids: the closed-over arrays, then the program's named arguments
+    output: typing.Any  # a value id, or ("literal", value)
+    dtypes: dict
+    deps: dict
+    grads: dict
+
+
+def _flatten(program: Program) -> _Flat:
+    eqns, counter = [], iter(range(1 << 30))
+    dtypes, deps, grads = {}, {}, {}
+
+    def new_value(aval, dep, grad):
+        vid = next(counter)
+        dtypes[vid], deps[vid] = aval.dtype, dep
+        grads[vid] = grad and jnp.issubdtype(aval.dtype, jnp.floating)
+        return vid
+
+    def walk(jaxpr, env):
+        def read(atom):
+            return ("literal", atom.val) if isinstance(atom, jex.Literal) else env[atom]
+
+        for eqn in jaxpr.eqns:
+            inputs = tuple(read(a) for a in eqn.invars)
+            name = eqn.primitive.name
+            if _CALLS.get(name) in eqn.params:
+                body = eqn.params[_CALLS[name]]
+                inner = dict(zip(body.jaxpr.constvars, (("literal", c) for c in body.consts)))
+                inner.update(zip(body.jaxpr.invars, inputs))
+                for var, value in zip(eqn.outvars, walk(body.jaxpr, inner)):
+                    env[var] = value
+                continue
+            ids = [i for i in inputs if not isinstance(i, tuple)]
+            dep = frozenset().union(*(deps[i] for i in ids))
+            grad = name != "stop_gradient" and any(grads[i] for i in ids)
+            outputs = tuple(new_value(var.aval, dep, grad) for var in eqn.outvars)
+            env.update(zip(eqn.outvars, outputs))
+            eqns.append(_Eqn(eqn.primitive, inputs, outputs, tuple(eqn.params.items()), dep))
+        return [read(v) for v in jaxpr.outvars]
+
+    jaxpr = program.jaxpr
+    names = (None,) * program.num_consts + program.argnames
+    inputs = tuple(
+        new_value(var.aval, frozenset() if name is None else frozenset({name}), name is None)
+        for var, name in zip(jaxpr.invars, names)
+    )
+    output = walk(jaxpr, dict(zip(jaxpr.invars, inputs)))[0]
+    return _Flat(tuple(eqns), inputs, output, dtypes, deps, grads)
+
+
+def _is_joint(deps) -> bool:
+    return SCORE in deps or (QUERY in deps and KEY in deps)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Staged:
+    """One staged value: a scalar the joint part reads, computed per query (side "row") or per key ("col")."""
+
+    value: int  # its id in the flat program
+    side: str  # "row" or "col"
+    kind: str  # "int" (int32 or bool, stored int32) or "float" (stored float32)
+    dtype: typing.Any  # its own dtype, restored when read
+    batch: bool  # varies with the batch index
+    head: bool  # varies with the (query) head index
+    differentiable: bool
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Staged:
+    """A program split for the kernels (see the module docstring). Static: hashable by its program.
+
+    The kernels read four stacks (each None when empty), indexed [batch or 0, head or 0, value, position]:
+    rows_int int32 / rows_float float32 [Bd, Hd, R, q_len] and cols_int / cols_float [Bd, Hd, C, kv_len],
+    where Bd is batch or 1 and Hd heads or 1 (`dims(side)` says which), and call `joint` on tiles."""
+
+    program: Program
+    flat: _Flat
+    staged: tuple  # _Staged, ordered row int, row float, col int, col float (each group in stack order)
+
+    def __hash__(self):
+        return hash(self.program)
+
+    def __eq__(self, other):
+        return isinstance(other, Staged) and self.program == other.program
+
+    def group(self, side: str, kind: str) -> list:
+        return [s for s in self.staged if s.side == side and s.kind == kind]
+
+    def dims(self, side: str) -> tuple[bool, bool]:
+        """(varies with batch, varies with head) of one side's stacks."""
+        values = [s for s in self.staged if s.side == side]
+        return any(s.batch for s in values), any(s.head for s in values)
+
+    @property
+    def needs_grad(self) -> bool:
+        """Whether a float closed-over array reaches the result differentiably: the kernels then return the
+        gradient of the float stacks."""
+        return any(s.differentiable for s in self.staged)
+
+    def stacks(self, consts, batch: int, heads: int, q_len: int, kv_len: int):
+        """(rows_int, rows_float, cols_int, cols_float) for every position, computed in XLA; the float stacks are
+        differentiable in `consts`."""
+        out = []
+        for side, length in (("row", q_len), ("col", kv_len)):
+            bd, hd = self.dims(side)
+            b = jnp.arange(batch if bd else 1, dtype=jnp.int32)
+            h = jnp.arange(heads if hd else 1, dtype=jnp.int32)
+            pos = jnp.arange(length, dtype=jnp.int32)
+            for kind in ("int", "float"):
+                group = self.group(side, kind)
+                if not group:
+                    out.append(None)
+                    continue
+
+                def values(b, h, pos, group=group, side=side):
+                    q, k = (pos, jnp.int32(0)) if side == "row" else (jnp.int32(0), pos)
+                    env = self._prefix(consts, b, h, q, k, [s.value for s in group])
+                    return jnp.stack([_encode(env[s.value], s.kind) for s in group])
+
+                over_pos = jax.vmap(values, (None, None, 0), 1)  # [values, length]
+                over_heads = jax.vmap(over_pos, (None, 0, None))
+                out.append(jax.vmap(over_heads, (0, None, None))(b, h, pos))
+        return tuple(out)
+
+    def _prefix(self, consts, b, h, q, k, wanted):
+        """Run the equations the `wanted` values need (none of them joint)."""
+        flat, needed = self.flat, set(wanted)
+        for eqn in reversed(flat.eqns):
+            if any(o in needed for o in eqn.outputs):
+                needed.update(i for i in eqn.inputs if not isinstance(i, tuple))
+        score = (jnp.float32(0),) if self.program.kind == "score" else ()
+        env = dict(zip(flat.inputs, (*consts, *score, b, h, q, k)))
+        for eqn in flat.eqns:
+            if any(o in needed for o in eqn.outputs):
+                _run(eqn, env)
+        return env
+
+    def joint(self, score, batch, head, q_idx, kv_idx, rows_int=(), rows_float=(), cols_int=(), cols_float=(), *,
+              tile=None):  # fmt: skip
+        """The program's result on one tile. `score`: float32 [bq, bk] (None for a mask_mod); batch, head: int32
+        scalars; q_idx, kv_idx: int32 positions broadcast to the tile; rows_* / cols_*: the tile's staged values
+        (one per entry of that stack, as stored: int32 or float32, broadcast to the tile). `tile(x)` broadcasts
+        a scalar to the tile (default jnp.broadcast_to; a kernel passes one that gives its register layout).
+        Returns the modified score (float32) or the mask (bool), tile-shaped."""
+        shape = (score if score is not None else q_idx).shape
+        tile = tile or (lambda x: jnp.broadcast_to(x, shape))
+        flat = self.flat
+        score = (score,) if self.program.kind == "score" else ()
+        env = dict(zip(flat.inputs[self.program.num_consts :], (*score, batch, head, q_idx, kv_idx)))
+        supplied = {("row", "int"): rows_int, ("row", "float"): rows_float,
+                    ("col", "int"): cols_int, ("col", "float"): cols_float}  # fmt: skip
+        for (side, kind), given in supplied.items():
+            group = self.group(side, kind)
+            if len(given or ()) != len(group):
+                raise ValueError(f"{side}s_{kind} has {len(given or ())} values; this program stages {len(group)}")
+            for s, x in zip(group, given or ()):
+                env[s.value] = (x != 0) if s.dtype == jnp.bool_ else x.astype(s.dtype)
+        for eqn in flat.eqns:
+            if _is_joint(eqn.deps):
+                _run(eqn, env, lift=lambda x: _lift(x, tile, shape))
+        out = jnp.asarray(flat.output[1]) if isinstance(flat.output, tuple) else env[flat.output]
+        out = _lift(out, tile, shape)
+        return out.astype(jnp.float32) if self.program.kind == "score" else out
+
+
+def _lift(x, tile, shape):
+    x = jnp.asarray(x)
+    return tile(x) if x.shape != shape else x
+
+
+def _run(eqn, env, lift=None):
+    args = [jnp.asarray(i[1]) if isinstance(i, tuple) else env[i] for i in eqn.inputs]
+    if lift is not None:  # on a tile: scalars are broadcast so that every operand has the tile's shape
+        args = [lift(a) for a in args]
+    out = eqn.primitive.bind(*args, **dict(eqn.params))
+    env.update(zip(eqn.outputs, out if eqn.primitive.multiple_results else [out]))
+
+
+def _encode(x, kind):
+    return x.astype(jnp.int32) if kind == "int" else x.astype(jnp.float32)
+
+
+def stage(program: Program) -> tuple[Staged | None, str | None]:
+    """(Staged, None), or (None, why the kernels cannot run this program on tiles)."""
+    flat = _flatten(program)
+    raw = set(flat.inputs[program.num_consts :])
+    staged = []
+    for eqn in flat.eqns:
+        if not _is_joint(eqn.deps):
+            continue
+        if eqn.primitive.name not in _ELEMENTWISE:
+            what = "the score" if SCORE in eqn.deps else "both q_idx and kv_idx"
+            return None, (
+                f"its {eqn.primitive.name!r} depends on {what}: the kernels evaluate the joint part of a "
+                f"{program.kind}_mod on register tiles, elementwise (index closed-over arrays by q_idx or by "
+                "kv_idx alone)"
+            )
+        staged += [i for i in eqn.inputs if not isinstance(i, tuple) and i not in raw and not _is_joint(flat.deps[i])]
+    if not isinstance(flat.output, tuple) and flat.output not in raw and not _is_joint(flat.deps[flat.output]):
+        staged.append(flat.output)
+    values = []
+    for vid in dict.fromkeys(staged):  # first use order, once each
+        dtype, dep = flat.dtypes[vid], flat.deps[vid]
+        kind = "float" if jnp.issubdtype(dtype, jnp.floating) else "int"
+        values.append(
+            _Staged(vid, "col" if KEY in dep else "row", kind, dtype, BATCH in dep, HEAD in dep, flat.grads[vid])
+        )
+    order = [("row", "int"), ("row", "float"), ("col", "int"), ("col", "float")]
+    values.sort(key=lambda s: order.index((s.side, s.kind)))
+    return Staged(program, flat, tuple(values)), None
+
+
+def varies(program: Program) -> tuple[bool, bool]:
+    """(depends on the batch index, depends on the head index) of a program's result."""
+    flat = _flatten(program)
+    deps = frozenset() if isinstance(flat.output, tuple) else flat.deps[flat.output]
+    return BATCH in deps, HEAD in deps
+
+
+def block_classes(program: Program, consts, *, batch: int, heads: int, q_len: int, kv_len: int, block_q: int,
+                  block_kv: int):  # fmt: skip
+    """Which [block_q, block_kv] blocks a mask_mod leaves anything / everything visible in, evaluated on the
+    device (one query block at a time, so memory stays O(block_q * kv_len)): (any, every), bool
+    [Bd, Hd, num_q_blocks, num_kv_blocks] with Bd = batch or 1 and Hd = heads or 1 (`varies`). Positions past
+    q_len / kv_len count as hidden for `any` and are ignored by `every`."""
+    bd, hd = varies(program)
+    num_q, num_kv = -(-q_len // block_q), -(-kv_len // block_kv)
+    b = jnp.arange(batch if bd else 1, dtype=jnp.int32)[:, None, None, None]
+    h = jnp.arange(heads if hd else 1, dtype=jnp.int32)[None, :, None, None]
+    k = jnp.arange(num_kv * block_kv, dtype=jnp.int32)[None, None, None, :]
+
+    def one_block_row(i):
+        q = (i * block_q + jnp.arange(block_q, dtype=jnp.int32))[None, None, :, None]
+        seen = program.apply(consts, b, h, q, k)
+        valid = (q < q_len) & (k < kv_len)
+        shape = seen.shape[:2] + (block_q, num_kv, block_kv)
+        seen, valid = (jnp.broadcast_to(x, seen.shape).reshape(shape) for x in (seen, valid))
+        return (seen & valid).any(axis=(2, 4)), (seen | ~valid).all(axis=(2, 4))
+
+    anything, everything = jax.lax.map(one_block_row, jnp.arange(num_q, dtype=jnp.int32))
+    return jnp.moveaxis(anything, 0, 2), jnp.moveaxis(everything, 0, 2)
+
+
+# ---- Built-in mods --------------------------------------------------------------------------------------------
+# Each returns a function for `score_mod=` or `mask_mod=` of `flash_attention`, written with the same mechanism a
+# user would use.
+
+
+def causal():
+    """mask_mod: query i sees key j iff j <= i (positions from each sequence's start, as `is_causal`)."""
+    return lambda b, h, q, k: k <= q
+
+
+def sliding_window(left: int | None, right: int | None = 0):
+    """mask_mod: query i sees keys i - left .. i + right (None: unbounded on that side); right=0 is causal."""
+    for name, side in (("left", left), ("right", right)):
+        if side is not None and (not isinstance(side, int) or isinstance(side, bool) or side < 0):
+            raise ValueError(f"sliding_window's {name} must be None or an int >= 0, got {side!r}")
+
+    def mask_mod(b, h, q, k):
+        seen = jnp.bool_(True)
+        if left is not None:
+            seen = seen & (k >= q - left)
+        if right is not None:
+            seen = seen & (k <= q + right)
+        return seen
+
+    return mask_mod
+
+
+def document(segment_ids, kv_segment_ids=None):
+    """mask_mod: a query sees only keys of its own document. segment_ids: int [batch, q_len]; kv_segment_ids:
+    int [batch, kv_len] (default segment_ids)."""
+    q_ids = jnp.asarray(segment_ids)
+    kv_ids = q_ids if kv_segment_ids is None else jnp.asarray(kv_segment_ids)
+    for name, ids in (("segment_ids", q_ids), ("kv_segment_ids", kv_ids)):
+        if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise ValueError(f"document's {name} must be an int array [batch, len], got {ids.dtype} {ids.shape}")
+    return lambda b, h, q, k: q_ids[b, q] == kv_ids[b, k]
+
+
+def prefix_lm(prefix_lengths):
+    """mask_mod: keys before each example's prefix length are seen by every query (bidirectional prefix), the
+    rest causally. prefix_lengths: int [batch]."""
+    prefix = jnp.asarray(prefix_lengths)
+    if prefix.ndim != 1 or not jnp.issubdtype(prefix.dtype, jnp.integer):
+        raise ValueError(f"prefix_lm's prefix_lengths must be an int array [batch], got {prefix.dtype} {prefix.shape}")
+    return lambda b, h, q, k: (k <= q) | (k < prefix[b])
+
+
+def alibi(slopes):
+    """score_mod: ALiBi, score - slope[head] * |kv_idx - q_idx|. slopes: float [heads] or [batch, heads]; they
+    get gradients (wrap them in `jax.lax.stop_gradient` for fixed slopes)."""
+    slopes = jnp.asarray(slopes)
+    if slopes.ndim not in (1, 2) or not jnp.issubdtype(slopes.dtype, jnp.floating):
+        raise ValueError(f"alibi's slopes must be a float array [heads] or [batch, heads], got {slopes.shape}")
+    slope = (lambda b, h: slopes[h]) if slopes.ndim == 1 else (lambda b, h: slopes[b, h])
+    return lambda s, b, h, q, k: s - slope(b, h).astype(jnp.float32) * jnp.abs(k - q).astype(jnp.float32)
+
+
+def soft_cap(cap: float):
+    """score_mod: cap * tanh(score / cap) (Gemma 2, Grok)."""
+    if not isinstance(cap, (int, float)) or isinstance(cap, bool) or not math.isfinite(cap) or cap <= 0:
+        raise ValueError(f"soft_cap's cap must be a finite float > 0, got {cap!r}")
+    cap = float(cap)
+    return lambda s, b, h, q, k: cap * jnp.tanh(s / cap)
+
+
+def relative_position_bias(table):
+    """score_mod: score + table[head, clip(kv_idx - q_idx, -m, m) + m], a learned bias per head and relative
+    position (T5's without its log buckets). table: float [heads, 2 * m + 1]. Indexed by both positions, so
+    it runs on the XLA and portable paths, not the Hopper kernels."""
+    table = jnp.asarray(table)
+    if table.ndim != 2 or table.shape[1] % 2 != 1 or not jnp.issubdtype(table.dtype, jnp.floating):
+        raise ValueError(f"relative_position_bias's table must be float [heads, 2 * m + 1], got {table.shape}")
+    m = table.shape[1] // 2
+    return lambda s, b, h, q, k: s + table[h, jnp.clip(k - q, -m, m) + m].astype(jnp.float32)
+
+
+def and_masks(*mask_mods):
+    """mask_mod: visible where every one of `mask_mods` says so."""
+
+    def mask_mod(b, h, q, k):
+        seen = jnp.bool_(True)
+        for m in mask_mods:
+            seen = seen & m(b, h, q, k)
+        return seen
+
+    return mask_mod
+
+
+def or_masks(*mask_mods):
+    """mask_mod: visible where any one of `mask_mods` says so."""
+
+    def mask_mod(b, h, q, k):
+        seen = jnp.bool_(False)
+        for m in mask_mods:
+            seen = seen | m(b, h, q, k)
+        return seen
+
+    return mask_mod
+
+
+def chain(*score_mods):
+    """score_mod: the `score_mods` applied in order."""
+
+    def score_mod(s, b, h, q, k):
+        for m in score_mods:
+            s = m(s, b, h, q, k)
+        return s
+
+    return score_mod
