@@ -1,0 +1,285 @@
+"""score_mod, mask_mod and sinks through `flash_attention` on the XLA paths (the semantics every implementation
+shares), against dense float32 oracles written here without `pallas_flash.mods` (each built-in's formula by hand),
+gradients included (closed-over arrays and sinks); the staging the kernels use; errors; compiles per new values.
+The kernels' own tests: tests/hopper/test_mods_*.py, tests/portable/test_mods.py."""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_flash as pf
+from pallas_flash import mods
+from tests.helpers import normal
+from tests.tolerances import GRADIENT, assert_close
+
+IMPLEMENTATIONS = ["xla_chunked", "xla"]
+SMALL = pf.KernelConfig(xla_block_kv=16)  # several key chunks at these lengths
+
+
+def dense(q, k, v, *, logits=None, visible=None, sinks=None):
+    """Softmax attention in float32 with the logits modified by `logits(s, b, h, qi, ki)` and hidden where
+    `visible(b, h, qi, ki)` is False (both on broadcast [B, H, Tq, Tk] index grids); `sinks` join the denominator.
+    A row that sees nothing (and has no sink) gets zeros."""
+    batch, q_len, heads, dim = q.shape
+    group = heads // k.shape[2]
+    k, v = (jnp.repeat(x.astype(jnp.float32), group, axis=2) for x in (k, v))
+    s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), k, precision="highest") / np.sqrt(dim)
+    b = jnp.arange(batch)[:, None, None, None]
+    h = jnp.arange(heads)[None, :, None, None]
+    qi = jnp.arange(q_len)[None, None, :, None]
+    ki = jnp.arange(k.shape[1])[None, None, None, :]
+    if logits is not None:
+        s = logits(s, b, h, qi, ki)
+    if visible is not None:
+        s = jnp.where(visible(b, h, qi, ki), s, -jnp.inf)
+    if sinks is not None:
+        s = jnp.concatenate([s, jnp.broadcast_to(sinks[None, :, None, None], s.shape[:3] + (1,))], axis=-1)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    w = jnp.exp(s - m)
+    p = w / jnp.maximum(jnp.sum(w, axis=-1, keepdims=True), 1e-30)
+    if sinks is not None:
+        p = p[..., :-1]
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v, precision="highest")
+
+
+def _docs(batch, length, starts):
+    ids = np.zeros((batch, length), np.int32)
+    for row, row_starts in enumerate(starts):
+        for s in row_starts:
+            ids[row, s:] += 1
+    return jnp.asarray(ids)
+
+
+SHAPE = (2, 40, 4, 16)  # [batch, seq, heads, head_dim]: 40 is not a multiple of the 16-key chunks
+DOCS = _docs(2, 40, [(9, 30), (33,)])
+SLOPES = jnp.asarray([0.5, 0.25, 0.125, 0.0625])
+
+
+def case(name):
+    """(flash_attention kwargs, dense kwargs) of one named case, for SHAPE."""
+    table = normal(7, (SHAPE[2], SHAPE[1]))
+    cases = {
+        "soft_cap": (dict(score_mod=mods.soft_cap(2.0)), dict(logits=lambda s, b, h, q, k: 2.0 * jnp.tanh(s / 2.0))),
+        "alibi": (
+            dict(score_mod=mods.alibi(SLOPES)),
+            dict(logits=lambda s, b, h, q, k: s - SLOPES[h] * jnp.abs(k - q)),
+        ),
+        "key_bias_table": (
+            dict(score_mod=lambda s, b, h, q, k: s + table[h, k]),
+            dict(logits=lambda s, b, h, q, k: s + table[h, k]),
+        ),
+        "relative_position_bias": (
+            dict(score_mod=mods.relative_position_bias(table[:, :9])),
+            dict(logits=lambda s, b, h, q, k: s + table[:, :9][h, jnp.clip(k - q, -4, 4) + 4]),
+        ),
+        "causal": (dict(mask_mod=mods.causal()), dict(visible=lambda b, h, q, k: k <= q)),
+        "sliding_window": (
+            dict(mask_mod=mods.sliding_window(5, 2)),
+            dict(visible=lambda b, h, q, k: (k >= q - 5) & (k <= q + 2)),
+        ),
+        "document_causal": (
+            dict(mask_mod=mods.and_masks(mods.document(DOCS), mods.causal())),
+            dict(visible=lambda b, h, q, k: (DOCS[b, q] == DOCS[b, k]) & (k <= q)),
+        ),
+        "prefix_lm": (
+            dict(mask_mod=mods.prefix_lm(jnp.asarray([7, 0]))),
+            dict(visible=lambda b, h, q, k: (k <= q) | (k < jnp.asarray([7, 0])[b])),
+        ),
+        "per_head_mask": (  # head 3 sees nothing: fully masked rows
+            dict(mask_mod=lambda b, h, q, k: (h < 3) & (k <= q + h)),
+            dict(visible=lambda b, h, q, k: (h < 3) & (k <= q + h)),
+        ),
+    }
+    return cases[name]
+
+
+CASES = [
+    "soft_cap",
+    "alibi",
+    "key_bias_table",
+    "relative_position_bias",
+    "causal",
+    "sliding_window",
+    "document_causal",
+    "prefix_lm",
+    "per_head_mask",
+]
+
+
+def _check(impl, shape, kwargs, dense_kwargs, *, kv_heads=None, kv_len=None, sinks=None, seed=0):
+    batch, q_len, heads, dim = shape
+    kv_heads, kv_len = kv_heads or heads, kv_len or q_len
+    q = normal(seed, shape)
+    k, v = normal(seed + 1, (batch, kv_len, kv_heads, dim)), normal(seed + 2, (batch, kv_len, kv_heads, dim))
+    w = normal(seed + 3, shape)
+    config = SMALL if impl == "xla_chunked" else None
+
+    def ours(q, k, v, sinks):
+        return pf.flash_attention(q, k, v, sinks=sinks, implementation=impl, config=config, **kwargs)
+
+    def ref(q, k, v, sinks):
+        return dense(q, k, v, sinks=sinks, **dense_kwargs)
+
+    args = (q, k, v, sinks)
+    argnums = (0, 1, 2) if sinks is None else (0, 1, 2, 3)
+    assert_close(ours(*args), ref(*args), jnp.float32)
+    grads = jax.grad(lambda *a: jnp.sum(ours(*a) * w), argnums)(*args)
+    ref_grads = jax.grad(lambda *a: jnp.sum(ref(*a) * w), argnums)(*args)
+    for name, g, r in zip("q k v sinks".split(), grads, ref_grads):
+        assert_close(g, r, jnp.float32, table=GRADIENT, what=f"d{name}")
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("name", CASES)
+def test_builtin_mods_against_dense(impl, name):
+    _check(impl, SHAPE, *case(name))
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_combined_mods_gqa_and_unequal_lengths(impl):
+    """A score_mod chain and a mask_mod together, with the older keyword arguments (soft cap, a key-padding
+    bias), GQA and q_len != kv_len (positions from each sequence's start)."""
+    batch, q_len, heads, dim, kv_len = 2, 24, 4, 16, 37
+    bias = normal(11, (batch, 1, 1, kv_len))
+    slopes = jnp.asarray([0.3, 0.2, 0.1, 0.05])
+    kwargs = dict(
+        score_mod=mods.chain(mods.alibi(slopes), lambda s, b, h, q, k: s * 0.5),
+        mask_mod=mods.sliding_window(6, 3),
+        logits_soft_cap=3.0,
+        bias=bias,
+    )
+
+    def logits(s, b, h, q, k):
+        s = 3.0 * jnp.tanh(s / 3.0) + bias[:, :, 0][..., None, :][b[:, 0, 0, 0]]
+        return (s - slopes[h] * jnp.abs(k - q)) * 0.5
+
+    dense_kwargs = dict(logits=logits, visible=lambda b, h, q, k: (k >= q - 6) & (k <= q + 3))
+    _check(impl, (batch, q_len, heads, dim), kwargs, dense_kwargs, kv_heads=2, kv_len=kv_len)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_sinks_with_a_mask_and_empty_rows(impl):
+    """Sinks join each row's denominator; rows that see nothing give zeros (their weight all goes to the sink);
+    gradients reach the sinks."""
+    sinks = jnp.asarray([0.5, -1.0, 2.0, 0.0])
+    kwargs, dense_kwargs = case("per_head_mask")
+    _check(impl, SHAPE, kwargs, dense_kwargs, sinks=sinks)
+    out = pf.flash_attention(*(normal(i, SHAPE) for i in range(3)), sinks=sinks, implementation=impl, **kwargs)
+    assert np.all(np.asarray(out[:, :, 3]) == 0.0)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_gradient_reaches_closed_over_arrays(impl):
+    """jax.grad through a score_mod into the arrays it closes over (ALiBi slopes, a per-key bias table) equals the
+    dense oracle's."""
+    q, k, v = (normal(i, SHAPE) for i in range(3))
+    w = normal(5, SHAPE)
+    table = normal(6, (SHAPE[2], SHAPE[1]))
+    config = SMALL if impl == "xla_chunked" else None
+
+    def ours(slopes, table):
+        score_mod = mods.chain(mods.alibi(slopes), lambda s, b, h, qi, ki: s + table[h, ki])
+        return pf.flash_attention(q, k, v, score_mod=score_mod, mask_mod=mods.causal(), implementation=impl,
+                                  config=config)  # fmt: skip
+
+    def ref(slopes, table):
+        return dense(
+            q,
+            k,
+            v,
+            logits=lambda s, b, h, qi, ki: s - slopes[h] * jnp.abs(ki - qi) + table[h, ki],
+            visible=lambda b, h, qi, ki: ki <= qi,
+        )
+
+    grads = jax.grad(lambda *a: jnp.sum(ours(*a) * w), (0, 1))(SLOPES, table)
+    ref_grads = jax.grad(lambda *a: jnp.sum(ref(*a) * w), (0, 1))(SLOPES, table)
+    for name, g, r in zip(("slopes", "table"), grads, ref_grads):
+        assert float(jnp.abs(r).max()) > 1e-3, "the oracle's gradient must not be trivially zero"
+        assert_close(g, r, jnp.float32, table=GRADIENT, what=f"d{name}")
+
+
+def test_new_values_of_closed_over_arrays_do_not_recompile():
+    """Under jit and eagerly, a mask_mod closing over new document ids (same shape) reuses the compile; the result
+    follows the new values."""
+    q, k, v = (normal(i, SHAPE) for i in range(3))
+    other = _docs(2, 40, [(20,), (5, 10)])
+    traces = []
+
+    @jax.jit
+    def run(ids):
+        traces.append(1)
+        return pf.flash_attention(q, k, v, mask_mod=mods.document(ids), implementation="xla_chunked")
+
+    for ids in (DOCS, other):
+        want = dense(q, k, v, visible=lambda b, h, qi, ki, ids=ids: ids[b, qi] == ids[b, ki])
+        assert_close(run(ids), want, jnp.float32)
+    assert len(traces) == 1
+    before = pf.api._attention._cache_size()
+    for ids in (DOCS, other, DOCS):
+        pf.flash_attention(q, k, v, mask_mod=mods.document(ids), implementation="xla_chunked")
+    assert pf.api._attention._cache_size() - before == 1
+
+
+def test_staging_splits_rows_columns_and_the_joint_part():
+    """The kernels' form of a program: per-query and per-key values computed in XLA, an elementwise rest on tiles,
+    equal to the program itself; a gather by both positions cannot be staged (with the reason)."""
+    program, consts = mods.trace(mods.and_masks(mods.document(DOCS), mods.causal()), "mask")
+    staged, why = mods.stage(program)
+    assert why is None
+    assert [(s.side, s.kind, s.batch, s.head) for s in staged.staged] == [("row", "int", True, False),
+                                                                         ("col", "int", True, False)]  # fmt: skip
+    rows_int, rows_float, cols_int, cols_float = staged.stacks(consts, 2, 4, 40, 40)
+    assert rows_float is None and cols_float is None and rows_int.shape == cols_int.shape == (2, 1, 1, 40)
+    q, k = jnp.arange(40)[:, None], jnp.arange(40)[None, :]
+    for b in range(2):
+        tile = staged.joint(None, jnp.int32(b), jnp.int32(0), q + 0 * k, k + 0 * q,
+                            [jnp.broadcast_to(rows_int[b, 0, 0][:, None], (40, 40))], [],
+                            [jnp.broadcast_to(cols_int[b, 0, 0][None, :], (40, 40))], [])  # fmt: skip
+        np.testing.assert_array_equal(tile, program.apply(consts, b, 0, q, k))
+    program, _ = mods.trace(mods.relative_position_bias(jnp.ones((4, 9))), "score")
+    staged, why = mods.stage(program)
+    assert staged is None and "both q_idx and kv_idx" in why
+
+
+def test_block_classes_of_a_document_mask():
+    program, consts = mods.trace(mods.and_masks(mods.document(DOCS), mods.causal()), "mask")
+    anything, everything = mods.block_classes(program, consts, batch=2, heads=4, q_len=40, kv_len=40, block_q=8,
+                                              block_kv=8)  # fmt: skip
+    assert anything.shape == everything.shape == (2, 1, 5, 5)
+    tokens = np.asarray(program.apply(consts, jnp.arange(2)[:, None, None], 0, jnp.arange(40)[:, None],
+                                      jnp.arange(40)[None, :]))  # fmt: skip
+    blocks = tokens.reshape(2, 5, 8, 5, 8)
+    np.testing.assert_array_equal(anything[:, 0], blocks.any(axis=(2, 4)))
+    np.testing.assert_array_equal(everything[:, 0], blocks.all(axis=(2, 4)))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(score_mod=lambda s, b, h, q: s), "score_mod must be a function"),
+        (dict(mask_mod=lambda s, b, h, q, k: True), "mask_mod must be a function"),
+        (dict(score_mod=lambda s, b, h, q, k: jnp.ones(2) * s), "score_mod must return one scalar"),
+        (dict(score_mod=lambda s, b, h, q, k: q > k), "score_mod must return a float scalar"),
+        (dict(mask_mod=lambda b, h, q, k: q - k), "mask_mod must return a bool scalar"),
+        (dict(mask_mod=3), "mask_mod must be callable"),
+        (dict(sinks=jnp.zeros(3)), "sinks must have shape"),
+        (dict(sinks=jnp.zeros(4, jnp.int32)), "sinks must be a float array"),
+    ],
+)
+def test_bad_mods_are_refused(kwargs, message):
+    q = jnp.zeros(SHAPE)
+    with pytest.raises((TypeError, ValueError), match=message):
+        pf.flash_attention(q, q, q, **kwargs)
+
+
+def test_a_mod_the_kernels_cannot_stage_runs_elsewhere_and_says_why(caplog):
+    """On CPU the XLA chunked path runs anyway; the log names the implementation for any program."""
+    q = normal(0, SHAPE)
+    with caplog.at_level(logging.DEBUG, logger="pallas_flash"):
+        pf.api._logged.clear()
+        pf.flash_attention(q, q, q, score_mod=mods.relative_position_bias(jnp.zeros((4, 9))))
+    assert "xla_chunked" in caplog.text
