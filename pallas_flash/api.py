@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_flash import device, masks, mods, reference, xla_chunked
+from pallas_flash import device, masks, reference, xla_chunked
+from pallas_flash import mods as mods_lib
 from pallas_flash.block_sparse import BlockMask
 from pallas_flash.config import KernelConfig
 from pallas_flash.hopper import vjp as hopper
@@ -98,6 +99,7 @@ class Call:
     band: masks.Band
     config: KernelConfig
     features: tuple[str, ...]  # the score modifiers and block mask the call uses
+    mods: masks.ScoreMods = masks.ScoreMods()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +114,46 @@ class Implementation:
 
 
 def _mosaic_cannot_serve(call: Call) -> str | None:
-    return hopper.unsupported_reason(call.query, call.key, band=call.band, unserved=call.features, config=call.config)
+    # Soft cap and ALiBi reach the Hopper kernels as a score program (`_hopper_programs`); score_mod and mask_mod
+    # are the kernels' own, refused there only if they cannot be staged.
+    unserved = tuple(f for f in call.features if f not in _HOPPER_PROGRAMS)
+    return hopper.unsupported_reason(
+        call.query, call.key, band=call.band, unserved=unserved, config=call.config, mods=_hopper_programs(call.mods)
+    )
+
+
+_HOPPER_PROGRAMS = ("logits_soft_cap", "alibi_slopes", "score_mod", "mask_mod")
+
+
+def _hopper_programs(mods: masks.ScoreMods, mod_arrays: masks.ModArrays | None = None):
+    """The score modifiers as the Hopper kernels take them: soft cap, ALiBi and the score_mod folded into one
+    score program (in the order `masks` defines), the mask_mod as it is. Returns ScoreMods (and ModArrays with
+    the folded program's closed-over arrays, when `mod_arrays` is given)."""
+    if mods.soft_cap is None and not mods.alibi:
+        return mods if mod_arrays is None else (mods, mod_arrays)
+    cap, user = mods.soft_cap, mods.score_mod
+    if mod_arrays is None:  # only the program's structure is wanted: stand-ins of the arrays' shapes
+        slopes = jnp.zeros((1, 1), jnp.float32)
+        user_consts = (
+            ()
+            if user is None
+            else [jnp.zeros(v.aval.shape, v.aval.dtype) for v in user.jaxpr.invars[: user.num_consts]]
+        )
+    else:
+        slopes, user_consts = mod_arrays.alibi_slopes, mod_arrays.score_consts
+
+    def score_mod(s, b, h, q, k):
+        if cap is not None:
+            s = cap * jnp.tanh(s / cap)
+        if mods.alibi:  # slopes [batch, heads], constants (the API stops their gradient)
+            s = s - jax.lax.stop_gradient(slopes)[b, h] * jnp.abs(k - q).astype(jnp.float32)
+        return s if user is None else user(user_consts, s, b, h, q, k)
+
+    program, consts = mods_lib.trace(score_mod, "score")
+    folded = dataclasses.replace(mods, soft_cap=None, alibi=False, score_mod=program)
+    if mod_arrays is None:
+        return folded
+    return folded, mod_arrays._replace(alibi_slopes=None, score_consts=consts)
 
 
 def _never(call: Call) -> None:
@@ -482,8 +523,8 @@ def flash_attention(
         hash((local_window_size, block_mask, logits_soft_cap, dropout_rate, implementation, config))
     except TypeError as e:
         raise TypeError(f"flash_attention's options must be hashable (they are static): {e}") from None
-    score_program, score_consts = (None, ()) if score_mod is None else mods.trace(score_mod, "score")
-    mask_program, mask_consts = (None, ()) if mask_mod is None else mods.trace(mask_mod, "mask")
+    score_program, score_consts = (None, ()) if score_mod is None else mods_lib.trace(score_mod, "score")
+    mask_program, mask_consts = (None, ()) if mask_mod is None else mods_lib.trace(mask_mod, "mask")
     out, lse = _attention(
         query,
         key,
@@ -590,6 +631,7 @@ def _attention(
         band,
         config,
         tuple(name for name, used in features if used),
+        mods,
     )
     impl = dispatch(implementation, call)
     if impl == "xla":
@@ -622,6 +664,7 @@ def _add_sinks(out, lse, sinks):
 def _kernels(impl, query, key, value, scale, band, config, q_ids, kv_ids, block_mask, mods, mod_arrays, deterministic):
     masking = dict(q_segment_ids=q_ids, kv_segment_ids=kv_ids, block_mask=block_mask, mods=mods, mod_arrays=mod_arrays)
     if impl == "mosaic":
+        hopper_mods, hopper_arrays = _hopper_programs(mods, mod_arrays)
         return hopper.flash_attention_hopper(
             query,
             key,
@@ -632,6 +675,8 @@ def _kernels(impl, query, key, value, scale, band, config, q_ids, kv_ids, block_
             q_segment_ids=q_ids,
             kv_segment_ids=kv_ids,
             deterministic=deterministic,
+            mods=hopper_mods,
+            mod_arrays=hopper_arrays,
         )
     if impl == "pallas":
         return portable.flash_attention_portable(

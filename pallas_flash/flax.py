@@ -37,7 +37,13 @@ def _log_once(argument: str, message: str, level: int = logging.WARNING) -> None
 
 
 def make_attention_fn(
-    *, is_causal: bool = False, implementation: str | None = None, config=None, deterministic_gradients: bool = True
+    *,
+    is_causal: bool = False,
+    implementation: str | None = None,
+    config=None,
+    deterministic_gradients: bool = True,
+    score_mod=None,
+    mask_mod=None,
 ):
     """An `attention_fn` for Flax's attention modules, with structure the caller knows up front.
 
@@ -50,6 +56,8 @@ def make_attention_fn(
       deterministic_gradients: passed to `flash_attention` as `deterministic` (bitwise reproducible
         gradients; False lets the Hopper backward add dQ in a free order where that is faster). Named apart from
         Flax's own `deterministic`, the dropout switch.
+      score_mod, mask_mod: passed to `flash_attention` on every call (`pallas_flash.mods` has the common ones,
+        e.g. `mods.soft_cap(30.0)` or `mods.alibi(slopes)`); they apply over each call's folded batch.
     Returns:
       `attention_fn(query, key, value, bias=None, mask=None, ...)` with the signature of Flax's
       `dot_product_attention`; see `attention_fn`.
@@ -125,6 +133,12 @@ def make_attention_fn(
         reasons = _dense_reasons(
             query, key, value, module=module, einsums=(qk_attn_weights_einsum, attn_weights_value_einsum)
         )
+        programs = {name: fn for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)) if fn is not None}
+        if reasons and programs:
+            raise ValueError(
+                f"make_attention_fn({', '.join(programs)}=...) needs the flash path, but this call must run densely: "
+                + "; ".join(why for _, why in reasons)
+            )
         if not reasons:
             dropout_args = (
                 dict(
@@ -144,6 +158,7 @@ def make_attention_fn(
                 config=config,
                 deterministic=deterministic_gradients,
                 **dropout_args,
+                **programs,
             )
         for argument, why in reasons:
             _log_once(argument, f"{why}; computing this attention densely (memory grows as q_len * kv_len)")
@@ -230,7 +245,10 @@ def _fold(x, batch_dims):
     return x.reshape((math.prod(x.shape[: len(batch_dims)]),) + x.shape[len(batch_dims) :])
 
 
-def _flash(query, key, value, *, mask, bias, is_causal, implementation, config, deterministic=True, **dropout):
+def _flash(
+    query, key, value, *, mask, bias, is_causal, implementation, config, deterministic=True, score_mod=None,
+    mask_mod=None, **dropout
+):  # fmt: skip
     """`flash_attention` over any number of leading batch dims, folded into one. A key-padding mask becomes
     kv segment ids (query id 0; hidden keys 1); any other mask and the bias are passed as they are."""
     batch_dims = query.shape[:-3]
@@ -257,6 +275,8 @@ def _flash(query, key, value, *, mask, bias, is_causal, implementation, config, 
         implementation=implementation,
         config=config,
         deterministic=deterministic,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
         **kwargs,
     )
     if mask is not None:

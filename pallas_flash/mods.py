@@ -37,9 +37,12 @@ class Program:
     jaxpr: inputs are the closed-over arrays, then (score,) batch, head, q_idx, kv_idx, all scalars."""
 
     kind: str  # "score" or "mask"
-    jaxpr: typing.Any
+    jaxpr: typing.Any = dataclasses.field(repr=False)
     num_consts: int
-    key: str
+    key: str = dataclasses.field(repr=False)
+
+    def __repr__(self):
+        return f"Program({self.kind}, {len(self.jaxpr.eqns)} equations, {self.num_consts} closed-over arrays)"
 
     def __hash__(self):
         return hash((self.kind, self.key))

@@ -306,3 +306,23 @@ def test_key_padding_mask_runs_in_the_kernels(impl, is_causal, caplog):
     )
     for g, rg in zip(grads, ref_grads):
         assert_close(g, rg, jnp.float32, table=GRADIENT)
+
+
+def test_factory_score_and_mask_mods_reach_the_kernels():
+    """make_attention_fn(score_mod=, mask_mod=) inside nnx.MultiHeadAttention equals flash_attention called with the
+    same programs on the module's projections; a call that must run densely refuses them, naming why."""
+    from pallas_flash import mods
+
+    slopes = jnp.asarray([0.5, 0.25])
+    fn = pf.make_attention_fn(
+        implementation="xla_chunked", score_mod=mods.alibi(slopes), mask_mod=mods.sliding_window(4, 0)
+    )
+    q, k, v = (_normal(i, (BATCH, Q_LEN, HEADS, 16)) for i in range(3))
+    want = flash_attention(
+        q, k, v, score_mod=mods.alibi(slopes), mask_mod=mods.sliding_window(4, 0), implementation="xla"
+    )
+    assert_close(fn(q, k, v), want, jnp.float32)
+    module = nnx.MultiHeadAttention(HEADS, FEATURES, decode=False, attention_fn=fn, rngs=nnx.Rngs(0))
+    assert module(_normal(1, (BATCH, Q_LEN, FEATURES))).shape == (BATCH, Q_LEN, FEATURES)
+    with pytest.raises(ValueError, match="score_mod, mask_mod=...\\) needs the flash path"):
+        fn(q, k, v, qk_attn_weights_einsum=functools.partial(jnp.einsum, "...qhd,...khd->...hqk"))
