@@ -114,46 +114,93 @@ class Implementation:
 
 
 def _mosaic_cannot_serve(call: Call) -> str | None:
-    # Soft cap and ALiBi reach the Hopper kernels as a score program (`_hopper_programs`); score_mod and mask_mod
-    # are the kernels' own, refused there only if they cannot be staged.
-    unserved = tuple(f for f in call.features if f not in _HOPPER_PROGRAMS)
+    unserved = tuple(f for f in call.features if f not in _HOPPER_PROGRAMS or not _foldable(f, call.mods))
+    programs = dict(mods=_hopper_programs(call.mods)) if device.on_hopper_gpu() else {}  # TRANSITION
     return hopper.unsupported_reason(
-        call.query, call.key, band=call.band, unserved=unserved, config=call.config, mods=_hopper_programs(call.mods)
+        call.query, call.key, band=call.band, unserved=unserved, config=call.config, **programs
     )
 
 
-_HOPPER_PROGRAMS = ("logits_soft_cap", "alibi_slopes", "score_mod", "mask_mod")
+# Modifiers the Hopper kernels take as programs (`_hopper_programs`).
+_HOPPER_PROGRAMS = ("logits_soft_cap", "alibi_slopes", "bias", "mask", "score_mod", "mask_mod")
+
+
+def _spans_both(dims) -> bool:
+    return dims is not None and dims[2] and dims[3]
+
+
+def _foldable(feature: str, mods: masks.ScoreMods) -> bool:
+    """A bias or mask over both queries and keys is a gather by both positions: no program can carry it."""
+    if feature == "bias":
+        return not _spans_both(mods.bias_dims)
+    if feature == "mask":
+        return not _spans_both(mods.mask_dims)
+    return True
 
 
 def _hopper_programs(mods: masks.ScoreMods, mod_arrays: masks.ModArrays | None = None):
-    """The score modifiers as the Hopper kernels take them: soft cap, ALiBi and the score_mod folded into one
-    score program (in the order `masks` defines), the mask_mod as it is. Returns ScoreMods (and ModArrays with
-    the folded program's closed-over arrays, when `mod_arrays` is given)."""
-    if mods.soft_cap is None and not mods.alibi:
+    """The score modifiers as the Hopper kernels take them: soft cap, a bias over queries or keys (not both),
+    ALiBi and the score_mod folded into one score program (in the order `masks` defines), a mask over queries or
+    keys ANDed into the mask program. Returns ScoreMods, and with `mod_arrays` also the ModArrays carrying the
+    folded programs' closed-over arrays (without it, stand-ins of the arrays trace the same structure)."""
+    bias_dims = mods.bias_dims if not _spans_both(mods.bias_dims) else None
+    mask_dims = mods.mask_dims if not _spans_both(mods.mask_dims) else None
+    folds_score = mods.soft_cap is not None or mods.alibi or bias_dims is not None
+    if not folds_score and mask_dims is None:
         return mods if mod_arrays is None else (mods, mod_arrays)
-    cap, user = mods.soft_cap, mods.score_mod
-    if mod_arrays is None:  # only the program's structure is wanted: stand-ins of the arrays' shapes
-        slopes = jnp.zeros((1, 1), jnp.float32)
-        user_consts = (
-            ()
-            if user is None
-            else [jnp.zeros(v.aval.shape, v.aval.dtype) for v in user.jaxpr.invars[: user.num_consts]]
+
+    def stand_in(program):
+        return [jnp.zeros(v.aval.shape, v.aval.dtype) for v in program.jaxpr.invars[: program.num_consts]]
+
+    if mod_arrays is None:
+        arrays = masks.ModArrays(
+            bias=jnp.zeros((1, 1, 1, 1), jnp.float32),
+            mask=jnp.ones((1, 1, 1, 1), bool),
+            alibi_slopes=jnp.zeros((1, 1), jnp.float32),
+            score_consts=() if mods.score_mod is None else stand_in(mods.score_mod),
+            mask_consts=() if mods.mask_mod is None else stand_in(mods.mask_mod),
         )
     else:
-        slopes, user_consts = mod_arrays.alibi_slopes, mod_arrays.score_consts
+        arrays = mod_arrays
 
-    def score_mod(s, b, h, q, k):
-        if cap is not None:
-            s = cap * jnp.tanh(s / cap)
-        if mods.alibi:  # slopes [batch, heads], constants (the API stops their gradient)
-            s = s - jax.lax.stop_gradient(slopes)[b, h] * jnp.abs(k - q).astype(jnp.float32)
-        return s if user is None else user(user_consts, s, b, h, q, k)
+    def at(x, dims, b, h, q, k):  # x [B|1, H|1, Tq|1, Tk|1]: the element for (b, h, q, k)
+        return x[tuple(i if full else 0 for i, full in zip((b, h, q, k), dims))]
 
-    program, consts = mods_lib.trace(score_mod, "score")
-    folded = dataclasses.replace(mods, soft_cap=None, alibi=False, score_mod=program)
-    if mod_arrays is None:
-        return folded
-    return folded, mod_arrays._replace(alibi_slopes=None, score_consts=consts)
+    folded, new_arrays = mods, arrays
+    if folds_score:
+        cap, user, bias, slopes = mods.soft_cap, mods.score_mod, arrays.bias, arrays.alibi_slopes
+
+        def score_mod(s, b, h, q, k):
+            if cap is not None:
+                s = cap * jnp.tanh(s / cap)
+            if bias_dims is not None:
+                s = s + at(bias, bias_dims, b, h, q, k).astype(jnp.float32)
+            if mods.alibi:  # slopes [batch, heads], constants (the API stops their gradient)
+                s = s - jax.lax.stop_gradient(slopes)[b, h] * jnp.abs(k - q).astype(jnp.float32)
+            return s if user is None else user(arrays.score_consts, s, b, h, q, k)
+
+        program, consts = mods_lib.trace(score_mod, "score")
+        folded = dataclasses.replace(
+            folded,
+            soft_cap=None,
+            alibi=False,
+            score_mod=program,
+            bias_dims=None if bias_dims is not None else mods.bias_dims,
+        )
+        new_arrays = new_arrays._replace(
+            alibi_slopes=None, score_consts=consts, bias=None if bias_dims is not None else new_arrays.bias
+        )
+    if mask_dims is not None:
+        user, mask = mods.mask_mod, arrays.mask
+
+        def mask_mod(b, h, q, k):
+            seen = at(mask, mask_dims, b, h, q, k)
+            return seen if user is None else seen & user(arrays.mask_consts, b, h, q, k)
+
+        program, consts = mods_lib.trace(mask_mod, "mask")
+        folded = dataclasses.replace(folded, mask_dims=None, mask_mod=program)
+        new_arrays = new_arrays._replace(mask=None, mask_consts=consts)
+    return folded if mod_arrays is None else (folded, new_arrays)
 
 
 def _never(call: Call) -> None:

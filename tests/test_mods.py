@@ -283,3 +283,51 @@ def test_a_mod_the_kernels_cannot_stage_runs_elsewhere_and_says_why(caplog):
         pf.api._logged.clear()
         pf.flash_attention(q, q, q, score_mod=mods.relative_position_bias(jnp.zeros((4, 9))))
     assert "xla_chunked" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(logits_soft_cap=2.0, alibi=True),
+        dict(bias_shape=(2, 1, 1, 40), mask_shape=(2, 1, 40, 1)),
+        dict(bias_shape=(1, 4, 40, 1), alibi=True, score_mod=True, mask_mod=True),
+    ],
+    ids=["cap_alibi", "key_bias_query_mask", "query_bias_alibi_user_mods"],
+)
+def test_modifiers_fold_into_programs_for_the_hopper_kernels(kwargs):
+    """The Hopper kernels take soft cap, ALiBi, and a bias or mask over queries or keys as programs
+    (`api._hopper_programs`): the folded call equals the original on the XLA chunked path, gradients (dbias in the
+    bias's own shape) included."""
+    from pallas_flash import api, masks, xla_chunked
+
+    q, k, v = (normal(i, SHAPE) for i in range(3))
+    bias = normal(4, kwargs["bias_shape"]) if "bias_shape" in kwargs else None
+    mask = normal(5, kwargs["mask_shape"]) > -0.5 if "mask_shape" in kwargs else None
+    slopes = jnp.broadcast_to(SLOPES, (2, 4)) if kwargs.get("alibi") else None
+    score_program = mods.trace(lambda s, b, h, qi, ki: s * 0.7, "score") if kwargs.get("score_mod") else (None, ())
+    mask_program = mods.trace(mods.document(DOCS), "mask") if kwargs.get("mask_mod") else (None, ())
+    dims = lambda x: None if x is None else tuple(n != 1 for n in x.shape)
+    score_mods = masks.ScoreMods(bias_dims=dims(bias), mask_dims=dims(mask), alibi=slopes is not None,
+                                 soft_cap=kwargs.get("logits_soft_cap"), score_mod=score_program[0],
+                                 mask_mod=mask_program[0])  # fmt: skip
+    band = masks.Band.of(True)
+
+    def run(bias, folded):
+        arrays = masks.ModArrays(bias=bias, mask=mask, alibi_slopes=slopes, score_consts=score_program[1],
+                                 mask_consts=mask_program[1])  # fmt: skip
+        m, a = api._hopper_programs(score_mods, arrays) if folded else (score_mods, arrays)
+        if folded:
+            assert m.bias_dims is None and m.mask_dims is None and not m.alibi and m.soft_cap is None
+        out, _ = xla_chunked.attention_chunked(q, k, v, scale=0.25, band=band, block_kv=16, mods=m, mod_arrays=a)
+        return out
+
+    for folded in (False, True):
+        out = run(bias, folded)
+        if not folded:
+            want = out
+    assert_close(out, want, jnp.float32)
+    if bias is not None:
+        w = normal(6, SHAPE)
+        grads = [jax.grad(lambda b: jnp.sum(run(b, f) * w))(bias) for f in (False, True)]
+        assert grads[1].shape == bias.shape
+        assert_close(grads[1], grads[0], jnp.float32, table=GRADIENT, what="dbias")
