@@ -370,28 +370,64 @@ def varies(program: Program) -> tuple[bool, bool]:
     return BATCH in deps, HEAD in deps
 
 
+# Elements a block-class evaluation holds at once (a chunk of query blocks by every key): bounds its memory.
+BLOCK_CLASS_CHUNK = 1 << 26
+
+
 def block_classes(program: Program, consts, *, batch: int, heads: int, q_len: int, kv_len: int, block_q: int,
                   block_kv: int):  # fmt: skip
-    """Which [block_q, block_kv] blocks a mask_mod leaves anything / everything visible in, evaluated on the
-    device (one query block at a time, so memory stays O(block_q * kv_len)): (any, every), bool
-    [Bd, Hd, num_q_blocks, num_kv_blocks] with Bd = batch or 1 and Hd = heads or 1 (`varies`). Positions past
-    q_len / kv_len count as hidden for `any` and are ignored by `every`."""
+    """Which [block_q, block_kv] blocks a mask_mod leaves anything / everything visible in, evaluated exactly on
+    the device: (any, every), bool [Bd, Hd, num_q_blocks, num_kv_blocks] with Bd = batch or 1 and Hd = heads or 1
+    (`varies`). Positions past q_len / kv_len count as hidden for `any` and are ignored by `every`. A stageable
+    program runs as its elementwise joint part over precomputed row and column values (XLA fuses it into the
+    reduction); others are vmapped. Chunks of query blocks keep memory near BLOCK_CLASS_CHUNK elements."""
     bd, hd = varies(program)
+    nb, nh = (batch if bd else 1), (heads if hd else 1)
     num_q, num_kv = -(-q_len // block_q), -(-kv_len // block_kv)
-    b = jnp.arange(batch if bd else 1, dtype=jnp.int32)[:, None, None, None]
-    h = jnp.arange(heads if hd else 1, dtype=jnp.int32)[None, :, None, None]
-    k = jnp.arange(num_kv * block_kv, dtype=jnp.int32)[None, None, None, :]
+    q_pad, kv_pad = num_q * block_q, num_kv * block_kv
+    staged, _ = stage(program)
+    stacks = None if staged is None else staged.stacks(consts, nb, nh, q_pad, kv_pad)
+    per_chunk = max(1, min(num_q, BLOCK_CLASS_CHUNK // max(1, nb * nh * block_q * kv_pad)))
+    num_chunks = -(-num_q // per_chunk)
+    shape = (nb, nh, per_chunk * block_q, kv_pad)
+    b = jnp.broadcast_to(jnp.arange(nb, dtype=jnp.int32)[:, None, None, None], shape)
+    h = jnp.broadcast_to(jnp.arange(nh, dtype=jnp.int32)[None, :, None, None], shape)
+    k = jnp.broadcast_to(jnp.arange(kv_pad, dtype=jnp.int32)[None, None, None, :], shape)
 
-    def one_block_row(i):
-        q = (i * block_q + jnp.arange(block_q, dtype=jnp.int32))[None, None, :, None]
-        seen = program.apply(consts, b, h, q, k)
+    def values(stack, side, start):
+        if stack is None:
+            return []
+        bsel = slice(None) if stack.shape[0] > 1 else slice(0, 1)
+        hsel = slice(None) if stack.shape[1] > 1 else slice(0, 1)
+        x = stack[bsel, hsel]
+        if side == "row":
+            x = jax.lax.dynamic_slice_in_dim(x, start, shape[2], axis=3)[..., None]  # [b, h, R, rows, 1]
+        else:
+            x = x[..., None, :]  # [b, h, C, 1, kv]
+        return [jnp.broadcast_to(x[:, :, j], shape) for j in range(x.shape[2])]
+
+    def chunk(i):
+        start = i * per_chunk * block_q
+        q = start + jnp.broadcast_to(jnp.arange(shape[2], dtype=jnp.int32)[None, None, :, None], shape)
+        if staged is None:
+            seen = program.apply(consts, b, h, q, k)
+        else:
+            rows_int, rows_float, cols_int, cols_float = stacks
+            seen = staged.joint(None, b, h, q, k, values(rows_int, "row", start), values(rows_float, "row", start),
+                                values(cols_int, "col", 0), values(cols_float, "col", 0))  # fmt: skip
         valid = (q < q_len) & (k < kv_len)
-        shape = seen.shape[:2] + (block_q, num_kv, block_kv)
-        seen, valid = (jnp.broadcast_to(x, seen.shape).reshape(shape) for x in (seen, valid))
-        return (seen & valid).any(axis=(2, 4)), (seen | ~valid).all(axis=(2, 4))
+        blocks = (nb, nh, per_chunk, block_q, num_kv, block_kv)
+        seen, valid = seen.reshape(blocks), valid.reshape(blocks)
+        return (seen & valid).any(axis=(3, 5)), (seen | ~valid).all(axis=(3, 5))
 
-    anything, everything = jax.lax.map(one_block_row, jnp.arange(num_q, dtype=jnp.int32))
-    return jnp.moveaxis(anything, 0, 2), jnp.moveaxis(everything, 0, 2)
+    if staged is not None:  # the row stacks are sliced per chunk: pad them to whole chunks
+        rows = [
+            None if x is None else jnp.pad(x, ((0, 0),) * 3 + ((0, num_chunks * shape[2] - q_pad),)) for x in stacks[:2]
+        ]
+        stacks = (*rows, *stacks[2:])
+    anything, everything = jax.lax.map(chunk, jnp.arange(num_chunks, dtype=jnp.int32))
+    fold = lambda x: jnp.moveaxis(x, 0, 2).reshape(nb, nh, num_chunks * per_chunk, num_kv)[:, :, :num_q]
+    return fold(anything), fold(everything)
 
 
 # ---- Built-in mods --------------------------------------------------------------------------------------------

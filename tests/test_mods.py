@@ -245,8 +245,15 @@ def test_staging_splits_rows_columns_and_the_joint_part():
     assert staged is None and "both q_idx and kv_idx" in why
 
 
-def test_block_classes_of_a_document_mask():
-    program, consts = mods.trace(mods.and_masks(mods.document(DOCS), mods.causal()), "mask")
+@pytest.mark.parametrize("chunk", [1 << 26, 700])
+@pytest.mark.parametrize("stageable", [True, False])
+def test_block_classes_of_a_document_mask(chunk, stageable, monkeypatch):
+    """Exact classes, in one chunk or several (700 elements: one query block of 8 x 40 keys x 2 batches per
+    chunk), staged or vmapped (a mask indexed by both positions)."""
+    monkeypatch.setattr(mods, "BLOCK_CLASS_CHUNK", chunk)
+    table = np.asarray(normal(3, (40, 40))) > 0.5
+    extra = (lambda b, h, q, k: jnp.asarray(table)[q, k] | (k == q)) if not stageable else mods.causal()
+    program, consts = mods.trace(mods.and_masks(mods.document(DOCS), extra), "mask")
     anything, everything = mods.block_classes(program, consts, batch=2, heads=4, q_len=40, kv_len=40, block_q=8,
                                               block_kv=8)  # fmt: skip
     assert anything.shape == everything.shape == (2, 1, 5, 5)
