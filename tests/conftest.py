@@ -10,6 +10,9 @@ import os
 os.environ.setdefault("NPROC", str(max(os.cpu_count() or 1, 8)))
 
 
+CPU_DEVICES = 8
+
+
 def _fast_cpu_compile_flags() -> str:
     """XLA flags that make the CPU suite compile faster, or "" where they do not apply.
 
@@ -31,6 +34,8 @@ def _fast_cpu_compile_flags() -> str:
         flags.append("--xla_backend_optimization_level=0")
     if "xla_cpu_use_fusion_emitters" not in set_by_user and metadata.version("jaxlib").startswith("0.10."):
         flags.append("--xla_cpu_use_fusion_emitters=false")
+    if "xla_force_host_platform_device_count" not in set_by_user:  # context parallelism over 2, 4, 8 CPU devices
+        flags.append(f"--xla_force_host_platform_device_count={CPU_DEVICES}")
     return " ".join(flags)
 
 

@@ -1,0 +1,352 @@
+"""Context parallelism: exact attention over a sequence sharded along a mesh axis, on our kernels.
+
+Inside `jax.shard_map`, each device holds a contiguous shard of the sequence (or, with the zig-zag layout, two
+chunks of it, `to_zigzag`) and calls `ring_attention` on its shard with the axis name. Two strategies:
+  * "ring": K/V (with the key segment ids) travel around the axis with `lax.ppermute`; at each step a device
+    attends its queries to the K/V it holds, and the partial outputs merge through their LSE
+    (`merge_attention_states`). The next step's transfer is issued before this step's kernel, so XLA overlaps
+    them. The backward is its own custom_vjp: K/V travel again with their dK/dV accumulators, which arrive home
+    after a full turn; each step's gradient is the kernel's own backward of that step, fed with the cotangents
+    the merge gives it. Fixed order everywhere: bitwise deterministic.
+  * "all_gather": K/V gathered once, then one local call (its gradient is reduce-scattered by autodiff). Cheaper
+    for short sequences or small K/V (GQA/MQA), where a ring's steps are too short to hide their transfers.
+Causal attention with the contiguous layout leaves device r idle for the steps that bring later shards; the
+zig-zag layout (device r holds chunks r and 2n-1-r of 2n) gives every device the same work at every step, and
+its steps are static cases (causal on the diagonal, all queries against the first key chunk, the second query
+chunk against all keys). Windows and anything else position-dependent use a mask_mod on global positions.
+
+`context_parallel_attention` wraps this for plain `jit` callers with sequence-sharded arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pallas_flash import masks
+from pallas_flash.api import flash_attention
+from pallas_flash.decode import merge_attention_states
+
+LAYOUTS = ("contiguous", "zigzag")
+STRATEGIES = ("ring", "all_gather")
+# all_gather serves when the whole sequence's K/V is at most this many tokens, or for MQA-like groups: a ring step
+# then computes too little to hide its transfer.
+ALL_GATHER_MAX_TOKENS = 8192
+ALL_GATHER_MIN_GROUP = 8
+
+
+# ---- layouts ---------------------------------------------------------------------------------------------------
+
+
+def zigzag_order(seq_len: int, num_shards: int) -> np.ndarray:
+    """Token order of the zig-zag layout: position i of the permuted sequence holds token order[i]; shard r of
+    the permuted sequence (contiguous split in num_shards) holds chunks r and 2 * num_shards - 1 - r of the
+    original's 2 * num_shards chunks. Use it to permute tokens and the positions of rotary embeddings."""
+    if seq_len % (2 * num_shards):
+        raise ValueError(f"seq_len {seq_len} must be a multiple of 2 * num_shards = {2 * num_shards} for zig-zag")
+    chunk = seq_len // (2 * num_shards)
+    chunks = [c for r in range(num_shards) for c in (r, 2 * num_shards - 1 - r)]
+    return np.concatenate([np.arange(c * chunk, (c + 1) * chunk) for c in chunks])
+
+
+def to_zigzag(x, num_shards: int, axis: int = 1):
+    """x with its sequence axis in zig-zag order (`zigzag_order`)."""
+    return jnp.take(x, zigzag_order(x.shape[axis], num_shards), axis=axis)
+
+
+def from_zigzag(x, num_shards: int, axis: int = 1):
+    """The inverse of `to_zigzag`."""
+    return jnp.take(x, np.argsort(zigzag_order(x.shape[axis], num_shards)), axis=axis)
+
+
+def shard_positions(local_len: int, shard, num_shards: int, layout: str):
+    """int32 [local_len]: the global positions of shard `shard`'s tokens (traced shard index allowed)."""
+    i = jnp.arange(local_len, dtype=jnp.int32)
+    if layout == "contiguous":
+        return shard * local_len + i
+    half = local_len // 2
+    chunk = jnp.where(i < half, shard, 2 * num_shards - 1 - shard)
+    return chunk * half + i % half
+
+
+def choose_strategy(seq_len: int, heads: int, kv_heads: int) -> str:
+    """The documented default: "all_gather" for sequences of at most ALL_GATHER_MAX_TOKENS tokens or query groups of
+    ALL_GATHER_MIN_GROUP heads or more per K/V head, else "ring"."""
+    if seq_len <= ALL_GATHER_MAX_TOKENS or heads // kv_heads >= ALL_GATHER_MIN_GROUP:
+        return "all_gather"
+    return "ring"
+
+
+# ---- one ring step ---------------------------------------------------------------------------------------------
+
+FULL, CAUSAL, SKIP, KV_FIRST_HALF, Q_SECOND_HALF, POSITIONS = range(6)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """The static part of a ring call: layout, the band on global positions, and flash_attention's options."""
+
+    layout: str
+    num_shards: int
+    band: masks.Band
+    options: tuple  # flash_attention keyword arguments, as sorted (name, value) pairs
+
+    def case(self, shard, source):
+        """The step case (traced int) for queries of `shard` against K/V of `source`."""
+        if self.band.is_full:
+            return jnp.int32(FULL)
+        if not self.band.is_causal:
+            return jnp.int32(POSITIONS)
+        if self.layout == "contiguous":
+            return jnp.where(source < shard, FULL, jnp.where(source == shard, CAUSAL, SKIP)).astype(jnp.int32)
+        return jnp.where(source < shard, KV_FIRST_HALF, jnp.where(source == shard, CAUSAL, Q_SECOND_HALF)).astype(
+            jnp.int32
+        )
+
+    def cases(self) -> tuple:
+        if self.band.is_full:
+            return (FULL,)
+        if not self.band.is_causal:
+            return (POSITIONS,)
+        return (FULL, CAUSAL, SKIP) if self.layout == "contiguous" else (CAUSAL, KV_FIRST_HALF, Q_SECOND_HALF)
+
+
+def _empty(query):
+    batch, q_len, heads, _ = query.shape
+    return jnp.zeros(query.shape, query.dtype), jnp.full((batch, heads, q_len), -jnp.inf, jnp.float32)
+
+
+def _attend(plan, q, k, v, q_ids, kv_ids, **kwargs):
+    segments = {} if q_ids is None else dict(segment_ids=q_ids, kv_segment_ids=kv_ids)
+    return flash_attention(q, k, v, return_lse=True, **dict(plan.options), **segments, **kwargs)
+
+
+def _step(plan, case, q, k, v, q_ids, kv_ids, q_pos, kv_pos):
+    """(out, lse) of the local queries against the K/V held now, for one static case."""
+    if case == SKIP:
+        return _empty(q)
+    if case in (FULL, CAUSAL):
+        return _attend(plan, q, k, v, q_ids, kv_ids, is_causal=case == CAUSAL)
+    if case == KV_FIRST_HALF:  # every local query sees the first key chunk whole, the second not at all
+        half = k.shape[1] // 2
+        return _attend(plan, q, k[:, :half], v[:, :half], q_ids, None if kv_ids is None else kv_ids[:, :half])
+    if case == Q_SECOND_HALF:  # the second query chunk sees every key held; the first sees none
+        half = q.shape[1] // 2
+        out, lse = _attend(plan, q[:, half:], k, v, None if q_ids is None else q_ids[:, half:], kv_ids)
+        first_out, first_lse = _empty(q[:, :half])
+        return jnp.concatenate([first_out, out], axis=1), jnp.concatenate([first_lse, lse], axis=2)
+    left, right = plan.band.left, plan.band.right
+
+    def mask_mod(b, h, qi, ki):
+        seen = jnp.bool_(True)
+        if left is not None:
+            seen = seen & (kv_pos[ki] >= q_pos[qi] - left)
+        if right is not None:
+            seen = seen & (kv_pos[ki] <= q_pos[qi] + right)
+        return seen
+
+    return _attend(plan, q, k, v, q_ids, kv_ids, mask_mod=mask_mod)
+
+
+def _switch(plan, case, *args):
+    """`_step` for a traced case: one branch per case the plan can meet."""
+    cases = plan.cases()
+    if len(cases) == 1:
+        return _step(plan, cases[0], *args)
+    index = sum(jnp.where(case == c, i, 0) for i, c in enumerate(cases))
+    return lax.switch(index, [functools.partial(_step, plan, c) for c in cases], *args)
+
+
+def _merge(acc, part):
+    """Running (out float32 [B, Tq, H, D], lse [B, H, Tq]) merged with one step's (out, lse)."""
+    swap = lambda lse: jnp.swapaxes(lse, 1, 2)
+    out, lse = merge_attention_states([acc[0], part[0].astype(jnp.float32)], [swap(acc[1]), swap(part[1])])
+    return out, swap(lse)
+
+
+def _rotate(tree, axis_name, num_shards):
+    """Every device's `tree` sent to the next device along the axis (device r receives r - 1's)."""
+    perm = [(i, (i + 1) % num_shards) for i in range(num_shards)]
+    return jax.tree.map(lambda x: lax.ppermute(x, axis_name, perm), tree)
+
+
+def _positions(plan, axis_name, q_len, kv_len, t):
+    shard = lax.axis_index(axis_name)
+    source = (shard - t) % plan.num_shards
+    q_pos = shard_positions(q_len, shard, plan.num_shards, plan.layout)
+    return shard, source, q_pos, shard_positions(kv_len, source, plan.num_shards, plan.layout)
+
+
+# ---- the ring, with its own vjp -------------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _ring(plan, axis_name, q, k, v, q_ids, kv_ids):
+    return _ring_forward(plan, axis_name, q, k, v, q_ids, kv_ids)
+
+
+def _ring_forward(plan, axis_name, q, k, v, q_ids, kv_ids):
+    batch, q_len, heads, dim = q.shape
+    acc = (jnp.zeros(q.shape, jnp.float32), jnp.full((batch, heads, q_len), -jnp.inf, jnp.float32))
+    held = (k, v, kv_ids)
+    for t in range(plan.num_shards):
+        if t + 1 < plan.num_shards:  # issued before this step's kernel: the transfer runs under it
+            arriving = _rotate(held, axis_name, plan.num_shards)
+        shard, source, q_pos, kv_pos = _positions(plan, axis_name, q_len, k.shape[1], t)
+        part = _switch(plan, plan.case(shard, source), q, held[0], held[1], q_ids, held[2], q_pos, kv_pos)
+        acc = _merge(acc, part)
+        if t + 1 < plan.num_shards:
+            held = arriving
+    return acc[0].astype(q.dtype), acc[1]
+
+
+def _ring_fwd(plan, axis_name, q, k, v, q_ids, kv_ids):
+    out, lse = _ring_forward(plan, axis_name, q, k, v, q_ids, kv_ids)
+    return (out, lse), (q, k, v, q_ids, kv_ids, out, lse)
+
+
+def _ring_bwd(plan, axis_name, residuals, cotangents):
+    """Each step's gradient from the step's own vjp, with the cotangents the merge gives it: with
+    w = exp(lse_t - lse), d out_t = w * d out and d lse_t = w * (rowsum(d out * (out_t - out)) + d lse). dK/dV
+    accumulate in float32 and travel with their K/V, arriving home after the last step's rotation."""
+    q, k, v, q_ids, kv_ids, out, lse = residuals
+    d_out, d_lse = cotangents
+    q_len = q.shape[1]
+    d_out = d_out.astype(jnp.float32)
+    rows = lambda x: jnp.swapaxes(jnp.sum(d_out * x.astype(jnp.float32), axis=-1), 1, 2)  # [B, H, Tq]
+    total = rows(out)
+    dq = jnp.zeros(q.shape, jnp.float32)
+    held, grads = (k, v, kv_ids), (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    for t in range(plan.num_shards):
+        if t + 1 < plan.num_shards:
+            arriving = _rotate(held, axis_name, plan.num_shards)
+        shard, source, q_pos, kv_pos = _positions(plan, axis_name, q_len, k.shape[1], t)
+        case = plan.case(shard, source)
+        step = lambda q, k, v: _switch(plan, case, q, k, v, q_ids, held[2], q_pos, kv_pos)  # noqa: B023
+        (out_t, lse_t), vjp = jax.vjp(step, q, held[0], held[1])
+        w = jnp.where(jnp.isneginf(lse_t), 0.0, jnp.exp(lse_t - jnp.where(jnp.isneginf(lse), 0.0, lse)))
+        d_out_t = (d_out * jnp.swapaxes(w, 1, 2)[..., None]).astype(out_t.dtype)
+        dq_t, dk_t, dv_t = vjp((d_out_t, w * (rows(out_t) - total + d_lse)))
+        dq = dq + dq_t.astype(jnp.float32)
+        grads = (grads[0] + dk_t.astype(jnp.float32), grads[1] + dv_t.astype(jnp.float32))
+        grads = _rotate(grads, axis_name, plan.num_shards)  # toward the next holder of these K/V (home, last)
+        if t + 1 < plan.num_shards:
+            held = arriving
+    no_grad = lambda ids: None if ids is None else np.zeros(ids.shape, jax.dtypes.float0)
+    return dq.astype(q.dtype), grads[0].astype(k.dtype), grads[1].astype(v.dtype), no_grad(q_ids), no_grad(kv_ids)
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+# ---- all-gather --------------------------------------------------------------------------------------------------
+
+
+def _all_gather(plan, axis_name, q, k, v, q_ids, kv_ids):
+    """K/V (and key ids) gathered in shard order, then one call; positions make the band exact in any layout."""
+    gather = lambda x: None if x is None else lax.all_gather(x, axis_name, axis=1, tiled=True)
+    k_all, v_all, kv_ids_all = gather(k), gather(v), gather(kv_ids)
+    shard = lax.axis_index(axis_name)
+    q_pos = shard_positions(q.shape[1], shard, plan.num_shards, plan.layout)
+    kv_pos = jnp.concatenate(
+        [shard_positions(k.shape[1], s, plan.num_shards, plan.layout) for s in range(plan.num_shards)]
+    )
+    case = FULL if plan.band.is_full else POSITIONS
+    return _step(plan, case, q, k_all, v_all, q_ids, kv_ids_all, q_pos, kv_pos)
+
+
+# ---- public entry points ------------------------------------------------------------------------------------------
+
+
+def ring_attention(
+    query,
+    key,
+    value,
+    *,
+    axis_name,
+    is_causal=False,
+    local_window_size=None,
+    segment_ids=None,
+    kv_segment_ids=None,
+    layout="contiguous",
+    strategy=None,
+    scale=None,
+    logits_soft_cap=None,
+    return_lse=False,
+    implementation=None,
+    config=None,
+    deterministic=True,
+):
+    """Exact attention of this device's queries against the whole sequence sharded along `axis_name`; call it
+    inside `jax.shard_map` (with check_vma=False: Pallas calls carry no varying-axes types).
+
+    Args:
+      query: [batch, q_len, heads, head_dim], this device's shard; key, value: [batch, kv_len, kv_heads,
+        head_dim], this device's shard (kv_len = q_len when a band (causal, window) applies: self-attention).
+      axis_name: the mesh axis the sequence is split along (any number of devices).
+      is_causal, local_window_size: as `flash_attention`, on global positions.
+      segment_ids, kv_segment_ids: int [batch, q_len] / [batch, kv_len], this shard's ids (packed documents
+        across shard borders); kv_segment_ids defaults to segment_ids.
+      layout: "contiguous" (shard r holds tokens [r * len, (r + 1) * len)) or "zigzag" (`to_zigzag`: balanced
+        causal work; the sequence must have been permuted with it, positions too).
+      strategy: "ring", "all_gather", or None: `choose_strategy` on the global length and the head group.
+      scale, logits_soft_cap, implementation, config, deterministic: as `flash_attention`.
+      return_lse: also return lse [batch, heads, q_len] float32 over the whole sequence.
+    Returns:
+      out [batch, q_len, heads, head_dim] (and lse), exactly what one device computes for these queries over the
+      unsharded sequence; deterministic; differentiable (the ring has its own vjp).
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if strategy is not None and strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be None or one of {STRATEGIES}, got {strategy!r}")
+    num_shards = lax.axis_size(axis_name)
+    window = local_window_size
+    if isinstance(window, int) and not isinstance(window, bool):
+        window = (window, window)
+    band = masks.Band.of(bool(is_causal), None if window is None else tuple(window))
+    q_len, kv_len = query.shape[1], key.shape[1]
+    if not band.is_full and q_len != kv_len:
+        raise ValueError(f"a causal or windowed ring needs kv_len == q_len per shard, got {kv_len} and {q_len}")
+    if layout == "zigzag" and q_len % 2:
+        raise ValueError(f"the zig-zag layout holds two chunks per shard: q_len must be even, got {q_len}")
+    if segment_ids is not None and kv_segment_ids is None:
+        kv_segment_ids = segment_ids
+    if (segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("kv_segment_ids needs segment_ids (this shard's query ids) too")
+    ids = [None if x is None else jnp.asarray(x, jnp.int32) for x in (segment_ids, kv_segment_ids)]
+    options = dict(scale=scale, logits_soft_cap=logits_soft_cap, implementation=implementation, config=config,
+                   deterministic=deterministic)  # fmt: skip
+    plan = _Plan(layout, num_shards, band, tuple(sorted(options.items(), key=lambda item: item[0])))
+    strategy = strategy or choose_strategy(kv_len * num_shards, query.shape[2], key.shape[2])
+    if strategy == "all_gather" or num_shards == 1:
+        out, lse = _all_gather(plan, axis_name, query, key, value, *ids)
+    else:
+        out, lse = _ring(plan, axis_name, query, key, value, *ids)
+    return (out, lse) if return_lse else out
+
+
+def context_parallel_attention(query, key, value, *, mesh, axis="context", batch_axis=None, **kwargs):
+    """`ring_attention` for callers outside `shard_map`: query/key/value [batch, seq, heads, head_dim] (and
+    segment ids [batch, seq]) sharded (or to be sharded) with the sequence on mesh axis `axis` and, optionally,
+    the batch on `batch_axis`; returns out (and lse) sharded the same way. Works under `jax.jit`."""
+    from jax.sharding import PartitionSpec as P
+
+    seq = P(batch_axis, axis, None, None)
+    ids = P(batch_axis, axis)
+    id_args = {name: kwargs.pop(name) for name in ("segment_ids", "kv_segment_ids") if kwargs.get(name) is not None}
+    return_lse = kwargs.get("return_lse", False)
+    out_specs = (seq, P(batch_axis, None, axis)) if return_lse else seq
+
+    def local(query, key, value, id_args):
+        return ring_attention(query, key, value, axis_name=axis, **id_args, **kwargs)
+
+    return jax.shard_map(
+        local, mesh=mesh, in_specs=(seq, seq, seq, {name: ids for name in id_args}), out_specs=out_specs,
+        check_vma=False,
+    )(query, key, value, id_args)  # fmt: skip
