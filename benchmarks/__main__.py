@@ -1,6 +1,6 @@
 """The benchmark harness: ours side by side with cuDNN, XLA and JAX's own Pallas examples.
 
-    python -m benchmarks SUITE [options]          # SUITE: seed, sweep, memory, backends, sparse, bar, or all
+    python -m benchmarks SUITE [options]          # SUITE: seed, sweep, memory, backends, sparse, bar, flex, or all
     python -m benchmarks SUITE --smoke            # tiny sizes on CPU: checks the harness, claims nothing
     python -m benchmarks render DIR [DIR ...] --out DIR    # merge results.json files, redraw tables and plots
 
@@ -20,7 +20,8 @@ import shlex
 import sys
 import tempfile
 
-SUITES = ("seed", "sweep", "memory", "backends", "sparse", "bar")
+SUITES = ("seed", "sweep", "memory", "backends", "sparse", "bar", "flex")
+OWN_RUNNERS = ("bar", "flex")  # suites with a runner of their own (not the record suites' points x implementations)
 HELP = {
     "seed": "B=32 N=512 H=16 D=64 fp16 causal: fwd, bwd, fwd+bwd time and memory of every implementation",
     "sweep": "the FlashAttention paper's figure 3: N = 512..16k, D = 64 and 128, causal or not, B*N = 16k, H*D = 2048",
@@ -29,6 +30,8 @@ HELP = {
     "(pf:xla_chunked), and cuDNN",
     "sparse": "block-sparse time against the same call with a full block mask (local and strided masks)",
     "bar": "issues 6 and 7's bar: flash_attention's defaults against cuDNN, interleaved pairs with ~95%% intervals",
+    "flex": "score_mod, mask_mod and sinks against our plain kernel, cuDNN and torch flex_attention (bf16, B*N = 16k, "
+    "H=16, D=128, N=8k), and block-mask construction",
 }
 
 
@@ -91,12 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="backward variants, each its own row: ';'-separated items of ','-separated "
         "HopperBwdConfig field=int overrides of the call's default (an empty item: the default)",
     )
+    flex = argparse.ArgumentParser(add_help=False)
+    flex.add_argument("--cases", help="comma list of the cases to run (default: all; see benchmarks/README.md)")
     kind = argparse.RawDescriptionHelpFormatter
     for name in SUITES:
-        parents = [common, bar] if name == "bar" else [common, records]
+        parents = {"bar": [common, bar], "flex": [common, flex]}.get(name, [common, records])
         doc = _suite_doc(name)
         sub.add_parser(name, parents=parents, help=HELP[name], description=doc, formatter_class=kind)
-    sub.add_parser("all", parents=[common, records], help="every suite in turn, bar last", formatter_class=kind)
+    sub.add_parser("all", parents=[common, records], help="every suite in turn; flex, bar last", formatter_class=kind)
     render = sub.add_parser("render", help="merge the results.json of folders and redraw tables and plots")
     render.add_argument("dirs", nargs="+", metavar="DIR")
     render.add_argument("--out", required=True)
@@ -104,9 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _suite_doc(name: str) -> str:
-    from benchmarks import bar, suites
+    from benchmarks import bar, flex, suites
 
-    return bar.__doc__ if name == "bar" else f"The {name} suite: {HELP[name]}.\n\n{suites.__doc__}"
+    own = {"bar": bar.__doc__, "flex": flex.__doc__}
+    return own.get(name) or f"The {name} suite: {HELP[name]}.\n\n{suites.__doc__}"
 
 
 def _command(suite: str, argv: list[str]) -> str:
@@ -200,9 +206,7 @@ def run_record_suites(args, names: list[str], argv: list[str], parser) -> dict[s
 
 
 def run_bar(args, argv: list[str], parser) -> str:
-    import jax
-
-    from benchmarks import bar, suites
+    from benchmarks import bar
 
     causals = args.causal.lower().split(",")
     if not set(causals) <= {"false", "true"}:
@@ -218,13 +222,74 @@ def run_bar(args, argv: list[str], parser) -> str:
         bar.parse_bwd_overrides(args.bwd)
     except ValueError as e:
         parser.error(str(e))
+    return _run_own_suite(
+        "bar",
+        args,
+        argv,
+        lambda stamp, on_record: bar.run(
+            passes=passes,
+            head_dims=[32] if args.smoke else _csv(args.head_dims, int) or [128, 64],
+            seqs=[128] if args.smoke else _csv(args.seqs, int) or [2048, 8192, 16384],
+            causals=[c == "true" for c in causals],
+            nondeterministic=args.nondeterministic,
+            backward=backward,
+            hopper=args.hopper,
+            bwd=args.bwd,
+            reps=args.reps,
+            min_sample_ms=args.min_sample_ms,
+            time_budget=args.time_budget,
+            smoke=args.smoke,
+            stamp=stamp,
+            on_record=on_record,
+        ),
+    )
+
+
+def run_flex(args, argv: list[str], parser) -> str:
+    from benchmarks import flex
+
+    passes = _csv(args.passes) or ["fwd", "fwdbwd"]
+    if set(passes) - {"fwd", "fwdbwd"}:
+        parser.error(f"flex takes the passes fwd and fwdbwd, got {args.passes!r}")
+    names = _csv(args.cases)
+    if names and set(names) - set(flex.case_names()):
+        parser.error(f"unknown case in {args.cases!r}; choose from {', '.join(flex.case_names())}")
+    if not args.smoke:
+        flex.share_the_gpu_with_torch()
+    return _run_own_suite(
+        "flex",
+        args,
+        argv,
+        lambda stamp, on_record: flex.run(
+            seqs=[flex.SMOKE_SEQ] if args.smoke else _csv(args.seqs, int) or [8192],
+            head_dims=[32] if args.smoke else _csv(args.head_dims, int) or [128],
+            passes=passes,
+            names=names,
+            reps=args.reps,
+            min_sample_ms=args.min_sample_ms,
+            time_budget=args.time_budget,
+            smoke=args.smoke,
+            stamp=stamp,
+            on_record=on_record,
+        ),
+    )
+
+
+def _run_own_suite(name: str, args, argv: list[str], measure) -> str:
+    """A suite with a runner of its own (bar, flex): `measure(stamp, on_record)` returns its records, each stamped
+    with the environment, command and date; results.json is rewritten after each record, so a cut-off run keeps
+    what it measured. Returns the folder written."""
+    import jax
+
+    from benchmarks import suites
+
     if args.smoke:
         jax.config.update("jax_platforms", "cpu")
-    command = _command("bar", argv)
+    command = _command(name, argv)
     print(f"regenerate: {command}", flush=True)
     env = suites.environment()
     date = datetime.date.today().isoformat()
-    folder = os.path.join(args.out or default_out(date, env["device"]), "bar")
+    folder = os.path.join(args.out or default_out(date, env["device"]), name)
     print(f"jax {env['jax_version']}, {env['device']}", flush=True)
 
     def save(records):
@@ -232,22 +297,7 @@ def run_bar(args, argv: list[str], parser) -> str:
         with open(os.path.join(folder, "results.json"), "w") as f:
             json.dump(records, f, indent=1)
 
-    records = bar.run(
-        passes=passes,
-        head_dims=[32] if args.smoke else _csv(args.head_dims, int) or [128, 64],
-        seqs=[128] if args.smoke else _csv(args.seqs, int) or [2048, 8192, 16384],
-        causals=[c == "true" for c in causals],
-        nondeterministic=args.nondeterministic,
-        backward=backward,
-        hopper=args.hopper,
-        bwd=args.bwd,
-        reps=args.reps,
-        min_sample_ms=args.min_sample_ms,
-        time_budget=args.time_budget,
-        smoke=args.smoke,
-        stamp=dict(env, command=command, date=date),
-        on_record=save,
-    )
+    records = measure(dict(env, command=command, date=date), save)
     if not records:
         raise SystemExit("no records: nothing was measured")
     return write(records, folder)
@@ -275,14 +325,15 @@ def main(argv=None):
             for suite in SUITES
             if any(r["suite"] == suite for r in records)
         }
-    if args.suite == "bar":
-        return {"bar": run_bar(args, rest, parser)}
-    names = [s for s in SUITES if s != "bar"] if args.suite == "all" else [args.suite]
+    runners = {"bar": run_bar, "flex": run_flex}
+    if args.suite in runners:
+        return {args.suite: runners[args.suite](args, rest, parser)}
+    names = [s for s in SUITES if s not in OWN_RUNNERS] if args.suite == "all" else [args.suite]
     written = run_record_suites(args, names, rest, parser)
     if args.suite == "all":
-        bar_argv = [a for a in rest if a not in ("--isolate", "--no-isolate")]
-        bar_args = build_parser().parse_args(["bar", *_drop_record_options(bar_argv)])
-        written["bar"] = run_bar(bar_args, _drop_record_options(bar_argv), parser)
+        own_argv = _drop_record_options([a for a in rest if a not in ("--isolate", "--no-isolate")])
+        for name in ("flex", "bar"):
+            written[name] = runners[name](build_parser().parse_args([name, *own_argv]), own_argv, parser)
     return written
 
 

@@ -95,28 +95,30 @@ def random_inputs(point: Point, seed: int, dtype=None):
     return [jax.random.normal(key, s, jnp.float32).astype(dtype) for key, s in zip(keys, shapes)]
 
 
-def pass_function(fn, pass_: str):
-    """The jitted function of one pass of `fn` ((q, k, v) -> out), and how to turn (q, k, v, ct) into its
-    arguments."""
+def pass_function(fn, pass_: str, extra=()):
+    """The jitted function of one pass of `fn` ((q, k, v, *extra) -> out), and how to turn (q, k, v, ct) into its
+    arguments. `extra`: what `fn` reads besides q, k and v (a bias, a mask, the arrays a score_mod closes over),
+    passed as arguments so that they are not constants compiled into the executable; not differentiated."""
     if pass_ == "fwd":
-        return jax.jit(fn), lambda q, k, v, ct: (q, k, v)
+        return jax.jit(fn), lambda q, k, v, ct: (q, k, v, *extra)
     if pass_ == "fwdbwd":
 
-        def loss(q, k, v, ct):
-            return jnp.sum(fn(q, k, v).astype(jnp.float32) * ct.astype(jnp.float32))
+        def loss(q, k, v, ct, *extra):
+            return jnp.sum(fn(q, k, v, *extra).astype(jnp.float32) * ct.astype(jnp.float32))
 
-        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), lambda q, k, v, ct: (q, k, v, ct)
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), lambda q, k, v, ct: (q, k, v, ct, *extra)
     if pass_ == "bwd":
         # The VJP alone. jax.vjp's function is a pytree holding the forward's residuals, so it can be an argument
         # of a jitted function; the residuals come from one forward run per input set, untimed.
-        forward = jax.jit(lambda q, k, v: jax.vjp(fn, q, k, v))
-        return jax.jit(lambda vjp, ct: vjp(ct)), lambda q, k, v, ct: (forward(q, k, v)[1], ct)
+        forward = jax.jit(lambda q, k, v, *extra: jax.vjp(lambda q, k, v: fn(q, k, v, *extra), q, k, v))
+        return jax.jit(lambda vjp, ct: vjp(ct)), lambda q, k, v, ct: (forward(q, k, v, *extra)[1], ct)
     raise ValueError(f"unknown pass {pass_!r}; choose from {', '.join(PASSES)}")
 
 
-def compile_pass(fn, pass_: str, input_sets):
-    """`fn`'s pass compiled for these (q, k, v, cotangent) input sets; returns (compiled, argument sets)."""
-    jitted, make_args = pass_function(fn, pass_)
+def compile_pass(fn, pass_: str, input_sets, extra=()):
+    """`fn`'s pass compiled for these (q, k, v, cotangent) input sets (and `extra`, as in `pass_function`);
+    returns (compiled, argument sets)."""
+    jitted, make_args = pass_function(fn, pass_, extra)
     arg_sets = [make_args(*x) for x in input_sets]
     return jitted.lower(*arg_sets[0]).compile(), arg_sets
 

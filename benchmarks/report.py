@@ -274,14 +274,69 @@ def _bar_table(records):
     return lines + ([""] + notes if notes else []) + [""]
 
 
+def flex_header() -> list[str]:
+    """The flex table's two header lines."""
+    return [
+        "| case | N | pass | variant | impl | ms | TFLOP/s (kept) | kept | this / mod (~95% interval) "
+        "| kept work (target) | rel err | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+
+def flex_row(r) -> str:
+    """One flex record as a row of that table (the note cut at 120 characters; results.json has it whole)."""
+    pass_ = "fwd+bwd" if r["pass"] == "fwdbwd" else r["pass"]
+    head = f"| {r['case']} | {r['seq_q']} | {pass_} | {r['variant']} | {r['impl'] or '-'} |"
+    note = (r["note"] or "")[:120]
+    if r["status"] != "ok":
+        return f"{head} {r['status'].upper()} | | | | | | {note} |"
+
+    def num(key, fmt):
+        return "-" if r.get(key) is None else format(r[key], fmt)
+
+    ratio = "-"
+    if r.get("ratio_to_mod") is not None:
+        low, high = r["ratio_interval"]
+        ratio = f"{r['ratio_to_mod']:.2f} ({low:.2f}-{high:.2f})"
+    work = num("kept_work_ratio", ".2f")
+    target = r.get("target")
+    if target is not None:  # the block-mask build's is in ms, the document mask's a kept-work ratio
+        value, unit = (r["ms"], " ms") if r["case"] == "block_classes" else (r["kept_work_ratio"], "")
+        work += f" (<= {target:g}{unit}: {'met' if value <= target else 'missed'})"
+    return (
+        f"{head} {num('ms', '.3f')} | {num('tflops', '.0f')} | {num('kept_fraction', '.3f')} | {ratio} | {work} | "
+        f"{num('rel_err', '.1e')} | {note} |"
+    )
+
+
+def _flex_table(records):
+    """The flex records in the order they were measured, each case's mod row first."""
+    order = {key: i for i, key in enumerate(dict.fromkeys((r["case"], r["point"]) for r in records))}
+    variants = ("mod", "plain", "band", "cudnn", "torch_flex")
+    rows = sorted(records, key=lambda r: (order[(r["case"], r["point"])], r["pass"], variants.index(r["variant"])))
+    return [
+        "### flex: score_mod, mask_mod and sinks against our plain kernel, cuDNN and torch flex_attention",
+        "",
+        *_header(records),
+        "- this / mod: this row's ms / ours-with-the-modifier's ms (> 1: the modifier in our kernel is faster), "
+        "median of interleaved pairs; kept work: mod's ms / this ms scaled to the logits mod keeps",
+        "",
+        *flex_header(),
+        *(flex_row(r) for r in rows),
+        "",
+    ]
+
+
 def markdown(records) -> str:
     lines = []
-    for suite in ("bar", "seed", "sweep", "memory", "backends", "sparse"):
+    for suite in ("bar", "flex", "seed", "sweep", "memory", "backends", "sparse"):
         rows = [r for r in records if r["suite"] == suite]
         if not rows:
             continue
         if suite == "bar":
             lines += _bar_table(rows)
+        elif suite == "flex":
+            lines += _flex_table(rows)
         elif suite == "sweep":
             lines += _sweep_tables(rows)
         elif suite == "memory":
@@ -306,6 +361,7 @@ def plots(records, out) -> list[str]:
     paths = []
     for suite, draw in (
         ("bar", _plot_bar),
+        ("flex", _plot_flex),
         ("sweep", _plot_sweep),
         ("memory", _plot_memory),
         ("seed", _plot_bars),
@@ -483,5 +539,29 @@ def _plot_sparse(plt, rows, suite):
     fig.suptitle(
         f"{rows[0]['device']}, {rows[0]['dtype']}, D={rows[0]['head_dim']}: block-sparse attention", fontsize=10
     )
+    fig.tight_layout()
+    return fig
+
+
+def _plot_flex(plt, rows, suite):
+    """Each case's rows as this / mod with its interval (> 1: the modifier in our kernel is faster), per pass."""
+    paired = [r for r in rows if r.get("ratio_to_mod") is not None]
+    passes = [p for p in PASS_ORDER + ("build",) if any(r["pass"] == p for r in paired)] or ["fwd"]
+    fig, axes = plt.subplots(1, len(passes), figsize=(5.5 * len(passes), 0.3 * len(paired) + 2), squeeze=False)
+    for ax, pass_ in zip(axes[0], passes):
+        sub = [r for r in paired if r["pass"] == pass_]
+        ys = range(len(sub))
+        low = [r["ratio_to_mod"] - r["ratio_interval"][0] for r in sub]
+        high = [r["ratio_interval"][1] - r["ratio_to_mod"] for r in sub]
+        ax.errorbar([r["ratio_to_mod"] for r in sub], ys, xerr=[low, high], fmt="o", capsize=3)
+        ax.set_yticks(list(ys))
+        ax.set_yticklabels([f"{r['case']} N={r['seq_q']}: {r['variant']}" for r in sub], fontsize=7)
+        ax.invert_yaxis()  # the first case on top, as in the table
+        ax.axvline(1.0, color="gray", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("this ms / mod ms (> 1: mod faster)")
+        ax.set_title("fwd+bwd" if pass_ == "fwdbwd" else pass_, fontsize=9)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{rows[0]['device']}, {rows[0]['dtype']}: ours with the modifier against the rest", fontsize=10)
     fig.tight_layout()
     return fig

@@ -11,7 +11,7 @@ import re
 import pytest
 
 from benchmarks import __main__ as harness
-from benchmarks import bar, suites, timing
+from benchmarks import bar, flex, suites, timing
 from benchmarks.inputs import PASSES
 
 REQUIRED = {
@@ -111,6 +111,73 @@ def test_bar_pairs_every_point(smoke):
         assert r["bitwise_repeatable"] == {"ours": True, "baseline": True}  # XLA on CPU: no atomics
 
 
+def test_flex_pairs_every_modifier_with_our_plain_call(smoke):
+    """The flex suite's smoke: every case and pass has a checked mod row and the plain call (and the built-in band
+    for the window) paired with it; the document and window rows carry the kept-work ratio; the block-mask build
+    is timed against its target."""
+    records, *_ = smoke
+    rows = records["flex"]
+    by = {(r["case"], r["pass"], r["variant"]): r for r in rows}
+    names = [case.name for case in flex.cases(flex.SMOKE.window)]
+    for name in names:
+        for pass_ in ("fwd", "fwdbwd"):
+            mod = by[(name, pass_, "mod")]
+            assert mod["status"] == "ok" and mod["impl"] == "pf:xla_chunked" and mod["ms"] > 0, mod
+            assert pass_ != "fwd" or mod["rel_err"] <= mod["tolerance"]
+            partners = ("plain", "band") if name == "sliding_window" else ("plain",)
+            for variant in partners:
+                r = by[(name, pass_, variant)]
+                low, high = r["ratio_interval"]
+                assert r["status"] == "ok" and low <= r["ratio_to_mod"] <= high, r
+                assert r["mod_ms"] > 0 and r["tflops"] > 0
+    assert {r["case"] for r in rows} == {*names, flex.BLOCK_CLASSES}
+    assert {r["variant"] for r in rows if r["status"] == "ok"} == {"mod", "plain", "band"}  # no peers in a smoke run
+    document = by[("document", "fwd", "plain")]
+    assert document["target"] == flex.DOCUMENT_TARGET and by[("document", "fwd", "mod")]["kept_fraction"] == 0.125
+    low, high = document["kept_work_interval"]
+    assert low <= document["kept_work_ratio"] <= high
+    window = by[("sliding_window", "fwd", "plain")]
+    assert window["seq_q"] == 2 * flex.SMOKE_SEQ and window["kept_work_ratio"] > 0
+    build = by[(flex.BLOCK_CLASSES, "build", "mod")]
+    assert build["ms"] > 0 and build["target"] == flex.BLOCK_CLASSES_TARGET_MS
+
+
+@pytest.mark.parametrize(
+    "band, documents, visible",
+    [
+        ((None, None), 1, 16),  # every key
+        ((None, 0), 1, 1 + 2 + 3 + 4),  # causal
+        ((1, 0), 1, 1 + 2 + 2 + 2),  # the query and one key before it
+        ((None, None), 2, 2 * 4),  # two documents of 2
+        ((None, 0), 2, 2 * (1 + 2)),
+    ],
+)
+def test_kept_fraction_counts_visible_logits(band, documents, visible):
+    assert flex.kept_fraction(4, *band, documents=documents) == visible / 16
+
+
+@pytest.mark.parametrize("name", ["alibi", "alibi_causal", "bias_table", "document", "sliding_window"])
+def test_cudnn_peer_says_what_the_modifier_does(name):
+    """The bias, mask or window the cuDNN rows are given computes the modifier's attention (run here through
+    jax.nn's XLA path, on the host)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import pallas_flash as pf
+    from benchmarks.inputs import Point, random_inputs
+    from tests import tolerances
+
+    case = {c.name: c for c in flex.cases(window=8)}[name]
+    point = Point("flex", 2, 64, 64, 2, 2, 32, case.causal, "float32")
+    q, k, v, _ = random_inputs(point, seed=0)
+    arrays = {key: jnp.asarray(x) for key, x in case.arrays(point).items()}
+    kwargs = flex.cudnn_kwargs(case, arrays, point)
+    ours = jax.nn.dot_product_attention(q, k, v, scale=point.scale, implementation="xla", **kwargs)
+    ref = pf.flash_attention(q, k, v, scale=point.scale, implementation="xla", **case.mod(arrays))
+    assert tolerances.relative_error(np.asarray(ours), np.asarray(ref)) <= tolerances.OUTPUT[jnp.float32]
+
+
 def test_render_merges_and_redraws(smoke, tmp_path):
     _, folders, *_ = smoke
     with contextlib.redirect_stdout(io.StringIO()):
@@ -145,6 +212,9 @@ def test_default_output_folder_is_under_runs(tmp_path, monkeypatch):
         (["bar", "--bwd", "", "--two-pass"], "--bwd excludes"),
         (["bar", "--one-pass", "--two-pass"], "not allowed with"),
         (["seed", "--nondeterministic"], "--nondeterministic"),  # a bar option, not a record suite's
+        (["flex", "--passes", "up"], "up"),
+        (["flex", "--cases", "alibi,nope"], "nope"),
+        (["flex", "--impls", "pf:xla"], "--impls"),  # a record suite's option: flex picks its own rows
     ],
 )
 def test_bad_arguments_are_named(argv, word, capsys):
