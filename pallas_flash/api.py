@@ -115,9 +115,8 @@ class Implementation:
 
 def _mosaic_cannot_serve(call: Call) -> str | None:
     unserved = tuple(f for f in call.features if f not in _HOPPER_PROGRAMS or not _foldable(f, call.mods))
-    programs = dict(mods=_hopper_programs(call.mods)) if device.on_hopper_gpu() else {}  # TRANSITION
     return hopper.unsupported_reason(
-        call.query, call.key, band=call.band, unserved=unserved, config=call.config, **programs
+        call.query, call.key, band=call.band, unserved=unserved, config=call.config, mods=_hopper_programs(call.mods)
     )
 
 
@@ -132,9 +131,9 @@ def _spans_both(dims) -> bool:
 def _foldable(feature: str, mods: masks.ScoreMods) -> bool:
     """A bias or mask over both queries and keys is a gather by both positions: no program can carry it."""
     if feature == "bias":
-        return not _spans_both(mods.bias_dims)
+        return mods.bias_dims is not None and not _spans_both(mods.bias_dims)
     if feature == "mask":
-        return not _spans_both(mods.mask_dims)
+        return mods.mask_dims is not None and not _spans_both(mods.mask_dims)
     return True
 
 
@@ -171,8 +170,8 @@ def _hopper_programs(mods: masks.ScoreMods, mod_arrays: masks.ModArrays | None =
         cap, user, bias, slopes = mods.soft_cap, mods.score_mod, arrays.bias, arrays.alibi_slopes
 
         def score_mod(s, b, h, q, k):
-            if cap is not None:
-                s = cap * jnp.tanh(s / cap)
+            if cap is not None:  # a multiply, not a divide: the kernels' division is a precise (slow) one
+                s = cap * jnp.tanh(s * (1.0 / cap))
             if bias_dims is not None:
                 s = s + at(bias, bias_dims, b, h, q, k).astype(jnp.float32)
             if mods.alibi:  # slopes [batch, heads], constants (the API stops their gradient)
@@ -208,8 +207,7 @@ def _never(call: Call) -> None:
 
 
 def _portable_cannot_serve(call: Call) -> str | None:
-    programs = [name for name in call.features if name in ("score_mod", "mask_mod")]
-    return f"the portable kernels have no {' or '.join(programs)} yet" if programs else None
+    return portable.unsupported_reason(call.mods)
 
 
 # In order of preference: the first entry that serves a call and does not defer it runs.

@@ -10,6 +10,7 @@ import pytest
 
 import pallas_flash as pf
 from pallas_flash import api, device, masks
+from pallas_flash import mods as pf_mods
 from tests.helpers import SMALL_BLOCKS, make_inputs, reference
 from tests.tolerances import GRADIENT, assert_close
 
@@ -200,9 +201,38 @@ def test_default_implementation_on_hopper_is_mosaic_where_it_serves(caplog):
 # ---- the registry ---------------------------------------------------------------------------------------------
 
 
-def _call(dtype=jnp.bfloat16, head_dim=64, features=()):
+def _call(dtype=jnp.bfloat16, head_dim=64, features=(), mods=masks.ScoreMods()):
     x = jax.ShapeDtypeStruct((1, 256, 2, head_dim), dtype)
-    return api.Call(x, x, masks.Band.of(True), pf.KernelConfig(), features)
+    return api.Call(x, x, masks.Band.of(True), pf.KernelConfig(), features, mods)
+
+
+@pytest.mark.parametrize(
+    "features, mods_kwargs, serves",
+    [
+        (("logits_soft_cap", "alibi_slopes"), dict(soft_cap=30.0, alibi=True), True),
+        (("bias", "mask"), dict(bias_dims=(True, False, False, True), mask_dims=(False, True, True, False)), True),
+        (("bias",), dict(bias_dims=(False, True, True, True)), False),  # over queries and keys: a dense tile
+        (("score_mod",), "relative_position_bias", False),
+        (("mask_mod", "score_mod"), "document_alibi", True),
+    ],
+)
+def test_hopper_takes_modifiers_it_can_stage(features, mods_kwargs, serves, monkeypatch):
+    """On sm90 (faked): soft cap, ALiBi, a bias or mask over queries or keys, and stageable programs run in the
+    Hopper kernels (as programs); a dense bias or a program indexing by both positions does not, and says why."""
+    monkeypatch.setattr(device, "on_hopper_gpu", lambda: True)
+    if mods_kwargs == "relative_position_bias":
+        score = pf_mods.trace(pf_mods.relative_position_bias(jnp.zeros((2, 9))), "score")[0]
+        mods_kwargs = dict(score_mod=score)
+    elif mods_kwargs == "document_alibi":
+        mods_kwargs = dict(
+            mask_mod=pf_mods.trace(pf_mods.document(jnp.zeros((1, 256), jnp.int32)), "mask")[0],
+            score_mod=pf_mods.trace(pf_mods.alibi(jnp.ones(2)), "score")[0],
+        )
+    call = _call(features=features, mods=masks.ScoreMods(**mods_kwargs))
+    reason = api._mosaic_cannot_serve(call)
+    assert (reason is None) == serves, reason
+    if not serves:
+        assert "bias" in reason or "score_mod: " in reason
 
 
 def test_registry_lists_the_implementations_in_order_of_preference():

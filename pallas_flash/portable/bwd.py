@@ -12,9 +12,11 @@ Two kernels, both deterministic (each output tile is owned by one program; no at
   * dQ: grid (query block, batch, head); loops over the key blocks the query block sees (band or visit table).
   * dBias (only with a bias): grid over the bias's own blocks; see `dbias`.
 A visit table (`block_sparse.visit_tables`) is the optional first operand; blocks it does not list are never
-loaded. Score modifiers are recomputed per tile as in the forward; with a soft cap, dS is multiplied by
-1 - tanh^2 before it meets Q or K (dBias is dS before that factor); with dropout Z = keep / (1 - rate),
-dV = (P * Z)^T dO and dP = Z * (dO V^T).
+loaded. Score modifiers are recomputed per tile as in the forward; dS goes back through the score_mod's
+vjp (`tiles.modified_logits`), then with a soft cap is multiplied by 1 - tanh^2 before it meets Q or K
+(dBias is dS between the two); with dropout Z = keep / (1 - rate), dV = (P * Z)^T dO and dP = Z * (dO V^T).
+Where a closed-over float array reaches the score_mod's result, the dQ kernel also sums the gradient of its
+per-query values over keys, and the dK/dV kernel that of its per-key values over queries.
 """
 
 from __future__ import annotations
@@ -32,11 +34,14 @@ from pallas_flash._compat import SQUEEZED, triton_params
 from pallas_flash.portable import tiles
 
 
-def _dkdv_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, group, has_segments, has_visits, mods):
+def _dkdv_kernel(
+    *refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, group, has_segments, has_visits, mods, num_cols
+):
     visits_ref, refs = (refs[0], refs[1:]) if has_visits else (None, refs)
-    (q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref), (q_seg_ref, kv_seg_ref), mod_refs, (dk_ref, dv_ref) = (
-        tiles.split_refs(refs, 6, has_segments, mods)
+    inputs, (q_seg_ref, kv_seg_ref), mod_refs, (dk_ref, dv_ref, *d_cols_ref) = tiles.split_refs(
+        refs, 6, has_segments, mods
     )
+    q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref = inputs
     kv_block, batch, kv_head = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     k, v = k_ref[...], v_ref[...]
     kv_seg = kv_seg_ref[...] if has_segments else None
@@ -44,7 +49,7 @@ def _dkdv_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, gr
     logit_scale = scale * blocks.LOG2E
 
     def visit(q_block, carry, *, head, masked):
-        dk, dv = carry
+        dk, dv, d_cols = carry
         q_slice = pl.ds(q_block * block_q, block_q)
         q, do = q_ref[q_slice, head, :], do_ref[q_slice, head, :]
         s_t = tiles.dot(k, q, trans_b=True)  # [block_kv, block_q]
@@ -57,9 +62,11 @@ def _dkdv_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, gr
             block_kv=block_kv,
             keys_major=True,
         )
-        grad_factor = None
+        grad_factor = score_pullback = None
         if mods.active:
-            s_t, grad_factor = tiles.modified_logits(s_t * scale, mods, mod_refs, **position)
+            s_t, grad_factor, score_pullback = tiles.modified_logits(
+                s_t * scale, mods, mod_refs, pullback=True, **position
+            )
         else:
             s_t = s_t * logit_scale
         if masked:
@@ -74,7 +81,7 @@ def _dkdv_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, gr
                 kv_segment=kv_seg,
                 keys_major=True,
             )
-            s_t = jnp.where(mask, s_t, -jnp.inf)
+            s_t = jnp.where(tiles.visibility(mask, mods, mod_refs, **position), s_t, -jnp.inf)
         p_t = jnp.exp2(s_t - lse2_ref[head, q_slice][None, :])
         dp_t = tiles.dot(v, do, trans_b=True)
         dropout = tiles.dropout_multiplier(mods, mod_refs, **position)
@@ -84,10 +91,13 @@ def _dkdv_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, gr
             dv = dv + tiles.dot((p_t * dropout).astype(do.dtype), do)
             dp_t = dp_t * dropout
         ds_t = p_t * (dp_t - delta_ref[head, q_slice][None, :])
+        if score_pullback is not None:  # through the score_mod; its column values' gradients sum over queries
+            ds_t, _, d_cols_t = score_pullback(ds_t)
+            d_cols = [d + jnp.sum(d_t, axis=1) for d, d_t in zip(d_cols, d_cols_t)]
         if grad_factor is not None:  # through the soft cap
             ds_t = ds_t * grad_factor
         dk = dk + tiles.dot(ds_t.astype(q.dtype), q)
-        return dk, dv
+        return dk, dv, d_cols
 
     if not has_visits:
         block_range = blocks.q_block_range(
@@ -102,10 +112,15 @@ def _dkdv_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, gr
 
     def per_head(head, carry):
         visit_head = functools.partial(visit, head=head)
-        if has_visits:  # block-sparse: the table lists the query blocks that see this key block, per head
+        carry = (*carry, [jnp.zeros((block_kv,), jnp.float32)] * num_cols)
+        if has_visits:  # the table lists the query blocks that see this key block, per head
             row = head if visits_ref.shape[0] > 1 else 0
-            return tiles.visit_blocks(lambda i: visits_ref[row, i], visit_head, carry)
-        return tiles.visit_band(visit_head, carry, block_range)
+            dk, dv, d_cols = tiles.visit_blocks(lambda i: visits_ref[row, i], visit_head, carry)
+        else:
+            dk, dv, d_cols = tiles.visit_band(visit_head, carry, block_range)
+        for i, d in enumerate(d_cols):  # per query head: the caller sums over the heads a value is shared by
+            d_cols_ref[0][head, i, :] = d
+        return dk, dv
 
     zeros = jnp.zeros(k.shape, jnp.float32)
     dk, dv = lax.fori_loop(0, group, per_head, (zeros, zeros))
@@ -114,11 +129,22 @@ def _dkdv_kernel(*refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, gr
 
 
 def _dq_kernel(
-    *refs, scale, band, kv_len, block_q, block_kv, num_q_blocks, num_kv_blocks, has_segments, has_visits, mods
+    *refs,
+    scale,
+    band,
+    kv_len,
+    block_q,
+    block_kv,
+    num_q_blocks,
+    num_kv_blocks,
+    has_segments,
+    has_visits,
+    mods,
+    num_rows,
 ):
     visits_ref, refs = (refs[0], refs[1:]) if has_visits else (None, refs)
-    (q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref), (q_seg_ref, kv_seg_ref), mod_refs, (dq_ref,) = tiles.split_refs(
-        refs, 6, has_segments, mods
+    (q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref), (q_seg_ref, kv_seg_ref), mod_refs, (dq_ref, *d_rows_ref) = (
+        tiles.split_refs(refs, 6, has_segments, mods)
     )
     q_block = tiles.launch_order(pl.program_id(0), num_q_blocks, reverse=band.right == 0)
     batch, head = pl.program_id(1), pl.program_id(2)
@@ -127,7 +153,8 @@ def _dq_kernel(
     q_seg = q_seg_ref[...] if has_segments else None
     logit_scale = scale * blocks.LOG2E
 
-    def visit(kv_block, dq, *, masked):
+    def visit(kv_block, carry, *, masked):
+        dq, d_rows = carry
         k_slice = pl.ds(kv_block * block_kv, block_kv)
         k, v = k_ref[k_slice, :], v_ref[k_slice, :]
         s = tiles.dot(q, k, trans_b=True)
@@ -139,9 +166,9 @@ def _dq_kernel(
             block_q=block_q,
             block_kv=block_kv,
         )
-        grad_factor = None
+        grad_factor = score_pullback = None
         if mods.active:
-            s, grad_factor = tiles.modified_logits(s * scale, mods, mod_refs, **position)
+            s, grad_factor, score_pullback = tiles.modified_logits(s * scale, mods, mod_refs, pullback=True, **position)
         else:
             s = s * logit_scale
         if masked:
@@ -155,24 +182,27 @@ def _dq_kernel(
                 q_segment=q_seg,
                 kv_segment=kv_seg_ref[k_slice] if has_segments else None,
             )
-            s = jnp.where(mask, s, -jnp.inf)
+            s = jnp.where(tiles.visibility(mask, mods, mod_refs, **position), s, -jnp.inf)
         p = jnp.exp2(s - lse2[:, None])
         dp = tiles.dot(do, v, trans_b=True)
         dropout = tiles.dropout_multiplier(mods, mod_refs, **position)
         if dropout is not None:
             dp = dp * dropout
         ds = p * (dp - delta[:, None])
+        if score_pullback is not None:  # through the score_mod; its row values' gradients sum over keys
+            ds, d_rows_tile, _ = score_pullback(ds)
+            d_rows = [d + jnp.sum(d_tile, axis=1) for d, d_tile in zip(d_rows, d_rows_tile)]
         if grad_factor is not None:
             ds = ds * grad_factor
-        return dq + tiles.dot(ds.astype(k.dtype), k)
+        return dq + tiles.dot(ds.astype(k.dtype), k), d_rows
 
-    dq = jnp.zeros(q.shape, jnp.float32)
-    if has_visits:  # block-sparse: the table lists this query block's key blocks
-        dq = tiles.visit_blocks(lambda i: visits_ref[i], visit, dq)
+    carry = (jnp.zeros(q.shape, jnp.float32), [jnp.zeros((block_q,), jnp.float32)] * num_rows)
+    if has_visits:  # the table lists this query block's key blocks
+        dq, d_rows = tiles.visit_blocks(lambda i: visits_ref[i], visit, carry)
     else:
-        dq = tiles.visit_band(
+        dq, d_rows = tiles.visit_band(
             visit,
-            dq,
+            carry,
             blocks.kv_block_range(
                 q_block,
                 block_q=block_q,
@@ -184,6 +214,8 @@ def _dq_kernel(
             ),
         )
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+    for i, d in enumerate(d_rows):
+        d_rows_ref[0][i, :] = d
 
 
 def dkdv(
@@ -202,17 +234,20 @@ def dkdv(
     band: masks.Band,
     kv_len,
     mods: masks.ScoreMods = masks.ScoreMods(),
+    stacks: tiles.ProgramStacks = tiles.ProgramStacks(),
     block_q,
     block_kv,
     num_warps,
     num_stages,
     interpret,
 ):
-    """dK, dV [batch, kv_pad, kv_heads, head_dim_pad] from padded inputs (see `backward`)."""
+    """dK, dV [batch, kv_pad, kv_heads, head_dim_pad] from padded inputs, and the score_mod's column gradients
+    float32 [batch, heads, values, kv_pad] or None (see `backward`)."""
     batch, q_pad, heads, head_dim = q.shape
     kv_pad, kv_heads = k.shape[1], k.shape[2]
     group = heads // kv_heads
     has_segments = q_segment_ids is not None
+    num_cols = tiles.num_float_grads(mods, "col")
     kernel = functools.partial(
         _dkdv_kernel,
         scale=scale,
@@ -225,6 +260,7 @@ def dkdv(
         has_segments=has_segments,
         has_visits=visits is not None,
         mods=mods,
+        num_cols=num_cols,
     )
     # A program reads all query rows of the `group` query heads that share its kv head.
     q_group_spec = pl.BlockSpec((SQUEEZED, q_pad, group, head_dim), lambda j, b, h: (b, 0, h, 0))
@@ -238,21 +274,27 @@ def dkdv(
             pl.BlockSpec((SQUEEZED, block_kv), lambda j, b, h: (b, j)),
         ]
         operands += [q_segment_ids, kv_segment_ids]
-    mod_ops, mod_specs = tiles.mod_operands(mods, mod_arrays, q_pad, kv_pad, keys_major=True)
+    mod_ops, mod_specs = tiles.mod_operands(mods, mod_arrays, q_pad, kv_pad, keys_major=True, stacks=stacks)
     in_specs, operands = in_specs + mod_specs, operands + mod_ops
     if visits is not None:
         in_specs = [tiles.visits_spec(visits.shape, lambda j: j, group=group)] + in_specs
         operands = [visits] + operands
-    return pl.pallas_call(
+    out_specs = [kv_block_spec, kv_block_spec]
+    out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+    if num_cols:  # per query head of the program's kv head
+        out_specs.append(pl.BlockSpec((SQUEEZED, group, num_cols, block_kv), lambda j, b, h: (b, h, 0, j)))
+        out_shape.append(jax.ShapeDtypeStruct((batch, heads, num_cols, kv_pad), jnp.float32))
+    dk, dv, *d_cols = pl.pallas_call(
         kernel,
         grid=(kv_pad // block_kv, batch, kv_heads),
         in_specs=in_specs,
-        out_specs=[kv_block_spec, kv_block_spec],
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=triton_params(num_warps, num_stages),
         interpret=interpret,
         name="flash_backward_dkdv",
     )(*operands)
+    return dk, dv, (d_cols[0] if d_cols else None)
 
 
 def dq(
@@ -271,18 +313,21 @@ def dq(
     band: masks.Band,
     kv_len,
     mods: masks.ScoreMods = masks.ScoreMods(),
+    stacks: tiles.ProgramStacks = tiles.ProgramStacks(),
     block_q,
     block_kv,
     num_warps,
     num_stages,
     interpret,
 ):
-    """dQ [batch, q_pad, heads, head_dim_pad] from padded inputs (see `backward`)."""
+    """dQ [batch, q_pad, heads, head_dim_pad] from padded inputs, and the score_mod's row gradients float32
+    [batch, heads, values, q_pad] or None (see `backward`)."""
     batch, q_pad, heads, head_dim = q.shape
     kv_pad, kv_heads = k.shape[1], k.shape[2]
     group = heads // kv_heads
     num_q_blocks = q_pad // block_q
     has_segments = q_segment_ids is not None
+    num_rows = tiles.num_float_grads(mods, "row")
     kernel = functools.partial(
         _dq_kernel,
         scale=scale,
@@ -295,6 +340,7 @@ def dq(
         has_segments=has_segments,
         has_visits=visits is not None,
         mods=mods,
+        num_rows=num_rows,
     )
 
     def q_block_of(i):
@@ -311,20 +357,27 @@ def dq(
             pl.BlockSpec((SQUEEZED, kv_pad), lambda i, b, h: (b, 0)),
         ]
         operands += [q_segment_ids, kv_segment_ids]
-    mod_ops, mod_specs = tiles.mod_operands(mods, mod_arrays, q_pad, kv_pad)
+    mod_ops, mod_specs = tiles.mod_operands(mods, mod_arrays, q_pad, kv_pad, stacks=stacks)
     in_specs, operands = in_specs + mod_specs, operands + mod_ops
     if visits is not None:
         in_specs, operands = [tiles.visits_spec(visits.shape, q_block_of)] + in_specs, [visits] + operands
-    return pl.pallas_call(
+    out_specs, out_shape = [q_block_spec], [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    if num_rows:
+        out_specs.append(
+            pl.BlockSpec((SQUEEZED, SQUEEZED, num_rows, block_q), lambda i, b, h: (b, h, 0, q_block_of(i)))
+        )
+        out_shape.append(jax.ShapeDtypeStruct((batch, heads, num_rows, q_pad), jnp.float32))
+    dq_, *d_rows = pl.pallas_call(
         kernel,
         grid=(num_q_blocks, batch, heads),
         in_specs=in_specs,
-        out_specs=q_block_spec,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=triton_params(num_warps, num_stages),
         interpret=interpret,
         name="flash_backward_dq",
     )(*operands)
+    return dq_, (d_rows[0] if d_rows else None)
 
 
 def _dbias_kernel(
@@ -393,7 +446,9 @@ def _dbias_kernel(
         position = dict(
             batch=b, head=h, q_start=q_block * block_q, k_start=kv_block * block_kv, block_q=block_q, block_kv=block_kv
         )
-        s, _ = tiles.modified_logits(tiles.dot(q, k, trans_b=True) * scale, mods, mod_refs, **position)
+        s, _, score_pullback = tiles.modified_logits(
+            tiles.dot(q, k, trans_b=True) * scale, mods, mod_refs, pullback=True, **position
+        )
         mask = tiles.tile_mask(
             q_block * block_q,
             kv_block * block_kv,
@@ -404,6 +459,7 @@ def _dbias_kernel(
             q_segment=q_seg_ref[b, q_slice] if has_segments else None,
             kv_segment=kv_seg_ref[b, k_slice] if has_segments else None,
         )
+        mask = tiles.visibility(mask, mods, mod_refs, **position)
         if mask is not None:
             s = jnp.where(mask, s, -jnp.inf)
         p = jnp.exp2(s - lse2_ref[b, h, q_slice][:, None])
@@ -411,7 +467,9 @@ def _dbias_kernel(
         dropout = tiles.dropout_multiplier(mods, mod_refs, **position)
         if dropout is not None:
             dp = dp * dropout
-        ds = p * (dp - delta_ref[b, h, q_slice][:, None])  # d loss / d logit = d loss / d bias
+        ds = p * (dp - delta_ref[b, h, q_slice][:, None])  # d loss / d logit
+        if score_pullback is not None:  # the bias is added before the score_mod
+            ds = score_pullback(ds)[0]
         if not spans_q:
             ds = jnp.sum(ds, axis=0, keepdims=True)
         if not spans_k:
@@ -439,6 +497,7 @@ def dbias(
     band: masks.Band,
     kv_len,
     mods: masks.ScoreMods,
+    stacks: tiles.ProgramStacks = tiles.ProgramStacks(),
     block_q,
     block_kv,
     num_warps,
@@ -464,7 +523,7 @@ def dbias(
         operands += [q_segment_ids, kv_segment_ids]
     if visible_tiles is not None:
         operands = [visible_tiles] + operands
-    mod_ops, mod_specs = tiles.mod_operands(mods, mod_arrays, q_pad, kv_pad)
+    mod_ops, mod_specs = tiles.mod_operands(mods, mod_arrays, q_pad, kv_pad, stacks=stacks)
     kernel = functools.partial(
         _dbias_kernel,
         scale=scale,
@@ -512,8 +571,9 @@ def backward(
     config,
     interpret,
     mods: masks.ScoreMods = masks.ScoreMods(),
+    stacks: tiles.ProgramStacks = tiles.ProgramStacks(),
 ):
-    """Padded inputs -> (dq, dk, dv, dbias or None).
+    """Padded inputs -> (dq, dk, dv, dbias or None, d_rows_float or None, d_cols_float or None).
 
     q, do: [batch, q_pad, heads, head_dim_pad]; k, v: [batch, kv_pad, kv_heads, head_dim_pad];
     lse2, delta: [batch, heads, q_pad] float32, lse2 = LSE * log2(e) with +inf on rows that saw no key
@@ -523,12 +583,16 @@ def backward(
     of the dQ kernel the key blocks (`block_sparse.visit_tables`), and the dQ tiling's visible tiles for
     dbias. q_pad must be a multiple of both query blocks of `config`, kv_pad of both key blocks; `kv_len` is
     the unpadded key length. dbias (see `dbias`) is computed when there is a bias; XLA removes it when its
-    result is unused.
+    result is unused. `stacks`: the programs' unpadded staged values (`tiles.ProgramStacks`); with a mask_mod
+    the visit tables must be given (see `forward`). Where a closed-over float array reaches the score_mod's
+    result, d_rows_float [batch, heads, values, q_pad] (from the dQ kernel, summed over keys) and d_cols_float
+    [batch, heads, values, kv_pad] (from the dK/dV kernel, summed over queries) are the gradients of its float
+    stacks per query head, not yet summed over a stack's broadcast batch or heads; else None.
     """
     dkdv_visits, dq_visits, visible_tiles = block_tables or (None, None, None)
-    common = dict(scale=scale, band=band, kv_len=kv_len, interpret=interpret, mods=mods)
+    common = dict(scale=scale, band=band, kv_len=kv_len, interpret=interpret, mods=mods, stacks=stacks)
     inputs = (q, k, v, do, lse2, delta, q_segment_ids, kv_segment_ids, mod_arrays)
-    dk, dv = dkdv(
+    dk, dv, d_cols = dkdv(
         *inputs,
         dkdv_visits,
         block_q=config.block_q_dkv,
@@ -537,7 +601,7 @@ def backward(
         num_stages=config.num_stages_dkv,
         **common,
     )
-    dq_ = dq(
+    dq_, d_rows = dq(
         *inputs,
         dq_visits,
         block_q=config.block_q_dq,
@@ -557,7 +621,7 @@ def backward(
             num_stages=_dbias_stages(config, q, mods, mod_arrays),
             **common,
         )
-    return dq_, dk, dv, dbias_
+    return dq_, dk, dv, dbias_, d_rows, d_cols
 
 
 def _dbias_stages(config, q, mods: masks.ScoreMods, mod_arrays: masks.ModArrays) -> int:

@@ -5,10 +5,11 @@ their output accumulator on chip, and loops over key blocks of its kv head with 
 log2 domain (scale * log2(e) folded into the logits, so the exponentials are exp2). It visits only the
 key blocks inside its band (causal: at or below the diagonal; a local window: near it), and only tiles
 that cross the band's edges, hold the padded key tail, or carry segment ids pay for the band mask. With a
-block mask, the optional first operand is a visit table (`block_sparse.visit_tables`): the program loops over
-the key blocks its row lists, fully visible ones first, and never loads the others. Score modifiers (bias,
-boolean mask, ALiBi, soft cap, dropout; `tiles.modified_logits`) apply in every tile it visits; their
-operands follow the segment ids (`tiles.mod_operands`).
+block mask or a mask_mod, the optional first operand is a visit table (`block_sparse.visit_tables`, or
+the device-side one of `portable.vjp`): the program loops over the key blocks its row lists, fully visible
+ones first, and never loads the others. Score modifiers (bias, boolean mask, ALiBi, soft cap, score_mod,
+dropout; `tiles.modified_logits`) apply in every tile it visits, the mask_mod in its partly visible tiles;
+their operands follow the segment ids (`tiles.mod_operands`).
 Outputs: O [batch, q_len, heads, head_dim] and the natural-log LSE [batch, heads, q_len], the
 backward's only residual besides the inputs.
 """
@@ -52,7 +53,7 @@ def _forward_kernel(
             block_kv=block_kv,
         )
         if mods.active:  # the plain kernel keeps its single multiply
-            s, _ = tiles.modified_logits(s * scale, mods, mod_refs, **position)
+            s, _, _ = tiles.modified_logits(s * scale, mods, mod_refs, **position)
         else:
             s = s * logit_scale
         if masked:
@@ -66,7 +67,7 @@ def _forward_kernel(
                 q_segment=q_seg,
                 kv_segment=kv_seg_ref[k_slice] if has_segments else None,
             )
-            s = jnp.where(mask, s, -jnp.inf)
+            s = jnp.where(tiles.visibility(mask, mods, mod_refs, **position), s, -jnp.inf)
         new_max = jnp.maximum(row_max, jnp.max(s, axis=1))
         shift = blocks.safe_exp_shift(new_max)
         p = jnp.exp2(s - shift[:, None])
@@ -125,6 +126,7 @@ def forward(
     num_stages,
     interpret,
     mods: masks.ScoreMods = masks.ScoreMods(),
+    stacks: tiles.ProgramStacks = tiles.ProgramStacks(),
 ):
     """Padded inputs -> (O, LSE).
 
@@ -133,7 +135,9 @@ def forward(
     [batch, q_pad] / [batch, kv_pad]. `kv_len` is the unpadded key length. Optional `visits`: int32
     [batch or 1, heads or 1, q_pad // block_q, width], the key blocks of each query block
     (`block_sparse.visit_tables`); without it the band decides. The score modifiers `mods` come with their
-    unpadded `mod_arrays` (`tiles.mod_operands` pads them). Returns o like q and lse [batch, heads, q_pad]
+    unpadded `mod_arrays` and the score_mod's / mask_mod's unpadded `stacks` (`tiles.mod_operands` pads
+    them); with a mask_mod, `visits` must list only the blocks it may show, and its masked (partly visible)
+    blocks are those the mask_mod is evaluated on. Returns o like q and lse [batch, heads, q_pad]
     float32.
     """
     batch, q_pad, heads, head_dim = q.shape
@@ -155,7 +159,7 @@ def forward(
             pl.BlockSpec((SQUEEZED, kv_pad), lambda i, b, h: (b, 0)),
         ]
         operands += [q_segment_ids, kv_segment_ids]
-    mod_ops, mod_specs = tiles.mod_operands(mods, mod_arrays, q_pad, kv_pad)
+    mod_ops, mod_specs = tiles.mod_operands(mods, mod_arrays, q_pad, kv_pad, stacks=stacks)
     in_specs, operands = in_specs + mod_specs, operands + mod_ops
     if visits is not None:
         in_specs, operands = [tiles.visits_spec(visits.shape, q_block_of)] + in_specs, [visits] + operands
