@@ -27,6 +27,13 @@ j <= i) bounds the blocks each CTA visits (`blocks.q_block_range` for a dK/dV ti
 for a dQ tile), and only blocks on the band's edges are masked; segment ids (lengths folded in) narrow the
 visited blocks further (`segment_block_ranges`), ride the Q ring (dK/dV) or the K ring (dQ), and mask the
 blocks that are not wholly inside the tile's one segment.
+Score and mask programs (`mods.Staged`, two passes only): each step recomputes the modified score from the
+scaled logits (x = scale * S; P = exp2(score(x) * log2(e) - lse2)) and takes dS back through the program
+(its vjp on the tile: dS_raw = P (dP - delta) * d score / d x); the staged per-query values ride the Q ring
+(dK/dV) or stay resident (dQ), the per-key values the other way round; the gradient of the score program's
+float per-query values is summed over keys in the dQ pass, of its per-key values over queries in the dK/dV
+pass. The mask program is evaluated in masked steps only; its block classes (evaluated once in XLA from its
+stacks) narrow each tile's visited blocks and unmasked run further.
 Ragged lengths are padded in the wrapper: padded query rows have lse2 = +inf and dO = 0 (no contribution),
 padded keys are masked in the dQ pass (their dK/dV rows are sliced off). head_dim is padded to a multiple
 of 64 (the wgmma contraction granule of a 128-byte swizzle).
@@ -34,19 +41,29 @@ of 64 (the wgmma contraction granule of a 128-byte swizzle).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
-from pallas_flash import masks
+from pallas_flash import masks, mods
 from pallas_flash.blocks import LOG2E
 from pallas_flash.hopper.bwd_dkdv import dkdv_pass
 from pallas_flash.hopper.bwd_dq import dq_pass
 from pallas_flash.hopper.bwd_ordered import dq_split
-from pallas_flash.hopper.common import pad_axis, padded_head_dim, round_up
+from pallas_flash.hopper.common import (
+    coarsen_block_classes,
+    mask_block_ranges,
+    pack_mod_stacks,
+    pad_axis,
+    padded_head_dim,
+    round_up,
+    staged_block_classes,
+)
 from pallas_flash.hopper.config import H100_SHARED_MEMORY, NUM_CONSUMERS, HopperBwdConfig
+from pallas_flash.hopper.fwd import KernelMods
 
 MAX_HEAD_DIM = 128  # at 256, K and V of a 128-key CTA alone take 128 KiB of shared memory
 
@@ -100,12 +117,55 @@ def check_config(config: HopperBwdConfig, head_dim: int, itemsize: int = 2) -> N
             )
 
 
-def default_config(head_dim: int, kv_len: int, band: masks.Band, deterministic: bool) -> HopperBwdConfig:
-    """`HopperBwdConfig.default` for a call with this (padded) head_dim, key length and band."""
-    return HopperBwdConfig.default(head_dim, deterministic, kv_len=kv_len, is_causal=band.is_causal)
+def default_config(
+    head_dim: int, kv_len: int, band: masks.Band, deterministic: bool, programs: bool = False
+) -> HopperBwdConfig:
+    """`HopperBwdConfig.default` for a call with this (padded) head_dim, key length and band; with a score or
+    mask program (`programs`) the two passes, as the one pass takes none (its dQ has no per-query pass to
+    sum a score program's row gradients in, and its ordered adds no per-head block ranges)."""
+    config = HopperBwdConfig.default(head_dim, deterministic, kv_len=kv_len, is_causal=band.is_causal)
+    if programs and config.dq_atomic:
+        return dataclasses.replace(config, dq_atomic=False, dq_ordered=False)
+    return config
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "is_causal", "local_window_size", "config", "interpret"))
+def _mask_ranges(mask_mod, mask_stacks, config: HopperBwdConfig, *, batch, heads, kv_heads, q_len, kv_len):
+    """The mask program's block ranges (`mask_block_ranges`) of both passes: per (batch, head, tile of
+    2 * block_q_dq queries) its key blocks for the dQ pass, and per (batch, kv head, tile of 2 * block_kv_dkv
+    keys) its query blocks over the group's heads for the dK/dV pass. The program is evaluated once, at
+    the finest tiles both passes' blocks are made of."""
+    dq_rows, dq_cols = NUM_CONSUMERS * config.block_q_dq, config.block_kv_dq
+    dkdv_rows, dkdv_cols = NUM_CONSUMERS * config.block_kv_dkv, config.block_q_dkv
+    block_q, block_kv = math.gcd(dq_rows, dkdv_cols), math.gcd(dq_cols, dkdv_rows)
+    q_pad = round_up(q_len, math.lcm(dq_rows, dkdv_cols))
+    kv_pad = round_up(kv_len, math.lcm(dq_cols, dkdv_rows))
+    anything, everything = staged_block_classes(
+        mask_mod, mask_stacks, batch=batch, heads=heads, q_len=q_len, kv_len=kv_len, block_q=block_q, block_kv=block_kv
+    )
+    pad = ((0, 0), (0, 0), (0, q_pad // block_q - anything.shape[2]), (0, kv_pad // block_kv - anything.shape[3]))
+    anything, everything = jnp.pad(anything, pad), jnp.pad(everything, pad, constant_values=True)
+    dq_ranges = mask_block_ranges(*coarsen_block_classes(anything, everything, dq_rows // block_q, dq_cols // block_kv))
+    anything, everything = (jnp.swapaxes(x, 2, 3) for x in (anything, everything))  # [.., key, query] blocks
+    if anything.shape[1] > 1:  # a dK/dV CTA visits the query blocks of every head of its group
+        group = (anything.shape[0], kv_heads, heads // kv_heads, *anything.shape[2:])
+        anything, everything = anything.reshape(group).any(axis=2), everything.reshape(group).all(axis=2)
+    dkdv_ranges = mask_block_ranges(
+        *coarsen_block_classes(anything, everything, dkdv_rows // block_kv, dkdv_cols // block_q)
+    )
+    return dq_ranges, dkdv_ranges
+
+
+def _stack_cotangent(d, stack, length: int):
+    """A float stack's cotangent ([Bd, Hd, n, length], as `stack`) from a kernel's gradient per (batch, query
+    head) and padded position: summed over the batch or heads the stack is broadcast over."""
+    d = d[..., :length]
+    return jnp.sum(d, axis=tuple(i for i in (0, 1) if stack.shape[i] == 1), keepdims=True).astype(stack.dtype)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("scale", "is_causal", "local_window_size", "config", "score_mod", "mask_mod", "interpret"),
+)
 def hopper_backward(
     q,
     k,
@@ -121,14 +181,22 @@ def hopper_backward(
     q_segment_ids=None,
     kv_segment_ids=None,
     config: HopperBwdConfig | None = None,
+    score_mod: mods.Staged | None = None,
+    score_stacks=(None,) * 4,
+    mask_mod: mods.Staged | None = None,
+    mask_stacks=(None,) * 4,
     interpret=None,
 ):
     """Gradients of attention on Hopper from the forward's residuals.
 
     q [batch, q_len, heads, head_dim], k/v [batch, kv_len, kv_heads, head_dim] (bf16/fp16), out like q,
     lse [batch, heads, q_len] float32 natural log; cotangents d_out like out and d_lse like lse (or None).
-    The band and segment ids as in `hopper_fwd.hopper_forward` (the forward's own).
-    Returns (dq, dk, dv) shaped and typed like (q, k, v); dk/dv are summed over each kv head's group.
+    The band, segment ids and programs as in `hopper_fwd.hopper_forward` (the forward's own): score_mod /
+    mask_mod a `mods.Staged` or None, with its (rows_int, rows_float, cols_int, cols_float) from
+    `Staged.stacks` (two passes only: the default config takes them where programs are given).
+    Returns (dq, dk, dv, d_rows_float, d_cols_float): dq, dk, dv shaped and typed like (q, k, v), dk/dv
+    summed over each kv head's group; d_rows_float / d_cols_float the cotangents of score_stacks[1] /
+    score_stacks[3] (None where that stack is None; zeros unless `score_mod.needs_grad`).
     `interpret`: None compiles for the GPU; an `InterpretGPUParams` runs the two-pass kernels in the Mosaic
     GPU interpreter on CPU (as `hopper_forward`'s; not config.dq_atomic)."""
     band = masks.Band.of(is_causal, local_window_size)
@@ -139,8 +207,17 @@ def hopper_backward(
     padded_dim = padded_head_dim(head_dim)
     if padded_dim > MAX_HEAD_DIM:
         raise ValueError(f"the Hopper backward takes head_dim <= {MAX_HEAD_DIM}, got {head_dim}")
-    config = config or default_config(padded_dim, kv_len, band, deterministic=True)
+    has_programs = score_mod is not None or mask_mod is not None
+    config = config or default_config(padded_dim, kv_len, band, deterministic=True, programs=has_programs)
     check_config(config, padded_dim, q.dtype.itemsize)
+    if has_programs and config.dq_atomic:
+        raise ValueError(
+            f"{config}: the one-pass dq_atomic backward takes no score_mod or mask_mod; use dq_atomic=False "
+            "(`default_config(..., programs=True)`)"
+        )
+    for name, program, stacks in (("score", score_mod, score_stacks), ("mask", mask_mod, mask_stacks)):
+        if len(stacks) != 4 or (program is None and any(x is not None for x in stacks)):
+            raise ValueError(f"{name}_stacks must be (rows_int, rows_float, cols_int, cols_float) of a {name}_mod")
     if config.dq_atomic and interpret is not None:
         raise ValueError(
             "the one-pass dq_atomic backward cannot run in the Mosaic GPU interpreter (JAX 0.10.2 "
@@ -170,7 +247,33 @@ def hopper_backward(
     if config.dq_atomic:
         dk, dv, dq = _fold_vmap(functools.partial(dkdv_pass, **common))(qp, kp, vp, dop, lse2, delta, *ids)
         dq = (dq * scale).astype(q.dtype)
-    else:
+    elif not has_programs:
         dk, dv = dkdv_pass(qp, kp, vp, dop, lse2, delta, *ids, **common)
         dq = dq_pass(qp, kp, vp, dop, lse2, delta, *ids, **common)
-    return dq[:, :q_len, :, :head_dim], dk[:, :kv_len, :, :head_dim], dv[:, :kv_len, :, :head_dim]
+    else:
+        rows, row_offsets = pack_mod_stacks((*score_stacks[:2], *mask_stacks[:2]), q_pad)
+        cols, col_offsets = pack_mod_stacks((*score_stacks[2:], *mask_stacks[2:]), kv_pad)
+        programs = KernelMods(score_mod, mask_mod, row_offsets, col_offsets)
+        dq_ranges = dkdv_ranges = None
+        if mask_mod is not None:
+            dq_ranges, dkdv_ranges = _mask_ranges(
+                mask_mod, mask_stacks, config, batch=batch, heads=heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len
+            )
+        grads = score_mod is not None and score_mod.needs_grad
+        dk, dv, *d_cols = dkdv_pass(
+            qp, kp, vp, dop, lse2, delta, *ids, (rows, cols, dkdv_ranges), programs=programs, **common
+        )
+        dq = dq_pass(qp, kp, vp, dop, lse2, delta, *ids, (rows, cols, dq_ranges), programs=programs, **common)
+        dq, *d_rows = dq if isinstance(dq, tuple) else (dq,)
+        d_rows_float, d_cols_float = (
+            None if stack is None else _stack_cotangent(d[0], stack, length) if grads else jnp.zeros_like(stack)
+            for stack, d, length in ((score_stacks[1], d_rows, q_len), (score_stacks[3], d_cols, kv_len))
+        )
+        return (
+            dq[:, :q_len, :, :head_dim],
+            dk[:, :kv_len, :, :head_dim],
+            dv[:, :kv_len, :, :head_dim],
+            d_rows_float,
+            d_cols_float,
+        )
+    return dq[:, :q_len, :, :head_dim], dk[:, :kv_len, :, :head_dim], dv[:, :kv_len, :, :head_dim], None, None

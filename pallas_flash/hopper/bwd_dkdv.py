@@ -36,9 +36,12 @@ from pallas_flash.hopper.common import (
     fill_ring,
     load_own_ids,
     masked_edge_loops,
+    program_mask,
+    program_score,
     register_ops,
     segment_block_ranges,
     segment_scratch,
+    stack_index,
     step_block,
     swizzle_transforms,
     tile_visible,
@@ -46,6 +49,7 @@ from pallas_flash.hopper.common import (
     wgmma_operand,
 )
 from pallas_flash.hopper.config import NUM_CONSUMERS, HopperBwdConfig
+from pallas_flash.hopper.fwd import KernelMods
 
 # The ordered one pass's producer warp by warp: warp 1 adds dQ in order, the others issue a step's copies ("q": Q
 # and the segment ids; "lse2", "do", "delta"). On a full band one warp issues them all (two cost 4-7% there);
@@ -66,9 +70,13 @@ def _dkdv_kernel(
     q_ids_ref,
     kv_ids_ref,
     q_ranges_ref,
+    rows_ref,
+    cols_ref,
+    mask_ranges_ref,
     dq_acc_ref,
     dk_ref,
     dv_ref,
+    d_cols_ref,
     scoped,
     *,
     scale: float,
@@ -76,6 +84,7 @@ def _dkdv_kernel(
     kv_len: int,
     group: int,
     config: HopperBwdConfig,
+    programs: KernelMods,
     interpreting: bool,
     dq_order=None,
 ):
@@ -93,15 +102,22 @@ def _dkdv_kernel(
     dq_acc_ref: None, or (config.dq_atomic) a float32 [batch, q_pad, heads, d] buffer that each query block's
     dS K is reduce-added into by TMA (unscaled): zeros in free order; unwritten with dq_ordered, whose first
     visitor of a block stores instead.
-    dq_order: None, or (config.dq_ordered) a `DqOrder`."""
+    dq_order: None, or (config.dq_ordered) a `DqOrder`.
+    `programs` (two passes only): the score and mask programs, with rows_ref (riding the Q ring) and cols_ref
+    (resident per consumer, every query head of the group) their packed values, mask_ranges_ref the mask
+    program's query blocks per (batch, kv head, key tile) (`mask_block_ranges`, over the group's heads), and
+    d_cols_ref None or float32 [batch, heads, n, kv_pad]: the gradient of the score program's float column
+    values per key (summed over queries)."""
     (
         (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, *dq_staging),
         (k_ready, v_ready),
         (q_ready, do_ready, lse_ready, delta_ready),
         free,
         segments,
+        (rows_smem, rows_ready, cols_smem, cols_ready, d_cols_smem),
         *ds_barriers,
     ) = scoped
+    score_mod, mask_mod = programs.score, programs.mask
     has_segments = q_ids_ref is not None
     block_q, block_kv, num_stages = config.block_q_dkv, config.block_kv_dkv, config.num_stages_dkv
     num_q_blocks = q_ref.shape[1] // block_q
@@ -128,6 +144,12 @@ def _dkdv_kernel(
         kv_pad=k_ref.shape[1],
         band=band,
     )
+    if mask_ranges_ref is not None:  # and the query blocks the mask program leaves anything visible in
+        b, h = stack_index(mask_ranges_ref, batch, kv_head)
+        q_lo = jnp.maximum(q_lo, mask_ranges_ref[b, h, kv_tile, 0])
+        q_hi = jnp.maximum(jnp.minimum(q_hi, mask_ranges_ref[b, h, kv_tile, 1]), q_lo)
+        full = (mask_ranges_ref[b, h, kv_tile, 2], mask_ranges_ref[b, h, kv_tile, 3])
+        same = full if same is None else (jnp.maximum(same[0], full[0]), jnp.minimum(same[1], full[1]))
     q_steps = q_hi - q_lo
     total_steps = group * q_steps
     wg = lax.axis_index("wg")
@@ -166,6 +188,20 @@ def _dkdv_kernel(
                 plgpu.barrier_wait(k_ready.at[i])
         plgpu.barrier_wait(v_ready.at[wg])
         c = scale * LOG2E  # exp(scale * s - lse) = exp2(c * s - lse2)
+        if cols_ref is not None:  # this warpgroup's keys' program values, of every query head of the group
+            b, h = stack_index(cols_ref, batch, kv_head)
+            heads = pl.ds(h * group, group) if cols_ref.shape[1] > 1 else pl.ds(0, 1)
+            plgpu.copy_gmem_to_smem(
+                cols_ref.at[b, heads, :, pl.ds(kv_start, block_kv)], cols_smem.at[wg], cols_ready.at[wg]
+            )
+            plgpu.barrier_wait(cols_ready.at[wg])
+        grads = score_mod is not None and score_mod.needs_grad
+
+        def column_values(g):  # `ModValues` of this warpgroup's keys for query head g of the group
+            head = g if cols_ref is not None and cols_ref.shape[1] > 1 else 0
+            return programs.values(
+                "col", lambda i: load_vector(cols_smem.at[wg, head, i], plgpu.Layout.WGMMA.reduce(1)), masked=True
+            )
 
         # The order of a step's wgmmas. Split: S^T; then dV with dP^T; then dK (and dQ): three groups, the
         # elementwise work between them. Fused: S^T with dP^T (neither needs P^T); then dV, dK (and dQ): two
@@ -180,10 +216,34 @@ def _dkdv_kernel(
         # P^T, dP^T, dK and dV when dS^T is formed (fewer spills).
         delta_in_dp = config.delta_in_dp and not fused and not interpreting
 
-        def probabilities(s, q_block, slot, *, masked: bool):
-            """P^T = exp2(c S^T - lse2) of the step's query block (float32), masked if `masked`."""
+        def probabilities(s, q_block, slot, *, g, cols, masked: bool):
+            """(P^T, pullback): P^T = exp2(c S^T - lse2) of the step's query block (float32), masked if `masked`;
+            with a score program P^T of its scores, and pullback(dS^T) = (dS^T taken back through the program
+            to the raw logits, the step's part of the gradient of its float column values), else None. g: the
+            query head within the group; cols: `column_values(g)`."""
             lse2 = load_vector(lse_smem.at[slot], column)
-            p = jnp.exp2(s * c - lax.broadcast_in_dim(lse2, s.shape, [1]))
+            q_idx = kv_idx = pullback = None
+            if score_mod is not None or (masked and mask_mod is not None):  # positions the programs read
+                q_idx, kv_idx = q_block * block_q + iota(s.shape, 1), kv_start + iota(s.shape, 0)
+            if rows_ref is not None:  # the block's values ride the Q ring; every step waits (one wait per phase)
+                plgpu.barrier_wait(rows_ready.at[slot])
+            rows = programs.values("row", lambda i: load_vector(rows_smem.at[slot, i], column), masked=masked)
+            if score_mod is None:
+                p = jnp.exp2(s * c - lax.broadcast_in_dim(lse2, s.shape, [1]))
+            else:
+                x, pullback = program_score(
+                    score_mod,
+                    s * scale,
+                    rows.score,
+                    cols.score,
+                    batch=batch,
+                    head=kv_head * group + g,
+                    q_idx=q_idx,
+                    kv_idx=kv_idx,
+                    q_axis=1,
+                    grad_side="col" if grads else None,
+                )
+                p = jnp.exp2(x * LOG2E - lax.broadcast_in_dim(lse2, s.shape, [1]))
             q_seg = None
             if has_segments:  # every step waits (one wait per phase); masked ones read the ids
                 plgpu.barrier_wait(q_ids_ready.at[slot])
@@ -200,9 +260,28 @@ def _dkdv_kernel(
                     shape=s.shape,
                     q_axis=1,
                 )
+                if mask_mod is not None:
+                    seen = program_mask(
+                        mask_mod,
+                        rows.mask,
+                        cols.mask,
+                        batch=batch,
+                        head=kv_head * group + g,
+                        q_idx=q_idx,
+                        kv_idx=kv_idx,
+                        q_axis=1,
+                    )
+                    visible = seen if visible is None else visible & seen
                 if visible is not None:  # None: traced for a loop that runs no iterations
                     p = jnp.where(visible, p, 0.0)
-            return p
+            return p, pullback
+
+        def through_program(ds, pullback, acc):
+            """dS^T and the column gradients `acc` after a step, with its score program's `pullback`."""
+            if pullback is None:
+                return ds, acc
+            ds, d_cols = pullback(ds)
+            return ds, tuple(a + d for a, d in zip(acc, d_cols))
 
         def delta_columns(slot, shape):
             """The step's delta (per query) broadcast over the key rows of a [block_kv, block_q] tile."""
@@ -216,8 +295,8 @@ def _dkdv_kernel(
             plgpu.barrier_wait(do_ready.at[slot])
             plgpu.barrier_wait(delta_ready.at[slot])
 
-        def step(q_block, carry, *, g, masked: bool):
-            dk, dv = carry
+        def step(q_block, carry, *, g, cols, masked: bool):
+            dk, dv, acc = carry
             t = g * q_steps + q_block - q_lo  # this warpgroup's step number (`step_block` inverted)
             slot = lax.rem(t, num_stages)
             q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
@@ -241,7 +320,7 @@ def _dkdv_kernel(
                 s, dp = pl.run_scoped(s_t_dp_t, tile, tile)
             else:
                 s = pl.run_scoped(s_t, tile)
-            p = probabilities(s, q_block, slot, masked=masked)
+            p, pullback = probabilities(s, q_block, slot, g=g, cols=cols, masked=masked)
             if not fused:
                 wait_do(slot)
 
@@ -257,6 +336,7 @@ def _dkdv_kernel(
                     dp_init = -delta_columns(slot, s.shape) if delta_in_dp else zeros(s.shape)
                     dv, dp = pl.run_state(dv_dp_t)((plgpu.ACC.init(dv), plgpu.ACC.init(dp_init)))
             ds = p * dp if delta_in_dp else p * (dp - delta_columns(slot, s.shape))
+            ds, acc = through_program(ds, pullback, acc)
             if fused:  # the wgmma operands now: float32 P^T dies here
                 ds, p = ds.astype(dtype), p.astype(dtype)
             if dq_acc_ref is None:
@@ -269,7 +349,7 @@ def _dkdv_kernel(
                 else:
                     dk = pl.run_state(dk_update)(plgpu.ACC.init(dk))
                 plgpu.barrier_arrive(free.at[slot])
-                return dk, dv
+                return dk, dv, acc
             # One pass, FA3's split: both warpgroups' dS^T halves go to one shared [2 block_kv, block_q] tile,
             # and each warpgroup computes half of dQ[q block] = dS K from all 2 block_kv keys (half the
             # columns, or at head_dim 64 half the query rows: see `split_dq_product`), reduce-added by TMA (unscaled).
@@ -319,7 +399,7 @@ def _dkdv_kernel(
                 dq_smem[...] = dq
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(dq_order.staged.at[lax.rem(t, 2)])
-                return dk, dv
+                return dk, dv, acc
             # Two staging slots per warpgroup, one store (its own bulk group) per step: once at most one is
             # in flight (step t-1's), step t-2's has read this slot.
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)
@@ -329,15 +409,15 @@ def _dkdv_kernel(
             plgpu.copy_smem_to_gmem(
                 dq_smem, dq_acc_ref.at[batch, q_rows, kv_head * group + g, dq_cols], reduction_op="add"
             )
-            return dk, dv
+            return dk, dv, acc
 
-        def overlapped_step(q_block, carry, *, g, masked: bool):
+        def overlapped_step(q_block, carry, *, g, cols, masked: bool):
             """`config.dkv_overlap` (two passes): issues S^T_t, then dK += dS^T_{t-1} Q_{t-1}, waits for S^T_t
             alone (wgmma groups complete in order) and computes P^T_t while that dK product runs; then dV with
             dP^T_t as in `step`. Q_{t-1}'s slot is released once its dK product is done, so the consumer holds
             two slots of the ring. Step 0 has no previous step: its dK product adds zeros (the initial dS^T)
             times its own Q block, which is exact, and it releases nothing."""
-            dk, dv, ds_prev = carry
+            dk, dv, ds_prev, acc = carry
             t = g * q_steps + q_block - q_lo
             slot = lax.rem(t, num_stages)
             prev = jnp.where(t > 0, lax.rem(t + num_stages - 1, num_stages), slot)
@@ -347,10 +427,13 @@ def _dkdv_kernel(
             if interpreting:  # the same steps, one product at a time
                 s = dot_t(wgmma_operand(k_smem), wgmma_operand(q_tile))
                 dk = dk + jnp.dot(ds_prev, wgmma_operand(q_smem.at[prev]), preferred_element_type=jnp.float32)
-                p = probabilities(s, q_block, slot, masked=masked)
+                p, pullback = probabilities(s, q_block, slot, g=g, cols=cols, masked=masked)
                 wait_do(slot)
                 dv = dv + jnp.dot(p.astype(dtype), wgmma_operand(do_tile), preferred_element_type=jnp.float32)
                 dp = dot_t(wgmma_operand(v_smem), wgmma_operand(do_tile))
+                if pullback is not None:
+                    ds = p * dp if delta_in_dp else p * (dp - delta_columns(slot, p.shape))
+                    p, acc = through_program(ds, pullback, acc)  # dS^T in place of P^T (dP^T is not read)
             else:
 
                 def products(s_ref, dk_ref, dv_ref, dp_ref):
@@ -359,24 +442,31 @@ def _dkdv_kernel(
                     plgpu.wgmma(s_ref, k_smem, q_tile.transpose((1, 0)))
                     plgpu.wgmma(dk_ref, ds_prev, q_smem.at[prev])
                     s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S^T_t done; dK may run on
-                    p = probabilities(s, q_block, slot, masked=masked)
+                    p, pullback = probabilities(s, q_block, slot, g=g, cols=cols, masked=masked)
                     wait_do(slot)
                     if delta_in_dp:
                         dp_ref[...] = -delta_columns(slot, p.shape)
                     plgpu.wgmma(dv_ref, p.astype(dtype), do_tile)
                     plgpu.wgmma(dp_ref, v_smem, do_tile.transpose((1, 0)))
                     dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=None)
-                    return p, dp, dk_ref[...], dv_ref[...]
+                    if pullback is None:
+                        return p, dp, dk_ref[...], dv_ref[...], acc
+                    # The program's pullback lives in this scope: dS^T is formed here, in P^T's place.
+                    ds = p * dp if delta_in_dp else p * (dp - delta_columns(slot, p.shape))
+                    ds, d_cols = through_program(ds, pullback, acc)
+                    return ds, dp, dk_ref[...], dv_ref[...], d_cols
 
                 tile, accumulator = plgpu.ACC((block_kv, block_q), jnp.float32), plgpu.ACC(dk.shape, jnp.float32)
-                p, dp, dk, dv = pl.run_scoped(products, tile, accumulator, accumulator, tile)
+                p, dp, dk, dv, acc = pl.run_scoped(products, tile, accumulator, accumulator, tile)
 
             @pl.when(t > 0)
             def _():
                 plgpu.barrier_arrive(free.at[prev])
 
+            if score_mod is not None:  # p holds dS^T already
+                return dk, dv, p.astype(dtype), acc
             ds = p * dp if delta_in_dp else p * (dp - delta_columns(slot, p.shape))
-            return dk, dv, ds.astype(dtype)
+            return dk, dv, ds.astype(dtype), acc
 
         # Query blocks that see every key of this warpgroup (in its band and, with segment ids, in the tile's
         # one segment) skip the mask (none, with `always_mask`).
@@ -391,16 +481,34 @@ def _dkdv_kernel(
         )
         unmasked_lo, unmasked_hi = unmasked_blocks(band_range, (q_lo, q_hi), same)
 
-        # Without a left band edge, masked padding or segment ids, unmasked_hi == q_hi: no trailing edge.
-        trailing = band.left is not None or always_mask or has_segments
+        # Without a left band edge, masked padding, segment ids or a mask program, unmasked_hi == q_hi: no
+        # trailing edge.
+        trailing = band.left is not None or always_mask or has_segments or mask_mod is not None
 
         overlap = config.dkv_overlap and dq_acc_ref is None
         step_fn = overlapped_step if overlap else step
 
+        num_d_cols = 0 if d_cols_ref is None else d_cols_ref.shape[2]
+
         def head(g, carry):
-            return masked_edge_loops(
-                functools.partial(step_fn, g=g), carry, q_lo, unmasked_lo, unmasked_hi, q_hi if trailing else None
+            """The steps of query head g of the group; with `grads`, its column gradients go out after them."""
+            acc = tuple(zeros((block_kv, block_q)).sum(axis=1) for _ in range(num_d_cols))
+            *carry, acc = masked_edge_loops(
+                functools.partial(step_fn, g=g, cols=column_values(g)),
+                (*carry, acc),
+                q_lo,
+                unmasked_lo,
+                unmasked_hi,
+                q_hi if trailing else None,
             )
+            if acc:
+                for i, d_col in enumerate(acc):
+                    d_cols_smem.at[wg, i][...] = d_col
+                plgpu.commit_smem()
+                keys = pl.ds(kv_start, block_kv)
+                plgpu.copy_smem_to_gmem(d_cols_smem.at[wg], d_cols_ref.at[batch, kv_head * group + g, :, keys])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the staging is rewritten for the next head
+            return tuple(carry)
 
         shape = (block_kv, k_smem.shape[-1])
         carry = (zeros(shape), zeros(shape))
@@ -458,6 +566,9 @@ def _dkdv_kernel(
                 plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_ready.at[slot])
                 if has_segments:  # ids of the block's queries (read in masked steps, which all steps are then)
                     plgpu.copy_gmem_to_smem(q_ids_ref.at[batch, queries], segments[0].at[slot], segments[2].at[slot])
+                if rows_ref is not None:  # the programs' values of the block's queries
+                    b, h = stack_index(rows_ref, batch, head)
+                    plgpu.copy_gmem_to_smem(rows_ref.at[b, h, :, queries], rows_smem.at[slot], rows_ready.at[slot])
             if "lse2" in copies:
                 plgpu.copy_gmem_to_smem(lse2_ref.at[batch, head, queries], lse_smem.at[slot], lse_ready.at[slot])
             if "do" in copies:
@@ -508,14 +619,20 @@ def dkdv_pass(
     delta,
     q_ids,
     kv_ids,
+    mod_operands=(None, None, None),
     *,
     scale: float,
     band: masks.Band,
     kv_len: int,
     config: HopperBwdConfig,
+    programs: KernelMods = KernelMods(),
     interpret,
 ):
-    """(dk, dv), and with config.dq_atomic also dq (float32, unscaled, [batch, q_pad, heads, d])."""
+    """(dk, dv), and with config.dq_atomic also dq (float32, unscaled, [batch, q_pad, heads, d]). With a score
+    program whose float values need gradients (`needs_grad`, two passes only), also d_cols: float32
+    [batch, heads, n, kv_pad], the gradient of each of its float column values per key and query head
+    (summed over queries). mod_operands: the programs' packed row and column values and the mask program's
+    query blocks per (batch, kv head, key tile) (`mask_block_ranges`), each None where absent."""
     batch, kv_pad, kv_heads, head_dim = k.shape
     block_q, block_kv, num_stages = config.block_q_dkv, config.block_kv_dkv, config.num_stages_dkv
     has_segments = q_ids is not None
@@ -553,13 +670,29 @@ def dkdv_pass(
                 plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=2),
                 plgpu.Barrier(num_arrivals=1, num_barriers=2),
             )
+    group = q.shape[2] // kv_heads
+    rows, cols, _ = mod_operands
+    score_mod = programs.score
+    num_d_cols = len(score_mod.group("col", "float")) if score_mod is not None and score_mod.needs_grad else 0
+    # Row values ride the Q ring; column values are resident per consumer, for each head of the group they vary
+    # with; the float column gradients' staging.
+    mod_scratch = (
+        None if rows is None else plgpu.SMEM((num_stages, rows.shape[2], block_q), jnp.int32),
+        None if rows is None else plgpu.Barrier(num_barriers=num_stages),
+        None
+        if cols is None
+        else plgpu.SMEM((NUM_CONSUMERS, group if cols.shape[1] > 1 else 1, cols.shape[2], block_kv), jnp.int32),
+        None if cols is None else plgpu.Barrier(num_barriers=NUM_CONSUMERS),
+        plgpu.SMEM((NUM_CONSUMERS, num_d_cols, block_kv), jnp.float32) if num_d_cols else None,
+    )
     body = functools.partial(
         _dkdv_kernel,
         scale=scale,
         band=band,
         kv_len=kv_len,
-        group=q.shape[2] // kv_heads,
+        group=group,
         config=config,
+        programs=programs,
         interpreting=interpret is not None,
     )
 
@@ -571,6 +704,12 @@ def dkdv_pass(
     def flash_backward_dkdv_sm90(*refs):  # the kernel's name in profiles
         inputs, rest = refs[:6], refs[6:]
         segment_refs, rest = (rest[:3], rest[3:]) if has_segments else ((None, None, None), rest)
+        rest = list(rest)
+        mod_refs = [None if x is None else rest.pop(0) for x in mod_operands]
+        if num_d_cols:
+            *rest, d_cols_ref = rest
+        else:
+            d_cols_ref = None
         ranks = semaphores = None
         if config.dq_ordered:  # the rank table rides behind the inputs; the counters are global semaphores
             ranks, rest = rest[0], rest[1:]
@@ -579,11 +718,13 @@ def dkdv_pass(
 
         def run(*scoped):
             if ranks is None:
-                return body(*inputs, *segment_refs, dq_acc, *outputs, scoped)
+                return body(*inputs, *segment_refs, *mod_refs, dq_acc, *outputs, d_cols_ref, scoped)
             *scoped, staged, free = scoped
             *cta, active = ordered_cta(batch, kv_heads, num_tiles, launch_group)
             order = DqOrder(ranks, semaphores, tuple(cta), staged, free)
-            pl.when(active)(lambda: body(*inputs, *segment_refs, dq_acc, *outputs, tuple(scoped), dq_order=order))
+            pl.when(active)(
+                lambda: body(*inputs, *segment_refs, *mod_refs, dq_acc, *outputs, None, tuple(scoped), dq_order=order)
+            )
 
         pl.run_scoped(
             run,
@@ -592,6 +733,7 @@ def dkdv_pass(
             (plgpu.Barrier(num_barriers=num_stages),) * 4,
             plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=num_stages),
             segment_scratch(has_segments, (num_stages, block_q), (NUM_CONSUMERS, block_kv)),
+            mod_scratch,
             *extra_barriers,
             collective_axes="wg",
         )
@@ -601,6 +743,7 @@ def dkdv_pass(
     if has_segments:
         q_ranges = segment_block_ranges(kv_ids, q_ids, rows_per_tile=NUM_CONSUMERS * block_kv, cols_per_block=block_q)
         operands += (q_ids, kv_ids, q_ranges)
+    operands += tuple(x for x in mod_operands if x is not None)
     out_type = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
     grid = dict(
         grid=(batch, kv_heads, num_tiles),
@@ -632,6 +775,8 @@ def dkdv_pass(
         )(*operands, dq_order_ranks(visits))
         return dk, dv, jnp.where(dq_visited_rows(visits, block_q)[:, :, None, None], dq, 0.0)
     if not config.dq_atomic:
+        if num_d_cols:
+            out_type += (jax.ShapeDtypeStruct((batch, q.shape[2], num_d_cols, kv_pad), jnp.float32),)
         return plgpu.kernel(
             flash_backward_dkdv_sm90, out_type=out_type, compiler_params=compiler_params, **grid, **interpreter
         )(*operands)

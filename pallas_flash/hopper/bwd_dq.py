@@ -20,10 +20,14 @@ from pallas_flash.hopper.common import (
     drain_ring,
     load_own_ids,
     masked_edge_loops,
+    narrow_to_mask_ranges,
+    program_mask,
+    program_score,
     query_tile_schedule,
     register_ops,
     segment_block_ranges,
     segment_scratch,
+    stack_index,
     stream_kv_blocks,
     swizzle_transforms,
     tile_visible,
@@ -31,6 +35,7 @@ from pallas_flash.hopper.common import (
     wgmma_operand,
 )
 from pallas_flash.hopper.config import NUM_CONSUMERS, HopperBwdConfig
+from pallas_flash.hopper.fwd import KernelMods
 
 
 def _dq_kernel(
@@ -43,7 +48,11 @@ def _dq_kernel(
     q_ids_ref,
     kv_ids_ref,
     kv_ranges_ref,
+    rows_ref,
+    cols_ref,
+    mask_ranges_ref,
     dq_ref,
+    d_rows_ref,
     scoped,
     *,
     scale: float,
@@ -52,18 +61,24 @@ def _dq_kernel(
     num_q_tiles: int,
     group: int,
     config: HopperBwdConfig,
+    programs: KernelMods,
     interpreting: bool,
 ):
     """Grid (batch, heads, q_tiles), 3 warpgroups ("wg"): 0 and 1 consume, 2 produces.
 
-    Shapes and `interpreting` as in `_dkdv_kernel`; dq_ref like q_ref."""
+    Shapes and `interpreting` as in `_dkdv_kernel`; dq_ref like q_ref. `programs`: the score and mask
+    programs with rows_ref (resident per consumer) and cols_ref (riding the K ring) their packed values,
+    mask_ranges_ref the mask program's key blocks per query tile (`mask_block_ranges`), and d_rows_ref None
+    or float32 [batch, heads, n, q_pad]: the gradient of the score program's float row values."""
     (
         (q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem),
         resident_ready,
         (k_ready, v_ready),
         (k_free, v_free),
         segments,
+        mod_scratch,
     ) = scoped
+    score_mod, mask_mod = programs.score, programs.mask
     has_segments = q_ids_ref is not None
     block_q, block_kv, num_stages = config.block_q_dq, config.block_kv_dq, config.num_stages_dq
     num_kv_blocks = k_ref.shape[1] // block_kv
@@ -78,6 +93,17 @@ def _dq_kernel(
         band=band,
         segment_ranges=kv_ranges_ref,
     )
+    if mask_ranges_ref is not None:
+        kv_lo, kv_hi, same = narrow_to_mask_ranges(
+            kv_lo,
+            kv_hi,
+            same,
+            mask_ranges_ref,
+            batch=batch,
+            head=head,
+            tile=lax.div(tile_start, NUM_CONSUMERS * block_q),
+            num_kv_blocks=num_kv_blocks,
+        )
     wg = lax.axis_index("wg")
     iota, zeros, load_vector = register_ops(interpreting)
     consumer_registers, producer_registers = REGISTERS
@@ -117,6 +143,18 @@ def _dq_kernel(
         lse2 = load_vector(lse_smem2.at[wg], row)
         delta = load_vector(delta_smem2.at[wg], row)
         c = scale * LOG2E
+        column = plgpu.Layout.WGMMA.reduce(0)  # a per-key vector, broadcast along the queries of S
+        rows_smem, rows_ready, cols_smem, cols_ready, d_rows_smem = mod_scratch
+        if rows_ref is not None:
+            plgpu.copy_gmem_to_smem(
+                rows_ref.at[(*stack_index(rows_ref, batch, head), slice(None), pl.ds(q_start, block_q))],
+                rows_smem.at[wg],
+                rows_ready.at[wg],
+            )
+            plgpu.barrier_wait(rows_ready.at[wg])
+        # The programs' staged values of this warpgroup's queries (`ModValues`), resident.
+        row_values = programs.values("row", lambda i: load_vector(rows_smem.at[wg, i], row), masked=True)
+        grads = score_mod is not None and score_mod.needs_grad
 
         def slot_of(kv_step):
             return lax.rem(kv_step - kv_lo, num_stages)
@@ -141,8 +179,31 @@ def _dq_kernel(
             )
 
         def d_scores(s, dp, kv_step, slot, *, masked: bool):
-            """dS = P (dP - delta) of block kv_step (float32), P recomputed from S and lse2."""
-            p = jnp.exp2(s * c - lax.broadcast_in_dim(lse2, s.shape, [0]))
+            """(dS, d rows) of block kv_step: dS = P (dP - delta) (float32), P recomputed from S and lse2, with a
+            score program taken back through it to the raw logits; d rows: the block's part of the gradient of
+            the score program's float row values (one vector each; none without `grads`)."""
+            q_idx = kv_idx = pullback = None
+            if score_mod is not None or (masked and mask_mod is not None):  # positions the programs read
+                q_idx, kv_idx = q_start + iota(s.shape, 0), kv_step * block_kv + iota(s.shape, 1)
+            if cols_ref is not None:  # the block's values ride with K; every step waits (one wait per phase)
+                plgpu.barrier_wait(cols_ready.at[slot])
+            cols = programs.values("col", lambda i: load_vector(cols_smem.at[slot, i], column), masked=masked)
+            if score_mod is None:
+                p = jnp.exp2(s * c - lax.broadcast_in_dim(lse2, s.shape, [0]))
+            else:
+                x, pullback = program_score(
+                    score_mod,
+                    s * scale,
+                    row_values.score,
+                    cols.score,
+                    batch=batch,
+                    head=head,
+                    q_idx=q_idx,
+                    kv_idx=kv_idx,
+                    q_axis=0,
+                    grad_side="row" if grads else None,
+                )
+                p = jnp.exp2(x * LOG2E - lax.broadcast_in_dim(lse2, s.shape, [0]))
             kv_seg = None
             if has_segments:  # the block's ids ride with K (released with it); every step waits (one wait
                 plgpu.barrier_wait(kv_ids_ready.at[slot])  # per phase), masked ones read them
@@ -159,9 +220,25 @@ def _dq_kernel(
                     shape=s.shape,
                     q_axis=0,
                 )
+                if mask_mod is not None:
+                    seen = program_mask(
+                        mask_mod,
+                        row_values.mask,
+                        cols.mask,
+                        batch=batch,
+                        head=head,
+                        q_idx=q_idx,
+                        kv_idx=kv_idx,
+                        q_axis=0,
+                    )
+                    visible = seen if visible is None else visible & seen
                 if visible is not None:  # None: traced for a loop that runs no iterations
                     p = jnp.where(visible, p, 0.0)
-            return p * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))
+            ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))
+            return (ds, ()) if pullback is None else pullback(ds)
+
+        def add_rows(acc, d_rows):
+            return tuple(a + d for a, d in zip(acc, d_rows))
 
         def add_ds_k(dq, ds, slot):  # dQ += dS K (dS in the input dtype), waited for
             if interpreting:
@@ -172,30 +249,31 @@ def _dq_kernel(
                 plgpu.ACC.init(dq)
             )
 
-        def step(kv_step, dq, *, masked: bool):
+        def step(kv_step, carry, *, masked: bool):
+            dq, acc = carry
             slot = slot_of(kv_step)
             plgpu.barrier_wait(k_ready.at[slot])
             plgpu.barrier_wait(v_ready.at[slot])
 
             s, dp = s_and_dp(slot)
             plgpu.barrier_arrive(v_free.at[slot])
-            ds = d_scores(s, dp, kv_step, slot, masked=masked)
+            ds, d_rows = d_scores(s, dp, kv_step, slot, masked=masked)
             dq = add_ds_k(dq, ds, slot)
             plgpu.barrier_arrive(k_free.at[slot])
-            return dq
+            return dq, add_rows(acc, d_rows)
 
         def overlapped_step(kv_step, carry, *, masked: bool):
             """`config.dq_overlap`: issues S_j and dP_j, then dQ += dS_{j-1} K_{j-1}, waits for S_j and dP_j
             alone (wgmmas complete in order) and computes dS_j while that dQ product runs; K_{j-1} is
             released once it is done, so the ring holds two key blocks per consumer at a time."""
-            dq, ds_prev = carry
+            dq, ds_prev, acc = carry
             slot, prev = slot_of(kv_step), slot_of(kv_step - 1)
             plgpu.barrier_wait(k_ready.at[slot])
             plgpu.barrier_wait(v_ready.at[slot])
             if interpreting:  # the same steps, one product at a time
                 s, dp = s_and_dp(slot)
                 plgpu.barrier_arrive(v_free.at[slot])
-                ds = d_scores(s, dp, kv_step, slot, masked=masked)
+                ds, d_rows = d_scores(s, dp, kv_step, slot, masked=masked)
                 dq = add_ds_k(dq, ds_prev, prev)
             else:
 
@@ -206,17 +284,17 @@ def _dq_kernel(
                     s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S_j, dP_j done; dQ may run on
                     dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=None)
                     plgpu.barrier_arrive(v_free.at[slot])
-                    ds = d_scores(s, dp, kv_step, slot, masked=masked)
-                    return dq_ref[...], ds
+                    ds, d_rows = d_scores(s, dp, kv_step, slot, masked=masked)
+                    return dq_ref[...], ds, d_rows
 
-                dq, ds = pl.run_scoped(
+                dq, ds, d_rows = pl.run_scoped(
                     products,
                     plgpu.ACC((block_q, block_kv), jnp.float32),
                     plgpu.ACC((block_q, block_kv), jnp.float32),
                     plgpu.ACC(dq.shape, jnp.float32),
                 )
             plgpu.barrier_arrive(k_free.at[prev])
-            return dq, ds.astype(dtype)
+            return dq, ds.astype(dtype), add_rows(acc, d_rows)
 
         # Only the band's edges, the ragged last block and (with segment ids) blocks that are not wholly in
         # the tile's one segment pay for the mask.
@@ -230,25 +308,39 @@ def _dq_kernel(
             always_mask=False,
         )
         unmasked_lo, unmasked_hi = unmasked_blocks(band_range, (kv_lo, kv_hi), same)
-        # Without a left band edge or segment ids, unmasked_lo == kv_lo: no leading edge.
-        leading = band.left is not None or has_segments
+        # Without a left band edge, segment ids or a mask program, unmasked_lo == kv_lo: no leading edge.
+        leading = band.left is not None or has_segments or mask_mod is not None
         dq = zeros((block_q, q_smem.shape[-1]))
+        # The gradient of each float row value of the score program, summed over the visited key blocks.
+        num_d_rows = 0 if d_rows_ref is None else d_rows_ref.shape[2]
+        acc = tuple(zeros((block_q, block_kv)).sum(axis=1) for _ in range(num_d_rows))
         if config.dq_overlap:  # block kv_lo (no dQ product before it) is peeled off and masked; kv_hi > kv_lo
             first = slot_of(kv_lo)
             plgpu.barrier_wait(k_ready.at[first])
             plgpu.barrier_wait(v_ready.at[first])
             s, dp = s_and_dp(first)
             plgpu.barrier_arrive(v_free.at[first])
-            ds = d_scores(s, dp, kv_lo, first, masked=True).astype(dtype)
+            ds, d_rows = d_scores(s, dp, kv_lo, first, masked=True)
+            ds = ds.astype(dtype)
             unmasked_lo, unmasked_hi = (jnp.maximum(edge, kv_lo + 1) for edge in (unmasked_lo, unmasked_hi))
-            dq, ds_last = masked_edge_loops(
-                overlapped_step, (dq, ds), kv_lo + 1 if leading else None, unmasked_lo, unmasked_hi, kv_hi
+            dq, ds_last, acc = masked_edge_loops(
+                overlapped_step,
+                (dq, ds, add_rows(acc, d_rows)),
+                kv_lo + 1 if leading else None,
+                unmasked_lo,
+                unmasked_hi,
+                kv_hi,
             )
             last = slot_of(kv_hi - 1)
             dq = add_ds_k(dq, ds_last, last)
             plgpu.barrier_arrive(k_free.at[last])
         else:
-            dq = masked_edge_loops(step, dq, kv_lo if leading else None, unmasked_lo, unmasked_hi, kv_hi)
+            dq, acc = masked_edge_loops(step, (dq, acc), kv_lo if leading else None, unmasked_lo, unmasked_hi, kv_hi)
+        if acc:  # the score program's float row gradients (the d_rows_ref rows of this warpgroup's queries)
+            for i, d_row in enumerate(acc):
+                d_rows_smem.at[wg, i][...] = d_row
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(d_rows_smem.at[wg], d_rows_ref.at[batch, head, :, pl.ds(q_start, block_q)])
         q_smem[...] = (dq * scale).astype(dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
@@ -258,6 +350,10 @@ def _dq_kernel(
     def _producer():
         plgpu.set_max_registers(producer_registers, action="decrease")
         ids = None if not has_segments else (kv_ids_ref, segments[1], segments[3])
+        riders = ()
+        if cols_ref is not None:
+            b, h = stack_index(cols_ref, batch, head)
+            riders = ((lambda keys: cols_ref.at[b, h, :, keys], mod_scratch[2], mod_scratch[3]),)
         stream_kv_blocks(
             (k_ref, v_ref),
             (k_smem, v_smem),
@@ -270,6 +366,7 @@ def _dq_kernel(
             kv_lo=kv_lo,
             kv_hi=kv_hi,
             kv_ids=ids,
+            riders=riders,
         )
         if interpreting:
             drain_ring((k_free, v_free), num_stages=num_stages, steps=kv_hi - kv_lo)
@@ -284,22 +381,43 @@ def dq_pass(
     delta,
     q_ids,
     kv_ids,
+    mod_operands=(None, None, None),
     *,
     scale: float,
     band: masks.Band,
     kv_len: int,
     config: HopperBwdConfig,
+    programs: KernelMods = KernelMods(),
     interpret,
 ):
+    """dq [batch, q_pad, heads, d]; with a score program whose float values need gradients (`needs_grad`), also
+    (dq, d_rows): float32 [batch, heads, n, q_pad], the gradient of each of its float row values per query
+    (summed over keys). mod_operands: the programs' packed row and column values and the mask program's
+    key blocks per query tile (`mask_block_ranges`), each None where absent."""
     batch, q_pad, heads, head_dim = q.shape
     block_q, block_kv, num_stages = config.block_q_dq, config.block_kv_dq, config.num_stages_dq
     num_q_tiles = q_pad // (NUM_CONSUMERS * block_q)
     has_segments = q_ids is not None
     transforms = swizzle_transforms()
 
+    rows, cols, _ = mod_operands
+    score_mod = programs.score
+    num_d_rows = len(score_mod.group("row", "float")) if score_mod is not None and score_mod.needs_grad else 0
+
     def flash_backward_dq_sm90(*refs):  # the kernel's name in profiles
-        inputs, rest = refs[:6], refs[6:]
-        segment_refs, (dq_ref,) = (rest[:3], rest[3:]) if has_segments else ((None, None, None), rest)
+        refs = list(refs)
+        inputs = [refs.pop(0) for _ in range(6)]
+        segment_refs = [refs.pop(0) for _ in range(3)] if has_segments else [None] * 3
+        mod_refs = [None if x is None else refs.pop(0) for x in mod_operands]
+        dq_ref, d_rows_ref = refs if num_d_rows else (*refs, None)
+        # Row values per consumer, the column values' ring, their barriers; the float row gradients' staging.
+        mod_scratch = (
+            None if rows is None else plgpu.SMEM((NUM_CONSUMERS, rows.shape[2], block_q), jnp.int32),
+            None if rows is None else plgpu.Barrier(num_barriers=NUM_CONSUMERS),
+            None if cols is None else plgpu.SMEM((num_stages, cols.shape[2], block_kv), jnp.int32),
+            None if cols is None else plgpu.Barrier(num_barriers=num_stages),
+            plgpu.SMEM((NUM_CONSUMERS, num_d_rows, block_q), jnp.float32) if num_d_rows else None,
+        )
         smem = (
             plgpu.SMEM((NUM_CONSUMERS, block_q, head_dim), q.dtype, transforms=transforms),
             plgpu.SMEM((NUM_CONSUMERS, block_q, head_dim), d_out.dtype, transforms=transforms),
@@ -316,15 +434,17 @@ def dq_pass(
             num_q_tiles=num_q_tiles,
             group=heads // k.shape[2],
             config=config,
+            programs=programs,
             interpreting=interpret is not None,
         )
         pl.run_scoped(
-            lambda *scoped: body(*inputs, *segment_refs, dq_ref, scoped),
+            lambda *scoped: body(*inputs, *segment_refs, *mod_refs, dq_ref, d_rows_ref, scoped),
             smem,
             (plgpu.Barrier(num_barriers=NUM_CONSUMERS),) * 4,
             (plgpu.Barrier(num_barriers=num_stages),) * 2,
             (plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=num_stages),) * 2,
             segment_scratch(has_segments, (NUM_CONSUMERS, block_q), (num_stages, block_kv)),
+            mod_scratch,
             collective_axes="wg",
         )
 
@@ -335,9 +455,13 @@ def dq_pass(
             kv_ids,
             segment_block_ranges(q_ids, kv_ids, rows_per_tile=NUM_CONSUMERS * block_q, cols_per_block=block_kv),
         )
+    operands += tuple(x for x in mod_operands if x is not None)
+    out_type = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    if num_d_rows:
+        out_type = (out_type, jax.ShapeDtypeStruct((batch, heads, num_d_rows, q_pad), jnp.float32))
     return plgpu.kernel(
         flash_backward_dq_sm90,
-        out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_type=out_type,
         grid=(batch, heads, num_q_tiles),
         grid_names=("batch", "heads", "q_tiles"),
         num_threads=NUM_CONSUMERS + 1,

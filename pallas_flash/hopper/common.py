@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import functools
 
+import jax
+import jax.extend.core as jex
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_flash import blocks, masks
+from pallas_flash import blocks, masks, mods
 from pallas_flash._compat import smem_vector_load
 from pallas_flash.hopper.config import NUM_CONSUMERS
 
@@ -182,7 +184,20 @@ def segment_block_ranges(row_ids, col_ids, *, rows_per_tile: int, cols_per_block
 
 
 def stream_kv_blocks(
-    gmem, smem, ready, free, *, batch, kv_head, block_kv: int, num_stages: int, kv_lo, kv_hi, kv_ids=None, done=0
+    gmem,
+    smem,
+    ready,
+    free,
+    *,
+    batch,
+    kv_head,
+    block_kv: int,
+    num_stages: int,
+    kv_lo,
+    kv_hi,
+    kv_ids=None,
+    riders=(),
+    done=0,
 ):
     """The producer warpgroup's loop (this forward's and the dQ kernel's): TMA key/value blocks kv_lo ..
     kv_hi-1 of (batch, kv_head) into a `num_stages` shared-memory ring. `gmem`, `smem`, `ready`, `free` are
@@ -190,7 +205,9 @@ def stream_kv_blocks(
     barrier. K of step i + num_stages may land once both consumers finished Q K^T of step i, before they
     finish its P V: K and V have separate "free" barriers. `kv_ids`: None, or (ids ref [batch, kv_pad],
     ring [num_stages, block_kv], ready barriers): the block's segment ids, loaded with K (and released
-    with it). `done`: blocks already streamed through the ring (by earlier tiles of a persistent CTA)."""
+    with it). `riders`: more per-key values loaded with K, each (source, ring, ready barriers) where
+    `source(keys)` is the gmem ref of the block's keys (a score or mask program's column values, `fwd.py`).
+    `done`: blocks already streamed through the ring (by earlier tiles of a persistent CTA)."""
 
     def load(step, slot, wait_free: bool):
         keys = pl.ds((kv_lo + step) * block_kv, block_kv)
@@ -201,6 +218,8 @@ def stream_kv_blocks(
             if i == 0 and kv_ids is not None:
                 ids_ref, ids_ring, ids_ready = kv_ids
                 plgpu.copy_gmem_to_smem(ids_ref.at[batch, keys], ids_ring.at[slot], ids_ready.at[slot])
+            for source, ring, is_loaded in riders if i == 0 else ():
+                plgpu.copy_gmem_to_smem(source(keys), ring.at[slot], is_loaded.at[slot])
 
     fill_ring(load, num_stages=num_stages, steps=kv_hi - kv_lo, done=done)
 
@@ -269,3 +288,185 @@ def wgmma_operand(ref):
     # wgmma reads via the async proxy; JAX 0.12's interpreter orders a TMA refill after a generic read only if committed
     plgpu.commit_smem()
     return value
+
+
+# ---- score_mod and mask_mod programs (`mods.Staged`) in the kernels --------------------------------------------
+
+
+def pack_mod_stacks(stacks, length: int):
+    """One int32 stack [Bd, Hd, n, length] of one side's staged values (rows or columns) of several programs, so
+    that a kernel loads them with one copy and one barrier: `stacks` are that side's (int, float) stacks of each
+    program (`Staged.stacks`, None where empty), broadcast to a common [Bd, Hd], floats bitcast to int32,
+    positions zero-padded to `length`. Returns (packed or None, offsets): offsets[i] is the first index of
+    stacks[i]'s values in the packed stack (`mod_values` reads them back)."""
+    present = [s for s in stacks if s is not None]
+    offsets, at = [], 0
+    for s in stacks:
+        offsets.append(at)
+        at += 0 if s is None else s.shape[2]
+    if not present:
+        return None, tuple(offsets)
+    lead = (max(s.shape[0] for s in present), max(s.shape[1] for s in present))
+    parts = [
+        jnp.broadcast_to(s if s.dtype == jnp.int32 else lax.bitcast_convert_type(s, jnp.int32), lead + s.shape[2:])
+        for s in present
+    ]
+    return pad_axis(jnp.concatenate(parts, axis=2), 3, length), tuple(offsets)
+
+
+def mod_values(staged, side: str, offsets, read):
+    """A program's staged values on one side as `Staged.joint` takes them: (ints, floats), lists of what
+    `read(index)` returns for each of its entries in the packed stack (`pack_mod_stacks`; `offsets` the
+    (int, float) offsets of this program's stacks there), floats bitcast back from int32."""
+    ints = [read(offsets[0] + i) for i in range(len(staged.group(side, "int")))]
+    floats = [read(offsets[1] + i) for i in range(len(staged.group(side, "float")))]
+    return ints, [lax.bitcast_convert_type(x, jnp.float32) for x in floats]
+
+
+def stack_index(stack, batch, head):
+    """The [batch, head] index of a stack whose leading dims may be 1 (broadcast): 0 there."""
+    return (batch if stack.shape[0] > 1 else 0), (head if stack.shape[1] > 1 else 0)
+
+
+def mask_block_ranges(anything, everything):
+    """Per row tile, from a mask program's block classes (`mods.block_classes` at the kernel's tiles: bool
+    [..., num_tiles, num_blocks], some / every position visible), int32 [..., num_tiles, 4]: the blocks
+    [lo, hi) from the first to the last one with anything visible (lo = hi = 0 where none), and a run
+    [full_lo, full_hi) of wholly visible blocks, the first one: those need no mask. Blocks inside [lo, hi)
+    with nothing visible are still visited, masked."""
+    n = anything.shape[-1]
+    full = everything & anything  # a tile past q_len has nothing valid: it is not "full"
+
+    def first(flags, default):
+        return jnp.where(flags.any(axis=-1), jnp.argmax(flags, axis=-1), default)
+
+    lo = first(anything, 0)
+    hi = jnp.where(anything.any(axis=-1), n - jnp.argmax(anything[..., ::-1], axis=-1), 0)
+    full_lo = first(full, 0)
+    after_run = (jnp.arange(n) >= full_lo[..., None]) & ~full
+    full_hi = jnp.where(full.any(axis=-1), first(after_run, n), 0)
+    return jnp.stack([lo, hi, full_lo, full_hi], axis=-1).astype(jnp.int32)
+
+
+def narrow_to_mask_ranges(lo, hi, same, ranges, *, batch, head, tile, num_kv_blocks: int):
+    """A tile's key blocks [lo, hi) and unmasked run `same` (None or (first, end); from
+    `query_tile_schedule`) narrowed to its entry of a mask program's `mask_block_ranges` (a gmem ref
+    [Bd, Hd, num_tiles, 4], read as scalars), keeping `query_tile_schedule`'s rule that a tile visits at
+    least one block (fully masked if it sees nothing)."""
+    b, h = stack_index(ranges, batch, head)
+    lo = jnp.minimum(jnp.maximum(lo, ranges[b, h, tile, 0]), num_kv_blocks - 1)
+    hi = jnp.maximum(jnp.minimum(hi, ranges[b, h, tile, 1]), lo + 1)
+    full = (ranges[b, h, tile, 2], ranges[b, h, tile, 3])
+    same = full if same is None else (jnp.maximum(same[0], full[0]), jnp.minimum(same[1], full[1]))
+    return lo, hi, same
+
+
+def staged_block_classes(mask, stacks, *, batch: int, heads: int, q_len: int, kv_len: int, block_q: int,
+                         block_kv: int):  # fmt: skip
+    """`mods.block_classes` of a staged mask program (`mods.Staged`) from its stacks (`Staged.stacks`): the
+    program evaluated as the kernels evaluate it (`Staged.joint` on the staged values), one query block at a
+    time. (any, every): bool [Bd, Hd, num_q_blocks, num_kv_blocks], Bd = batch where the program or a stack
+    varies with the batch index, else 1 (Hd likewise with heads); positions past q_len / kv_len count as
+    hidden for `any` and are ignored by `every`."""
+    present = [s for s in stacks if s is not None]
+    varies_batch, varies_head = mods.varies(mask.program)
+    bd = batch if varies_batch or any(s.shape[0] > 1 for s in present) else 1
+    hd = heads if varies_head or any(s.shape[1] > 1 for s in present) else 1
+    num_q, num_kv = -(-q_len // block_q), -(-kv_len // block_kv)
+    rows_int, rows_float, cols_int, cols_float = (
+        None if s is None else pad_axis(s, 3, (num_q * block_q, num_kv * block_kv)[i // 2])
+        for i, s in enumerate(stacks)
+    )
+    shape = (bd, hd, block_q, num_kv * block_kv)
+    b = jnp.broadcast_to(jnp.arange(bd, dtype=jnp.int32)[:, None, None, None], shape)
+    h = jnp.broadcast_to(jnp.arange(hd, dtype=jnp.int32)[None, :, None, None], shape)
+    k = jnp.broadcast_to(jnp.arange(num_kv * block_kv, dtype=jnp.int32)[None, None, None, :], shape)
+
+    def cols(stack):  # [Bd', Hd', 1, kv positions] per value
+        return [] if stack is None else [stack[:, :, i, None, :] for i in range(stack.shape[2])]
+
+    def one_block_row(i):
+        q = jnp.broadcast_to((i * block_q + jnp.arange(block_q, dtype=jnp.int32))[None, None, :, None], shape)
+
+        def rows(stack):  # [Bd', Hd', block_q, 1] per value
+            block = lax.dynamic_slice_in_dim(stack, i * block_q, block_q, axis=3) if stack is not None else None
+            return [] if block is None else [block[:, :, j, :, None] for j in range(block.shape[2])]
+
+        seen = mask.joint(None, b, h, q, k, rows(rows_int), rows(rows_float), cols(cols_int), cols(cols_float))
+        valid = (q < q_len) & (k < kv_len)
+        split = (bd, hd, block_q, num_kv, block_kv)
+        seen, valid = jnp.broadcast_to(seen, shape).reshape(split), valid.reshape(split)
+        return (seen & valid).any(axis=(2, 4)), (seen | ~valid).all(axis=(2, 4))
+
+    anything, everything = lax.map(one_block_row, jnp.arange(num_q, dtype=jnp.int32))
+    return jnp.moveaxis(anything, 0, 2), jnp.moveaxis(everything, 0, 2)
+
+
+def coarsen_block_classes(anything, everything, rows: int, cols: int):
+    """Block classes ([..., num_row_blocks, num_col_blocks]) of blocks `rows` x `cols` times as large."""
+    *lead, n, m = anything.shape
+    split = (*lead, n // rows, rows, m // cols, cols)
+    return anything.reshape(split).any(axis=(-3, -1)), everything.reshape(split).all(axis=(-3, -1))
+
+
+def _tile_values(values, shape, axis: int):
+    """(ints, floats) vectors of a tile's queries or keys, each broadcast along the tile's other axis."""
+    return [[lax.broadcast_in_dim(v, shape, [axis]) for v in group] for group in values]
+
+
+def program_mask(mask, rows, cols, *, batch, head, q_idx, kv_idx, q_axis: int):
+    """A mask program (`mods.Staged`) on one tile: bool, True = visible. rows / cols: its (ints, floats)
+    staged vectors of the tile's queries / keys (`mod_values`); q_idx, kv_idx: int32 positions on the tile,
+    whose queries run along `q_axis`."""
+    shape = q_idx.shape
+    (ri, rf), (ci, cf) = _tile_values(rows, shape, q_axis), _tile_values(cols, shape, 1 - q_axis)
+    return mask.joint(None, batch, head, q_idx, kv_idx, ri, rf, ci, cf)
+
+
+def program_score(score, x, rows, cols, *, batch, head, q_idx, kv_idx, q_axis: int, grad_side=None):
+    """A score program (`mods.Staged`) on one tile of scaled logits `x` (float32): (score, pullback), where
+    pullback(d_score) = (d x, [d value]): d x = d_score * d score / d x elementwise, and with `grad_side`
+    ("row" or "col") the gradient of each of that side's float staged values, summed over the tile's other
+    axis (a vector like the value's own). rows, cols, q_idx, kv_idx, q_axis as in `program_mask`."""
+    shape = x.shape
+    (ri, rf), (ci, cf) = _tile_values(rows, shape, q_axis), _tile_values(cols, shape, 1 - q_axis)
+    axis = {"row": 1 - q_axis, "col": q_axis}.get(grad_side)
+
+    def apply(x, floats):
+        row_floats, col_floats = (floats, cf) if grad_side == "row" else (rf, floats if grad_side else cf)
+        return score.joint(x, batch, head, q_idx, kv_idx, ri, row_floats, ci, col_floats)
+
+    primals = (x, {"row": rf, "col": cf}.get(grad_side, []))
+    out, vjp = jax.vjp(apply, *primals)
+    residuals, vjp_tree = jax.tree.flatten(vjp)
+
+    def pullback(d_score):
+        transposed = jax.make_jaxpr(lambda res, d: jax.tree.unflatten(vjp_tree, res)(d))(residuals, d_score)
+        flat = _bind_without_add_any(transposed.jaxpr, transposed.consts, [*residuals, d_score])
+        d_x, d_floats = jax.tree.unflatten(jax.tree.structure(primals), flat)
+        return d_x, [d.sum(axis=axis) for d in d_floats]
+
+    return out, pullback
+
+
+def _bind_without_add_any(jaxpr, consts, args):
+    """A jaxpr's outputs, its equations bound one by one (jit calls inlined), `add_any` (how a transposed
+    jaxpr sums cotangents; Mosaic GPU has no lowering rule for it) as `lax.add`."""
+    env = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+
+    def read(var):
+        return var.val if isinstance(var, jex.Literal) else env[var]
+
+    for eqn in jaxpr.eqns:
+        inputs = [read(var) for var in eqn.invars]
+        if eqn.primitive.name == "add_any":
+            outputs = [lax.add(*inputs)]
+        elif eqn.primitive.name in ("pjit", "jit"):
+            body = eqn.params["jaxpr"]
+            outputs = _bind_without_add_any(body.jaxpr, body.consts, inputs)
+        else:
+            outputs = eqn.primitive.bind(*inputs, **eqn.params)
+            outputs = outputs if eqn.primitive.multiple_results else [outputs]
+        env.update(zip(eqn.outvars, outputs))
+    return [read(var) for var in jaxpr.outvars]

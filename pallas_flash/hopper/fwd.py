@@ -27,6 +27,13 @@ computed in XLA; the kernel reads its tile's entry as scalars); other blocks are
 that sees no key (segments, or a window past the keys) keeps m = -inf: masked steps shift exp2 by 0 there,
 and the epilogue writes zeros and lse = -inf.
 
+score_mod / mask_mod (`mods.Staged` programs): their per-query values (int32, floats bitcast, `pack_mod_stacks`)
+are loaded once per consumer tile, their per-key values ride the K ring like the key ids; `Staged.joint` runs
+on each tile of logits in registers. The score program sees the logit in natural units (scale * s) on every
+visited block, and exp2 then takes its result times log2(e); the mask program runs on masked blocks only. Its
+block ranges (`mask_ranges`, computed in XLA per query tile) narrow the visited key blocks and give the run of
+wholly visible blocks that skip the mask.
+
 Ragged lengths are padded in the wrapper (queries to `2 * block_q`, keys to `block_kv`); the padded keys are
 masked in the last key block, the padded query rows sliced off. head_dim is padded to a multiple of 64 (the
 wgmma contraction tile with a 128-byte swizzle). GQA is an index map: query head h reads kv head
@@ -37,7 +44,9 @@ Residuals: the kernel returns (out, lse); lse [batch, heads, q_len] float32 in n
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -45,20 +54,25 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_flash import blocks, masks
+from pallas_flash import blocks, masks, mods
 from pallas_flash.blocks import LOG2E
 from pallas_flash.hopper.common import (
     HEAD_DIM_TILE,
     dot_t,
     drain_ring,
     load_own_ids,
+    mask_block_ranges,
     masked_edge_loops,
+    mod_values,
+    narrow_to_mask_ranges,
+    pack_mod_stacks,
     pad_axis,
     padded_head_dim,
     query_tile_schedule,
     register_ops,
     round_up,
     segment_block_ranges,
+    stack_index,
     stream_kv_blocks,
     tile_visible,
     unmasked_blocks,
@@ -76,6 +90,88 @@ CONSUMER_REGISTERS = 232
 PRODUCER_REGISTERS = 40
 
 
+class ModValues(typing.NamedTuple):
+    """The score and the mask program's staged values on one side (rows of a tile, or columns of a key block),
+    each (ints, floats) as `Staged.joint` takes them: lists of vectors."""
+
+    score: tuple = ((), ())
+    mask: tuple = ((), ())
+
+
+NO_VALUES = ModValues()
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelMods:
+    """The score and the mask program a forward evaluates (`mods.Staged`, or None), and where their values
+    sit in the packed row and column stacks (`pack_mod_stacks`): offsets of (score int, score float, mask
+    int, mask float)."""
+
+    score: mods.Staged | None = None
+    mask: mods.Staged | None = None
+    row_offsets: tuple = (0, 0, 0, 0)
+    col_offsets: tuple = (0, 0, 0, 0)
+
+    @property
+    def active(self) -> bool:
+        return self.score is not None or self.mask is not None
+
+    def values(self, side: str, read, *, masked: bool) -> ModValues:
+        """`ModValues` of one side, `read(index)` giving an entry of its packed stack; the mask program's
+        only for a masked step (unmasked steps skip its evaluation)."""
+        offsets = self.row_offsets if side == "row" else self.col_offsets
+        score = NO_VALUES.score if self.score is None else mod_values(self.score, side, offsets[:2], read)
+        mask = NO_VALUES.mask
+        if self.mask is not None and masked:
+            mask = mod_values(self.mask, side, offsets[2:], read)
+        return ModValues(score, mask)
+
+
+class TileRows(typing.NamedTuple):
+    """What a consumer knows of its query rows for the whole tile: (batch, head) indices, first row, segment
+    ids (or None) and the programs' row values."""
+
+    batch: typing.Any
+    head: typing.Any
+    q_start: typing.Any
+    q_seg: typing.Any
+    values: ModValues
+
+
+def tile_values(shape, row_values, col_values):
+    """`Staged.joint`'s (rows_int, rows_float, cols_int, cols_float): a program's row values [block_q] and
+    column values [block_kv] broadcast to a tile of logits."""
+    rows = [[lax.broadcast_in_dim(x, shape, [0]) for x in xs] for xs in row_values]
+    cols = [[lax.broadcast_in_dim(x, shape, [1]) for x in xs] for xs in col_values]
+    return (*rows, *cols)
+
+
+def _mod_scratch(rows, cols, config: HopperConfig):
+    """Shared memory and barriers for the programs' values: () without any, else one (row values per consumer,
+    their barriers, column values ring, its barriers), None where a side has none. Rows: [consumers, n,
+    block_q]; columns ride the K ring: [num_stages, n, block_kv]; both packed int32."""
+    if rows is None and cols is None:
+        return ()
+    return (
+        (
+            None if rows is None else plgpu.SMEM((NUM_CONSUMERS, rows.shape[2], config.block_q), jnp.int32),
+            None if rows is None else plgpu.Barrier(num_barriers=NUM_CONSUMERS),
+            None if cols is None else plgpu.SMEM((config.num_stages, cols.shape[2], config.block_kv), jnp.int32),
+            None if cols is None else plgpu.Barrier(num_barriers=config.num_stages),
+        ),
+    )
+
+
+def mod_smem_bytes(score_mod: mods.Staged | None, mask_mod: mods.Staged | None, config: HopperConfig) -> int:
+    """Shared memory the programs' values take (`_mod_scratch`), beyond `HopperConfig.smem_bytes`: int32 row
+    values per consumer, column values per ring slot, and a barrier (8 bytes) each."""
+    staged = [p for p in (score_mod, mask_mod) if p is not None]
+    rows, cols = (sum(len(p.group(side, kind)) for p in staged for kind in ("int", "float")) for side in ("row", "col"))
+    row_bytes = (4 * rows * config.block_q + 8) * NUM_CONSUMERS if rows else 0
+    col_bytes = (4 * cols * config.block_kv + 8) * config.num_stages if cols else 0
+    return row_bytes + col_bytes
+
+
 def _kernel(
     q_ref,
     k_ref,
@@ -83,6 +179,9 @@ def _kernel(
     q_ids_ref,
     kv_ids_ref,
     kv_ranges_ref,
+    rows_ref,
+    cols_ref,
+    mask_ranges_ref,
     out_ref,
     lse_ref,
     scoped,
@@ -93,6 +192,7 @@ def _kernel(
     tiles_of_cta,
     config: HopperConfig,
     group: int,
+    programs: KernelMods,
     interpreting: bool,
 ):
     """3 warpgroups ("wg"): 0 and 1 consume, 2 produces. Each CTA runs the query tiles `tiles_of_cta` gives it
@@ -107,12 +207,21 @@ def _kernel(
 
     q_ref [batch, q_pad, heads, d], k_ref/v_ref [batch, kv_pad, kv_heads, d], q_ids_ref/kv_ids_ref None or
     int32 [batch, q_pad] / [batch, kv_pad] (padding ids never match), kv_ranges_ref None or with them the
-    key blocks each query tile's ids may meet (`segment_block_ranges`), out_ref like q_ref, lse_ref
-    [batch, heads, q_pad] (natural log)."""
-    ((q_smem2, o_smem2, k_smem, v_smem, lse_smem2), q_ready, (k_ready, v_ready), (k_free, v_free), turn, segments) = (
-        scoped
-    )
+    key blocks each query tile's ids may meet (`segment_block_ranges`), rows_ref/cols_ref None or the
+    packed int32 values [Bd, Hd, n, q_pad] / [Bd, Hd, n, kv_pad] of `programs` (`pack_mod_stacks`),
+    mask_ranges_ref None or the mask program's `mask_block_ranges` per query tile, out_ref like q_ref,
+    lse_ref [batch, heads, q_pad] (natural log)."""
+    (
+        (q_smem2, o_smem2, k_smem, v_smem, lse_smem2),
+        q_ready,
+        (k_ready, v_ready),
+        (k_free, v_free),
+        turn,
+        segments,
+        *mod_scratch,
+    ) = scoped
     has_segments = q_ids_ref is not None
+    score_mod, mask_mod = programs.score, programs.mask
     block_q, block_kv, num_stages = config.block_q, config.block_kv, config.num_stages
     num_kv_blocks = k_ref.shape[1] // block_kv
     num_q_tiles = q_ref.shape[1] // (NUM_CONSUMERS * block_q)
@@ -122,7 +231,8 @@ def _kernel(
     separate_out = o_smem2 is not None
 
     def schedule(i):
-        """(batch, head, first row, key blocks [lo, hi), same-segment run) of this CTA's i-th tile."""
+        """(batch, head, first row, key blocks [lo, hi), unmasked run (same segment, wholly visible to the
+        mask program) or None) of this CTA's i-th tile."""
         batch, head, tile = tile_of(i)
         tile_start, kv_lo, kv_hi, same = query_tile_schedule(
             num_q_tiles,
@@ -135,10 +245,24 @@ def _kernel(
             tile=tile,
             batch=batch,
         )
+        if mask_ranges_ref is not None:
+            kv_lo, kv_hi, same = narrow_to_mask_ranges(
+                kv_lo,
+                kv_hi,
+                same,
+                mask_ranges_ref,
+                batch=batch,
+                head=head,
+                tile=lax.div(tile_start, NUM_CONSUMERS * block_q),
+                num_kv_blocks=num_kv_blocks,
+            )
         return batch, head, tile_start, kv_lo, kv_hi, same
 
-    # A row may see no key at all (segments, or a window's left edge past the keys): keep its m = -inf safe.
-    rows_may_be_empty = has_segments or band.left is not None
+    # A row may see no key at all (segments, a window's left edge past the keys, a mask program, or a score
+    # program's -inf): keep its m = -inf safe.
+    rows_may_be_empty = has_segments or band.left is not None or programs.active
+    # Blocks before the first unmasked one may need the mask: a band's left edge, segments, a mask program.
+    leading = band.left is not None or has_segments or mask_mod is not None
     wg = lax.axis_index("wg")
 
     def take_turn():
@@ -163,7 +287,8 @@ def _kernel(
 
         row = plgpu.Layout.WGMMA.reduce(1)
         column = plgpu.Layout.WGMMA.reduce(0)
-        c = scale * LOG2E  # logits in base-2 units: exp(scale * s) = exp2(c * s)
+
+        rows_smem, rows_ready, cols_smem, cols_ready = mod_scratch[0] if mod_scratch else (None,) * 4
 
         def block_ids(slot, *, masked):
             """With segment ids: wait for the key ids in ring slot `slot` (every step waits: one wait per phase)
@@ -174,28 +299,67 @@ def _kernel(
             plgpu.barrier_wait(kv_ids_ready.at[slot])
             return load(kv_ids_smem.at[slot], column) if masked else None
 
-        def probabilities(s, m, *, masked, q_seg, kv_seg, q_start, kv_step):
+        def block_values(slot, *, masked):
+            """(key segment ids or None, the programs' column values `ModValues`) of the block in ring slot
+            `slot`, read before K's slot is released; the mask program's only in a masked step."""
+            kv_seg = block_ids(slot, masked=masked)
+            if cols_ref is None:
+                return kv_seg, NO_VALUES
+            plgpu.barrier_wait(cols_ready.at[slot])  # every step waits: one wait per phase
+
+            def read(r):
+                return load(cols_smem.at[slot, r], column)
+
+            return kv_seg, programs.values("col", read, masked=masked)
+
+        def tile_rows(batch, head, q_start, q_seg):
+            """This consumer's `TileRows`: the programs' row values are loaded once per tile."""
+            values = NO_VALUES
+            if rows_ref is not None:
+                b, h = stack_index(rows_ref, batch, head)
+                source = rows_ref.at[b, h, :, pl.ds(q_start, block_q)]
+                plgpu.copy_gmem_to_smem(source, rows_smem.at[wg], rows_ready.at[wg])
+                plgpu.barrier_wait(rows_ready.at[wg])
+                values = programs.values("row", lambda r: load(rows_smem.at[wg, r], row), masked=True)
+            return TileRows(batch, head, q_start, q_seg, values)
+
+        def probabilities(s, m, *, masked, rows, cols, kv_step):
             """Block kv_step's logits s [block_q, block_kv] (masked where `masked`) and the running row maximum
             m (base-2 units) -> (p, alpha, m_new): the block's unnormalised probabilities, the factor that
-            rescales what was accumulated before, and the new maximum."""
+            rescales what was accumulated before, and the new maximum. `rows`: the tile's `TileRows`; `cols`:
+            the block's key segment ids and program values (`block_values`)."""
+            kv_seg, col_values = cols
+            c = scale * LOG2E  # logits in base-2 units: exp(scale * s) = exp2(c * s)
+            if masked or programs.active:
+                q_pos, kv_pos = rows.q_start + iota(s.shape, 0), kv_step * block_kv + iota(s.shape, 1)
+            if score_mod is not None:  # the program sees the logit in natural units; exp2 then needs log2(e)
+                values = tile_values(s.shape, rows.values.score, col_values.score)
+                s = score_mod.joint(s * scale, rows.batch, rows.head, q_pos, kv_pos, *values)
+                c = LOG2E
             if masked:
                 visible = tile_visible(
-                    q_start + iota(s.shape, 0),
-                    kv_step * block_kv + iota(s.shape, 1),
+                    q_pos,
+                    kv_pos,
                     band=band,
                     kv_len=kv_len if kv_len % block_kv else None,
-                    q_seg=q_seg,
+                    q_seg=rows.q_seg,
                     kv_seg=kv_seg,
                     shape=s.shape,
                     q_axis=0,
                 )
+                if mask_mod is not None:
+                    values = tile_values(s.shape, rows.values.mask, col_values.mask)
+                    seen = mask_mod.joint(None, rows.batch, rows.head, q_pos, kv_pos, *values)
+                    visible = seen if visible is None else jnp.logical_and(visible, seen)
                 if visible is not None:  # None: traced for a loop that runs no iterations
                     s = jnp.where(visible, s, -jnp.inf)
             # c > 0, so max(c * s) = c * max(s).
             m_new = jnp.maximum(m, s.max(axis=1) * c)
             # A row that has seen no key yet has m_new = -inf: shift by 0 so exp2 gives 0, not NaN. (An
-            # unmasked block always has a visible key, so only masked steps need this.)
-            shift = blocks.safe_exp_shift(m_new) if masked and rows_may_be_empty else m_new
+            # unmasked block always has a visible key, so only masked steps need this, unless a score program
+            # may return -inf.)
+            may_be_empty = masked or score_mod is not None
+            shift = blocks.safe_exp_shift(m_new) if may_be_empty and rows_may_be_empty else m_new
             alpha = jnp.exp2(m - shift)
             return jnp.exp2(s * c - lax.broadcast_in_dim(shift, s.shape, [0])), alpha, m_new
 
@@ -226,7 +390,7 @@ def _kernel(
                 return acc
             return pl.run_state(update)(plgpu.ACC.init(acc))
 
-        def overlapped_blocks(acc, m, l, *, q_seg, q_start, kv_lo, kv_hi, unmasked, slot_of):
+        def overlapped_blocks(acc, m, l, *, rows, kv_lo, kv_hi, unmasked, slot_of):
             """`config.overlap`, FlashAttention-3's intra-warpgroup pipelining on top of the ping-pong: step j
             issues S_j = Q K_j^T and then O += P_{j-1} V_{j-1}, waits for S_j alone (wgmma groups complete in
             order: at most one, the P V, left in flight) and computes P_j's softmax while that P V runs.
@@ -243,26 +407,24 @@ def _kernel(
                 plgpu.barrier_arrive(turn.at[1 - wg])
 
             slot = slot_of(kv_lo)
-            kv_seg = block_ids(slot, masked=True)
+            cols = block_values(slot, masked=True)
             my_turn()
             s = qk(slot, after_issue=pass_turn)  # K_{kv_lo} was waited for at the tile's start
             plgpu.barrier_arrive(k_free.at[slot])
-            p, alpha, m = probabilities(s, m, masked=True, q_seg=q_seg, kv_seg=kv_seg, q_start=q_start, kv_step=kv_lo)
+            p, alpha, m = probabilities(s, m, masked=True, rows=rows, cols=cols, kv_step=kv_lo)
             l = l * alpha + p.sum(axis=1)  # O is still zero: nothing to rescale
 
             def step(kv_step, carry, *, masked: bool):
                 acc, m, l, p_prev = carry
                 slot, prev = slot_of(kv_step), slot_of(kv_step - 1)
-                kv_seg = block_ids(slot, masked=masked)
+                cols = block_values(slot, masked=masked)
                 plgpu.barrier_wait(k_ready.at[slot])
                 plgpu.barrier_wait(v_ready.at[prev])
                 my_turn()
                 if interpreting:  # the same steps, one product at a time
                     s = qk(slot, after_issue=pass_turn)
                     plgpu.barrier_arrive(k_free.at[slot])
-                    p, alpha, m = probabilities(
-                        s, m, masked=masked, q_seg=q_seg, kv_seg=kv_seg, q_start=q_start, kv_step=kv_step
-                    )
+                    p, alpha, m = probabilities(s, m, masked=masked, rows=rows, cols=cols, kv_step=kv_step)
                     acc = pv(acc, p_prev, prev, after_issue=lambda: None)
                 else:
 
@@ -273,9 +435,7 @@ def _kernel(
                         pass_turn()
                         s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S_j done, P V may run on
                         plgpu.barrier_arrive(k_free.at[slot])
-                        softmax = probabilities(
-                            s, m, masked=masked, q_seg=q_seg, kv_seg=kv_seg, q_start=q_start, kv_step=kv_step
-                        )
+                        softmax = probabilities(s, m, masked=masked, rows=rows, cols=cols, kv_step=kv_step)
                         return (o_ref[...], *softmax)
 
                     acc, p, alpha, m = pl.run_scoped(
@@ -288,7 +448,6 @@ def _kernel(
 
             carry = (acc, m, l, p.astype(dtype))
             unmasked_lo, unmasked_hi = (jnp.maximum(edge, kv_lo + 1) for edge in unmasked)
-            leading = band.left is not None or has_segments
             acc, m, l, p_last = masked_edge_loops(
                 step, carry, kv_lo + 1 if leading else None, unmasked_lo, unmasked_hi, kv_hi
             )
@@ -324,6 +483,7 @@ def _kernel(
                     layout=row,
                     load=load,
                 )
+            rows = tile_rows(batch, head, q_start, q_seg)
 
             def slot_of(kv_step):
                 return lax.rem(ring_steps + kv_step - kv_lo, num_stages)
@@ -334,14 +494,12 @@ def _kernel(
             def step(kv_step, carry, *, masked: bool):
                 acc, m, l = carry
                 slot = slot_of(kv_step)
-                kv_seg = block_ids(slot, masked=masked)
+                cols = block_values(slot, masked=masked)
                 # Our QK^T is queued: the other consumer may issue its PV.
                 s = qk(slot, after_issue=lambda: plgpu.barrier_arrive(turn))
                 plgpu.barrier_arrive(k_free.at[slot])
                 plgpu.barrier_wait(turn)
-                p, alpha, m_new = probabilities(
-                    s, m, masked=masked, q_seg=q_seg, kv_seg=kv_seg, q_start=q_start, kv_step=kv_step
-                )
+                p, alpha, m_new = probabilities(s, m, masked=masked, rows=rows, cols=cols, kv_step=kv_step)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 l = l * alpha + p.sum(axis=1)
                 p16 = p.astype(dtype)
@@ -374,15 +532,13 @@ def _kernel(
                     acc,
                     m,
                     l,
-                    q_seg=q_seg,
-                    q_start=q_start,
+                    rows=rows,
                     kv_lo=kv_lo,
                     kv_hi=kv_hi,
                     unmasked=(unmasked_lo, unmasked_hi),
                     slot_of=slot_of,
                 )
-            else:  # without a left band edge or segment ids, unmasked_lo == kv_lo: no leading edge
-                leading = band.left is not None or has_segments
+            else:  # without a left band edge, segment ids or a mask program, unmasked_lo == kv_lo: no leading edge
                 acc, m, l = masked_edge_loops(
                     step, (acc, m, l), kv_lo if leading else None, unmasked_lo, unmasked_hi, kv_hi
                 )
@@ -424,6 +580,10 @@ def _kernel(
 
         def stream_tile(i, ring_steps):
             batch, head, _, kv_lo, kv_hi, _ = schedule(i)
+            riders = ()
+            if cols_ref is not None:  # the programs' column values of the query head's (batch, head)
+                b, h = stack_index(cols_ref, batch, head)
+                riders = ((lambda keys: cols_ref.at[b, h, :, keys], mod_scratch[0][2], mod_scratch[0][3]),)
             stream_kv_blocks(
                 (k_ref, v_ref),
                 (k_smem, v_smem),
@@ -436,6 +596,7 @@ def _kernel(
                 kv_lo=kv_lo,
                 kv_hi=kv_hi,
                 kv_ids=ids,
+                riders=riders,
                 done=ring_steps,
             )
             return ring_steps + kv_hi - kv_lo
@@ -514,8 +675,22 @@ def persistent_order(position, *, pairs: int, chunk: int, num_q_tiles: int):
 
 
 def _forward_padded(
-    q, k, v, q_ids, kv_ids, *, scale: float, band: masks.Band, kv_len: int, config: HopperConfig, interpret
+    q,
+    k,
+    v,
+    q_ids,
+    kv_ids,
+    mod_operands=(None, None, None),
+    *,
+    scale: float,
+    band: masks.Band,
+    kv_len: int,
+    config: HopperConfig,
+    programs: KernelMods = KernelMods(),
+    interpret,
 ):
+    """`hopper_forward` on padded operands; mod_operands: the programs' packed row and column values and the
+    mask program's block ranges (`_mod_operands`), each None where absent."""
     batch, q_pad, heads, head_dim = q.shape
     kv_heads = k.shape[2]
     num_q_tiles = q_pad // (NUM_CONSUMERS * config.block_q)
@@ -537,8 +712,10 @@ def _forward_padded(
 
     # Named for profiles and traces (Mosaic GPU calls the kernel `<name>_mosaic_gpu_kernel`).
     def flash_forward_sm90(q_ref, k_ref, v_ref, *refs):
-        segment_refs = refs[:3] if has_segments else (None, None, None)
-        out_ref, lse_ref = refs[-2:]
+        refs = list(refs)
+        segment_refs = [refs.pop(0) for _ in range(3)] if has_segments else [None] * 3
+        mod_refs = [None if x is None else refs.pop(0) for x in mod_operands]
+        out_ref, lse_ref = refs
         smem = (
             q_tile,
             q_tile if config.separate_out(head_dim, q.dtype.itemsize) else None,
@@ -562,10 +739,11 @@ def _forward_padded(
             tiles_of_cta=tiles_of_cta,
             group=heads // kv_heads,
             config=config,
+            programs=programs,
             interpreting=interpret is not None,
         )
         pl.run_scoped(
-            lambda *scoped: body(q_ref, k_ref, v_ref, *segment_refs, out_ref, lse_ref, scoped),
+            lambda *scoped: body(q_ref, k_ref, v_ref, *segment_refs, *mod_refs, out_ref, lse_ref, scoped),
             smem,
             plgpu.Barrier(num_barriers=NUM_CONSUMERS),
             (plgpu.Barrier(num_barriers=config.num_stages),) * 2,
@@ -577,6 +755,7 @@ def _forward_padded(
                 else plgpu.Barrier(num_arrivals=NUM_CONSUMERS)
             ),
             segments,
+            *_mod_scratch(*mod_operands[:2], config),
             collective_axes="wg",
         )
 
@@ -589,6 +768,7 @@ def _forward_padded(
                 q_ids, kv_ids, rows_per_tile=NUM_CONSUMERS * config.block_q, cols_per_block=config.block_kv
             ),
         )
+    operands += tuple(x for x in mod_operands if x is not None)
     return plgpu.kernel(
         flash_forward_sm90,
         out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, heads, q_pad), jnp.float32)),
@@ -607,7 +787,45 @@ def default_config(head_dim: int, kv_len: int, band: masks.Band) -> HopperConfig
     return HopperConfig.default(head_dim, kv_len, band.is_causal)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "is_causal", "local_window_size", "config", "interpret"))
+def mask_ranges(
+    mask_mod: mods.Staged, mask_consts, *, batch: int, heads: int, q_len: int, kv_len: int, config: HopperConfig
+):
+    """The forward's `mask_ranges` for a mask program (with its closed-over arrays `mask_consts`) at `config`'s
+    tiles: per (batch, head, query tile of 2 * block_q rows) the key blocks it visits and its run of wholly
+    visible blocks (`common.mask_block_ranges`), int32 [Bd, Hd, num_q_tiles, 4]; computed in XLA, on the
+    device."""
+    anything, everything = mods.block_classes(
+        mask_mod.program,
+        mask_consts,
+        batch=batch,
+        heads=heads,
+        q_len=q_len,
+        kv_len=kv_len,
+        block_q=NUM_CONSUMERS * config.block_q,
+        block_kv=config.block_kv,
+    )
+    return mask_block_ranges(anything, everything)
+
+
+def _mod_operands(score_mod, score_stacks, mask_mod, mask_stacks, ranges, *, q_pad: int, kv_pad: int):
+    """((packed row values, packed column values, mask ranges), KernelMods) for the kernel (each None where
+    absent), after checking that the stacks and ranges go with the programs."""
+    for name, program, stacks in (("score", score_mod, score_stacks), ("mask", mask_mod, mask_stacks)):
+        if len(stacks) != 4:
+            raise ValueError(f"{name}_stacks must be (rows_int, rows_float, cols_int, cols_float), got {len(stacks)}")
+        if program is None and any(x is not None for x in stacks):
+            raise ValueError(f"{name}_stacks given without a {name}_mod")
+    if (mask_mod is None) != (ranges is None):
+        raise ValueError("mask_ranges (`hopper.fwd.mask_ranges`) go with a mask_mod, and only with one")
+    rows, row_offsets = pack_mod_stacks((*score_stacks[:2], *mask_stacks[:2]), q_pad)
+    cols, col_offsets = pack_mod_stacks((*score_stacks[2:], *mask_stacks[2:]), kv_pad)
+    return (rows, cols, ranges), KernelMods(score_mod, mask_mod, row_offsets, col_offsets)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("scale", "is_causal", "local_window_size", "config", "score_mod", "mask_mod", "interpret"),
+)
 def hopper_forward(
     query,
     key,
@@ -619,6 +837,11 @@ def hopper_forward(
     q_segment_ids=None,
     kv_segment_ids=None,
     config: HopperConfig | None = None,
+    score_mod: mods.Staged | None = None,
+    score_stacks=(None,) * 4,
+    mask_mod: mods.Staged | None = None,
+    mask_stacks=(None,) * 4,
+    mask_ranges=None,
     interpret=None,
 ):
     """Attention forward on Hopper. Shapes and results as `reference.attention_reference`:
@@ -628,6 +851,10 @@ def hopper_forward(
     is_causal, local_window_size (left, right; None for an unbounded side): the band, as `masks.Band.of`.
     q_segment_ids / kv_segment_ids: None, or int [batch, q_len] / [batch, kv_len] (both or neither): a query
     sees only keys with its id. A query that sees no key gets zeros and lse = -inf.
+    score_mod / mask_mod: staged programs (`mods.stage`) or None, with their `Staged.stacks` (rows_int,
+    rows_float, cols_int, cols_float) at (batch, heads, q_len, kv_len) as score_stacks / mask_stacks; a
+    mask_mod also takes its `mask_ranges` (this module's, at the same config): the score_mod applies to the
+    scaled logit on every visited block, the mask_mod hides keys on blocks it does not leave wholly visible.
     `interpret`: None compiles for the GPU; an `InterpretGPUParams` (private in JAX 0.10-0.11:
     jax._src.pallas.mosaic_gpu.interpret.params) runs the kernel in the Mosaic GPU interpreter on CPU."""
     band = masks.Band.of(is_causal, local_window_size)
@@ -640,7 +867,23 @@ def hopper_forward(
     k = pad_axis(pad_axis(key, 1, kv_pad), 3, padded_dim)
     v = pad_axis(pad_axis(value, 1, kv_pad), 3, padded_dim)
     q_ids, kv_ids = masks.pad_segment_ids(q_segment_ids, kv_segment_ids, q_pad, kv_pad)
+    mod_operands, programs = _mod_operands(
+        score_mod, score_stacks, mask_mod, mask_stacks, mask_ranges, q_pad=q_pad, kv_pad=kv_pad
+    )
+    if mask_ranges is not None and mask_ranges.shape[2:] != (q_pad // (NUM_CONSUMERS * config.block_q), 4):
+        raise ValueError(f"mask_ranges {mask_ranges.shape} are not at this call's tiles ({config})")
     out, lse = _forward_padded(
-        q, k, v, q_ids, kv_ids, scale=scale, band=band, kv_len=kv_len, config=config, interpret=interpret
+        q,
+        k,
+        v,
+        q_ids,
+        kv_ids,
+        mod_operands,
+        scale=scale,
+        band=band,
+        kv_len=kv_len,
+        config=config,
+        programs=programs,
+        interpret=interpret,
     )
     return out[:, :q_len, :, :head_dim], lse[:, :, :q_len]

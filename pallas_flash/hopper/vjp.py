@@ -3,6 +3,12 @@ can serve a call: the Mosaic GPU forward (`fwd`) and a backward on the same resi
 Mosaic GPU backward (`bwd`, head_dim <= 128), or the portable backward kernels for larger head_dim or where
 `HopperBwdConfig.portable` asks for them. Both forwards return the same natural-log LSE, so the portable
 backward cannot tell which forward ran.
+
+A score_mod / mask_mod (`masks.ScoreMods`) runs staged (`mods.stage`): its per-query and per-key values are
+computed in XLA from the arrays it closes over, and the custom_vjp differentiates the score program's float
+values (the kernels return their cotangents), so XLA's autodiff carries the gradient on to those arrays. Where
+the portable backward runs, it takes the programs and their arrays themselves and returns the arrays'
+cotangents directly.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import logging
 import jax
 
 from pallas_flash import device, masks
+from pallas_flash import mods as programs
 from pallas_flash.config import KernelConfig
 from pallas_flash.hopper import bwd as hopper_bwd
 from pallas_flash.hopper import fwd as hopper_fwd
@@ -32,9 +39,33 @@ def _hopper_config(config: KernelConfig, head_dim: int, kv_len: int, band: masks
     return config.hopper or hopper_fwd.default_config(padded_head_dim(head_dim), kv_len, band)
 
 
-def unsupported_reason(query, key, *, band: masks.Band, unserved=(), config: KernelConfig) -> str | None:
+@functools.cache
+def _stage(program):
+    """`mods.stage`, once per program (a call traces the API, the forward and the backward)."""
+    return programs.stage(program)
+
+
+def _staged(mods: masks.ScoreMods):
+    """(score_mod, mask_mod) as `mods.Staged` (None where absent), or a reason why one cannot be staged."""
+    staged = []
+    for name in ("score_mod", "mask_mod"):
+        program = getattr(mods, name)
+        if program is None:
+            staged.append(None)
+            continue
+        stage, why = _stage(program)
+        if stage is None:
+            return f"{name}: {why}"
+        staged.append(stage)
+    return tuple(staged)
+
+
+def unsupported_reason(
+    query, key, *, band: masks.Band, unserved=(), config: KernelConfig, mods: masks.ScoreMods = masks.ScoreMods()
+) -> str | None:
     """None if the Hopper kernel serves this call on this machine, else why not (for the dispatcher).
-    `unserved`: names of the call's features the Hopper kernel does not have."""
+    `unserved`: names of the call's features the Hopper kernel does not have; `mods`: its score modifiers,
+    of which the kernel runs the score_mod and mask_mod where they can be staged."""
     if not device.on_hopper_gpu():
         return (
             "the Mosaic GPU kernel needs an sm90 (Hopper) GPU (on CPU, JAX's Mosaic GPU interpreter runs its "
@@ -45,24 +76,31 @@ def unsupported_reason(query, key, *, band: masks.Band, unserved=(), config: Ker
         return f"the Mosaic GPU kernel takes bfloat16 or float16, got {query.dtype}"
     if unserved:
         return f"the Mosaic GPU kernel has no {' or '.join(unserved)} yet"
+    staged = _staged(mods)
+    if isinstance(staged, str):
+        return staged
     head_dim = query.shape[-1]
     if head_dim > hopper_fwd.MAX_HEAD_DIM:
         return f"the Mosaic GPU kernel takes head_dim <= {hopper_fwd.MAX_HEAD_DIM}, got {head_dim}"
     hopper_config = _hopper_config(config, head_dim, key.shape[1], band)
-    needed = hopper_config.smem_bytes(padded_head_dim(head_dim))
+    needed = hopper_config.smem_bytes(padded_head_dim(head_dim)) + hopper_fwd.mod_smem_bytes(*staged, hopper_config)
     if needed > H100_SHARED_MEMORY:
         return f"{hopper_config} needs {needed} bytes of shared memory at head_dim {head_dim}"
     return None
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _attention(q, k, v, q_ids, kv_ids, scale, band, config, deterministic):
-    return _attention_fwd(q, k, v, q_ids, kv_ids, scale, band, config, deterministic)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12, 13))
+def _attention(q, k, v, q_ids, kv_ids, score_stacks, mask_stacks, mask_ranges, mod_arrays, scale, band, config,
+               deterministic, mods):  # fmt: skip
+    args = (q, k, v, q_ids, kv_ids, score_stacks, mask_stacks, mask_ranges, mod_arrays)
+    return _attention_fwd(*args, scale, band, config, deterministic, mods)[0]
 
 
-def _attention_fwd(q, k, v, q_ids, kv_ids, scale, band, config, deterministic):
+def _attention_fwd(q, k, v, q_ids, kv_ids, score_stacks, mask_stacks, mask_ranges, mod_arrays, scale, band, config,
+                   deterministic, mods):  # fmt: skip
     del deterministic  # the forward is deterministic either way
     is_causal, window = _window(band)
+    score_mod, mask_mod = _staged(mods)
     out, lse = hopper_fwd.hopper_forward(
         q,
         k,
@@ -73,14 +111,25 @@ def _attention_fwd(q, k, v, q_ids, kv_ids, scale, band, config, deterministic):
         q_segment_ids=q_ids,
         kv_segment_ids=kv_ids,
         config=_hopper_config(config, q.shape[-1], k.shape[1], band),
+        score_mod=score_mod,
+        score_stacks=score_stacks,
+        mask_mod=mask_mod,
+        mask_stacks=mask_stacks,
+        mask_ranges=mask_ranges,
     )
-    return (out, lse), (q, k, v, q_ids, kv_ids, out, lse)
+    return (out, lse), (q, k, v, q_ids, kv_ids, score_stacks, mask_stacks, mask_ranges, mod_arrays, out, lse)
 
 
 def _backward_config(
-    config: KernelConfig, head_dim: int, kv_len: int, band: masks.Band, deterministic: bool
+    config: KernelConfig,
+    head_dim: int,
+    kv_len: int,
+    band: masks.Band,
+    deterministic: bool,
+    mods: masks.ScoreMods = masks.ScoreMods(),
 ) -> HopperBwdConfig | None:
-    """The Hopper backward's tiles for this call, or None where the portable backward runs instead."""
+    """The Hopper backward's tiles for this call (with a score or mask program, a variant that takes them), or
+    None where the portable backward runs instead."""
     if padded_head_dim(head_dim) > hopper_bwd.MAX_HEAD_DIM:
         _logger.debug(
             "pallas_flash: the Hopper backward takes head_dim <= %d; head_dim %d runs the portable backward",
@@ -90,16 +139,23 @@ def _backward_config(
         return None
     if config.hopper_bwd is not None:
         return None if config.hopper_bwd.portable else config.hopper_bwd
-    return hopper_bwd.default_config(padded_head_dim(head_dim), kv_len, band, deterministic)
+    programs = mods.score_mod is not None or mods.mask_mod is not None
+    return hopper_bwd.default_config(padded_head_dim(head_dim), kv_len, band, deterministic, programs=programs)
 
 
-def _attention_bwd(scale, band, config, deterministic, residuals, cotangents):
-    q, k, v, q_ids, kv_ids, out, lse = residuals
-    bwd_config = _backward_config(config, q.shape[-1], k.shape[1], band, deterministic)
+def _zero_stacks(stacks):
+    return tuple(None if x is None else masks.zero_cotangent(x) for x in stacks)
+
+
+def _attention_bwd(scale, band, config, deterministic, mods, residuals, cotangents):
+    q, k, v, q_ids, kv_ids, score_stacks, mask_stacks, mask_ranges, mod_arrays, out, lse = residuals
+    bwd_config = _backward_config(config, q.shape[-1], k.shape[1], band, deterministic, mods=mods)
+    d_ranges = masks.integer_cotangent(mask_ranges)
     if bwd_config is not None:
         d_out, d_lse = cotangents
         is_causal, window = _window(band)
-        dq, dk, dv = hopper_bwd.hopper_backward(
+        score_mod, mask_mod = _staged(mods)
+        dq, dk, dv, d_rows, d_cols = hopper_bwd.hopper_backward(
             q,
             k,
             v,
@@ -113,9 +169,29 @@ def _attention_bwd(scale, band, config, deterministic, residuals, cotangents):
             q_segment_ids=q_ids,
             kv_segment_ids=kv_ids,
             config=bwd_config,
+            score_mod=score_mod,
+            score_stacks=score_stacks,
+            mask_mod=mask_mod,
+            mask_stacks=mask_stacks,
         )
-        return dq, dk, dv, masks.integer_cotangent(q_ids), masks.integer_cotangent(kv_ids)
-    dq, dk, dv, d_q_ids, d_kv_ids, _ = portable.backward(
+        # The score program's arrays get their gradient through the float stacks (XLA's autodiff of
+        # `Staged.stacks`); the integer ones and the mask program's have none.
+        d_score = list(_zero_stacks(score_stacks))
+        for i, d in ((1, d_rows), (3, d_cols)):
+            if d is not None:
+                d_score[i] = d
+        return (
+            dq,
+            dk,
+            dv,
+            masks.integer_cotangent(q_ids),
+            masks.integer_cotangent(kv_ids),
+            tuple(d_score),
+            _zero_stacks(mask_stacks),
+            d_ranges,
+            mod_arrays.cotangents(),
+        )
+    dq, dk, dv, d_q_ids, d_kv_ids, d_mods = portable.backward(
         q,
         k,
         v,
@@ -128,8 +204,11 @@ def _attention_bwd(scale, band, config, deterministic, residuals, cotangents):
         interpret=False,
         q_segment_ids=q_ids,
         kv_segment_ids=kv_ids,
+        mods=mods,
+        mod_arrays=mod_arrays,
     )
-    return dq, dk, dv, d_q_ids, d_kv_ids
+    # The portable backward differentiates the programs' arrays themselves: the stacks get zeros.
+    return dq, dk, dv, d_q_ids, d_kv_ids, _zero_stacks(score_stacks), _zero_stacks(mask_stacks), d_ranges, d_mods
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -146,9 +225,52 @@ def flash_attention_hopper(
     q_segment_ids=None,
     kv_segment_ids=None,
     deterministic: bool = True,
+    mods: masks.ScoreMods = masks.ScoreMods(),
+    mod_arrays: masks.ModArrays = masks.ModArrays(),
 ):
     """Shapes and results as `reference.attention_reference` (bf16/fp16 on sm90; a band (causal, local
     window) and segment ids (which carry per-example lengths too, see `api._segments`)); differentiable in
     query, key and value (and through the returned LSE). deterministic=False lets the backward add dQ
-    in a free order where that is faster (`HopperBwdConfig.default`), unless config.hopper_bwd is set."""
-    return _attention(query, key, value, q_segment_ids, kv_segment_ids, scale, band, config, deterministic)
+    in a free order where that is faster (`HopperBwdConfig.default`), unless config.hopper_bwd is set.
+    `mods`: of the score modifiers, the kernels run a score_mod and a mask_mod (`unsupported_reason` says
+    which ones they can stage), with their arrays in `mod_arrays` (score_consts, mask_consts; the score_mod's
+    float arrays get gradients)."""
+    staged = _staged(mods)
+    if isinstance(staged, str):
+        raise ValueError(f"the Mosaic GPU kernel cannot run this call's {staged}")
+    score_mod, mask_mod = staged
+    batch, q_len, heads, head_dim = query.shape
+    kv_len = key.shape[1]
+    score_stacks = mask_stacks = (None,) * 4
+    mask_ranges = None
+    if score_mod is not None:
+        score_stacks = score_mod.stacks(mod_arrays.score_consts, batch, heads, q_len, kv_len)
+    if mask_mod is not None:
+        # Neither the mask's values nor its block ranges have a gradient (a bool result).
+        consts = tuple(jax.lax.stop_gradient(c) for c in mod_arrays.mask_consts)
+        mask_stacks = mask_mod.stacks(consts, batch, heads, q_len, kv_len)
+        mask_ranges = hopper_fwd.mask_ranges(
+            mask_mod,
+            consts,
+            batch=batch,
+            heads=heads,
+            q_len=q_len,
+            kv_len=kv_len,
+            config=_hopper_config(config, head_dim, kv_len, band),
+        )
+    return _attention(
+        query,
+        key,
+        value,
+        q_segment_ids,
+        kv_segment_ids,
+        score_stacks,
+        mask_stacks,
+        mask_ranges,
+        mod_arrays,
+        scale,
+        band,
+        config,
+        deterministic,
+        mods,
+    )

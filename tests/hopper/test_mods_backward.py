@@ -1,0 +1,216 @@
+"""score_mod and mask_mod in the Hopper backward kernels (dK/dV and dQ passes): gradients of q, k, v and of a
+score program's closed-over float arrays, in JAX's Mosaic GPU interpreter against the float32 reference, and
+through Mosaic GPU's lowering for CUDA."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_flash as pf
+from pallas_flash import _compat, masks, mods, reference
+from pallas_flash.hopper import bwd as hopper_bwd
+from pallas_flash.hopper.config import HopperBwdConfig
+from tests.helpers import abstract_inputs, lower_for_cuda, make_backward_inputs, make_inputs, packed_ids
+from tests.tolerances import GRADIENT, assert_close
+
+MOSAIC_CALL = "stablehlo.custom_call @mosaic_gpu"
+
+
+def _document_causal_alibi(shape):
+    """GQA, causal documents as a mask program, ALiBi plus a per-(head, key) bias table as the score program:
+    float row values (the slopes, per head) and float column values that vary with the query head within a
+    kv head's group. Documents [0, 256) and [256, ...): some blocks wholly visible in both passes (the
+    unmasked run), others partly; query rows 300-309 have a document of their own with no keys (they see
+    no key: lse = -inf)."""
+    batch, q_len, kv_len, heads = shape[:4]
+    kv_ids = packed_ids(kv_len, 256)
+    q_ids = packed_ids(q_len, 256)
+    q_ids[300:310] = 9
+    ids = [jnp.asarray(np.stack([x] * batch)) for x in (q_ids, kv_ids)]
+    slopes = jnp.asarray([0.05, 0.2, 0.1, 0.02], jnp.float32)[:heads]
+    table = 0.3 * jnp.asarray(np.random.default_rng(5).standard_normal((heads, kv_len)), jnp.float32)
+    score = lambda slopes, table: mods.chain(mods.alibi(slopes), lambda s, b, h, q, k: s + table[h, k])  # noqa: E731
+    return score, (slopes, table), mods.and_masks(mods.causal(), mods.document(*ids))
+
+
+def _capped_key_bias(shape):
+    """A soft cap then a per-(batch, key) bias vector (float column values that vary with the batch); a prefix
+    LM mask whose first example's prefix covers every key (wholly visible blocks, and one with padded keys
+    that only the band's ragged-tail rule masks) and whose second's is short (causal blocks)."""
+    batch, _, kv_len = shape[:3]
+    bias = 0.5 * jnp.asarray(np.random.default_rng(6).standard_normal((batch, kv_len)), jnp.float32)
+    score = lambda bias: mods.chain(mods.soft_cap(4.0), lambda s, b, h, q, k: s + bias[b, k])  # noqa: E731
+    return score, (bias,), mods.prefix_lm(jnp.asarray([kv_len, 10][:batch], jnp.int32))
+
+
+# (shape, programs, config): tiles of 64 (dQ tiles of 128 queries, dK/dV tiles of 128 keys).
+CASES = {
+    "documents_alibi_gqa": ((1, 320, 320, 2, 1, 64), _document_causal_alibi, HopperBwdConfig()),
+    "soft_cap_key_bias_overlap": (
+        (2, 150, 100, 1, 1, 64),
+        _capped_key_bias,
+        HopperBwdConfig(dq_overlap=True, dkv_overlap=True, num_stages_dkv=3, num_stages_dq=3),
+    ),
+}
+
+
+def _programs(case, shape=None):
+    """(score Program, its consts, mask Program, its consts) of a case, at its shape or at `shape`."""
+    case_shape, build, _ = CASES[case]
+    score_fn, score_arrays, mask_fn = build(shape or case_shape)
+    score, score_consts = mods.trace(score_fn(*score_arrays), "score")
+    mask, mask_consts = mods.trace(mask_fn, "mask")
+    return score, score_consts, mask, mask_consts
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("case", list(CASES))
+def test_backward_with_programs_in_mosaic_gpu_interpreter(case):
+    """Both passes with a score and a mask program (recomputed modified scores, dS taken back through the score
+    program, the mask program's block ranges and unmasked runs, row values resident / riding the K ring in
+    the dQ pass and riding the Q ring / resident per head in the dK/dV pass) from the reference's residuals:
+    dq, dk, dv, and the gradients of the score program's closed-over float arrays (from the kernels' row
+    and column cotangents, through `Staged.stacks`) against the reference's."""
+    shape, _, config = CASES[case]
+    params = _compat.mosaic_gpu_interpret_params(detect_races=True)
+    if params is None:
+        pytest.skip("this JAX has no Mosaic GPU interpreter")
+    batch, q_len, kv_len, heads = shape[:4]
+    q, k, v, d_out, d_lse = make_backward_inputs(shape, jnp.bfloat16, seed=7)
+    score, score_consts, mask, mask_consts = _programs(case)
+    scale = 0.125
+
+    def ref(q, k, v, consts):
+        return reference.attention_reference(
+            q, k, v, scale=scale, score_mod=score, score_consts=consts, mask_mod=mask, mask_consts=mask_consts
+        )
+
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    (out, lse), vjp = jax.vjp(ref, *f32, score_consts)
+    want = vjp((d_out.astype(jnp.float32), d_lse))
+    assert np.isneginf(lse).any() == (case == "documents_alibi_gqa")
+
+    staged_score, staged_mask = mods.stage(score)[0], mods.stage(mask)[0]
+    dims = dict(batch=batch, heads=heads, q_len=q_len, kv_len=kv_len)
+    score_stacks, stacks_vjp = jax.vjp(lambda c: staged_score.stacks(c, **dims), score_consts)
+    with _compat.mosaic_gpu_race_states() as kernels:  # one state per kernel: dK/dV, then dQ
+        dq, dk, dv, d_rows, d_cols = jax.block_until_ready(
+            hopper_bwd.hopper_backward(
+                q,
+                k,
+                v,
+                out.astype(q.dtype),
+                lse,
+                d_out,
+                d_lse,
+                scale=scale,
+                config=config,
+                score_mod=staged_score,
+                score_stacks=score_stacks,
+                mask_mod=staged_mask,
+                mask_stacks=staged_mask.stacks(mask_consts, **dims),
+                interpret=params,
+            )
+        )
+    assert [state.races_found for state in kernels] == [False, False]
+    for name, ours, ref_grad, x in zip(("dq", "dk", "dv"), (dq, dk, dv), want, (q, k, v)):
+        assert ours.shape == x.shape and ours.dtype == x.dtype
+        assert_close(ours, ref_grad, jnp.bfloat16, table=GRADIENT, what=name)
+    cotangents = tuple(None if s is None else jnp.zeros_like(s) for s in score_stacks)
+    cotangents = (cotangents[0], d_rows, cotangents[2], d_cols)
+    (d_consts,) = stacks_vjp(cotangents)
+    for i, (ours, ref_grad) in enumerate(zip(d_consts, want[3])):
+        assert_close(ours, ref_grad, jnp.bfloat16, table=GRADIENT, what=f"closed-over array {i}")
+
+
+@pytest.mark.lowering
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("case", list(CASES))
+def test_backward_with_programs_lowers_for_gpu(case, head_dim):
+    """Both passes with a score and a mask program (register-layout joint evaluation, the score program's vjp,
+    the staged vectors' loads and the gradients' stores) go through Mosaic GPU's lowering at the default
+    config (two passes with programs: at head_dim 64 the plain ones, at 128 both overlaps), ragged and GQA."""
+    shape = (2, 300, 200, 4, 2, head_dim)
+    q, k, lse, _ = abstract_inputs(shape, False)
+    score, score_consts, mask, mask_consts = _programs(case, shape)
+    staged_score, staged_mask = mods.stage(score)[0], mods.stage(mask)[0]
+    dims = dict(batch=2, heads=4, q_len=300, kv_len=200)
+    config = hopper_bwd.default_config(head_dim, 200, masks.Band.of(False, None), True, programs=True)
+    assert not config.dq_atomic
+
+    def backward(q, k, v, out, lse, d_out, d_lse):
+        score_stacks = staged_score.stacks(score_consts, **dims)
+        return hopper_bwd.hopper_backward(
+            q,
+            k,
+            v,
+            out,
+            lse,
+            d_out,
+            d_lse,
+            scale=0.125,
+            config=config,
+            score_mod=staged_score,
+            score_stacks=score_stacks,
+            mask_mod=staged_mask,
+            mask_stacks=staged_mask.stacks(mask_consts, **dims),
+        )
+
+    text = lower_for_cuda(backward, q, k, k, q, lse, q, lse)
+    assert text.count(MOSAIC_CALL) == 2
+    assert "flash_backward_dkdv_sm90" in text and "flash_backward_dq_sm90" in text
+
+
+def test_one_pass_refuses_programs():
+    """The one-pass backward takes no programs: a clear error, and the default config is two passes."""
+    mask, consts = mods.trace(mods.causal(), "mask")
+    staged = mods.stage(mask)[0]
+    x = jax.ShapeDtypeStruct((1, 64, 1, 64), jnp.bfloat16)
+    lse = jax.ShapeDtypeStruct((1, 1, 64), jnp.float32)
+    config = dataclasses.replace(HopperBwdConfig.default(64), dq_atomic=True)
+    with pytest.raises(ValueError, match="dq_atomic"):
+        jax.eval_shape(
+            lambda q, lse: hopper_bwd.hopper_backward(
+                q, q, q, q, lse, q, None, scale=1.0, config=config, mask_mod=staged,
+                mask_stacks=staged.stacks(consts, batch=1, heads=1, q_len=64, kv_len=64),
+            ),
+            x,
+            lse,
+        )  # fmt: skip
+    assert not hopper_bwd.default_config(64, 8192, masks.Band.of(False, None), True, programs=True).dq_atomic
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_grad_of_mosaic_attention_with_programs(head_dim):
+    """jax.grad of flash_attention(implementation="mosaic") with a score_mod (ALiBi, slopes closed over and
+    differentiated) and a mask_mod (causal documents) on the H100, against the float32 reference."""
+    shape = (2, 1000, 1000, 4, 2, head_dim)
+    q, k, v, cotangent = make_inputs(shape, jnp.bfloat16, seed=11)
+    ids = jnp.asarray(np.stack([packed_ids(1000, 300, 620), packed_ids(1000, 500)]))
+    slopes = jnp.asarray([0.01, 0.02, 0.05, 0.1], jnp.float32)
+    mask_mod = mods.and_masks(mods.causal(), mods.document(ids))
+
+    def loss(attend, q, k, v, slopes):
+        out = attend(q, k, v, score_mod=mods.alibi(slopes), mask_mod=mask_mod)
+        return jnp.sum(out.astype(jnp.float32) * cotangent.astype(jnp.float32))
+
+    def ours(q, k, v, score_mod, mask_mod):
+        return pf.flash_attention(q, k, v, implementation="mosaic", score_mod=score_mod, mask_mod=mask_mod)
+
+    def ref(q, k, v, score_mod, mask_mod):
+        score, score_consts = mods.trace(score_mod, "score")
+        mask, mask_consts = mods.trace(mask_mod, "mask")
+        f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+        return reference.attention_reference(
+            *f32, scale=head_dim**-0.5, score_mod=score, score_consts=score_consts, mask_mod=mask,
+            mask_consts=mask_consts,
+        )[0]  # fmt: skip
+
+    grads = jax.jit(jax.grad(lambda *x: loss(ours, *x), argnums=(0, 1, 2, 3)))(q, k, v, slopes)
+    want = jax.jit(jax.grad(lambda *x: loss(ref, *x), argnums=(0, 1, 2, 3)))(q, k, v, slopes)
+    for name, ours_grad, ref_grad in zip(("dq", "dk", "dv", "d_slopes"), grads, want):
+        assert_close(ours_grad, ref_grad, jnp.bfloat16, table=GRADIENT, what=name)
