@@ -7,15 +7,18 @@ sequence: query t of sequence b sits at position lengths[b] - Tq + t and sees ke
 bottom-right), minus what a left window hides. The result is what `flash_attention` gives for those rows.
 
 Implementations form a registry (`DECODE_REGISTRY`), as `flash_attention`'s do: `implementation=None` runs the
-first that serves the call. Today:
+first that serves the call, in this order:
+  * "hopper": the Hopper flash-decoding kernel (`pallas_flash.hopper.decode`: GQA heads packed into one tile,
+    split-KV sized to the SMs, a TMA ring over the contiguous or paged cache), bfloat16/float16 at head_dim
+    64 or 128 on an sm90 GPU; its per-split partials are merged by `merge_attention_states`.
   * "xla": split-KV in plain JAX, the default off the GPU kernels. The key axis is cut into `num_splits`
     chunks; a `lax.map` computes each chunk's partial output and float32 LSE (a chunk no query can see is
     skipped by `lax.cond`), holding one chunk's [batch, heads, Tq, chunk] logits at a time; paged caches are
     gathered through the block table one chunk at a time. `merge_attention_states` combines the partials.
   * "reference": the dense float32 oracle (`decode_reference`), on request only.
-A kernel slots in as an entry before "xla": `DecodeImplementation(name, cannot_serve, defers, run)` where
-`run(query, key_cache, value_cache, lengths, block_table, params: DecodeParams) -> (out, lse)` is the contract
-documented on `DecodeImplementation`; the checks, option parsing and dispatch here stay as they are.
+Each is a `DecodeImplementation(name, cannot_serve, defers, run)` where `run(query, key_cache, value_cache,
+lengths, block_table, params: DecodeParams) -> (out, lse)` is the contract documented on
+`DecodeImplementation`; the checks, option parsing and dispatch here stay as they are.
 """
 
 from __future__ import annotations
@@ -30,8 +33,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_flash import masks, reference
+from pallas_flash import device, masks, reference
 from pallas_flash.api import choose
+from pallas_flash.hopper import decode as hopper_decode
 
 MAX_QUERY_LEN = 16  # Tq: a decoded token, or a speculative / chunked-prefill tail
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -260,7 +264,34 @@ def decode_xla(query, key_cache, value_cache, lengths, block_table, params: Deco
     return out, lse.reshape(batch, heads, q_len)
 
 
+def _hopper_cannot_serve(call: DecodeCall) -> str | None:
+    if not device.on_hopper_gpu():
+        return "no Hopper (sm90) GPU: the Mosaic GPU decode kernel uses its TMA and wgmma"
+    return hopper_decode.unsupported_reason(call.query.dtype, call.query.shape[3], call.page_size)
+
+
+def decode_hopper(query, key_cache, value_cache, lengths, block_table, params: DecodeParams, *, interpret=None):
+    """The Hopper flash-decoding kernel (the "hopper" implementation, `hopper.decode`): its per-split partial
+    results merged through their LSEs; contract of `DecodeImplementation.run`. `interpret`: as
+    `hopper_decode_partials`' (the Mosaic GPU interpreter on CPU, for tests)."""
+    outs, lses = hopper_decode.hopper_decode_partials(
+        query,
+        key_cache,
+        value_cache,
+        lengths,
+        block_table,
+        scale=params.scale,
+        window_left=params.window_left,
+        logits_soft_cap=params.logits_soft_cap,
+        num_splits=params.num_splits,
+        interpret=interpret,
+    )
+    out, lse = merge_attention_states(outs, lses)
+    return out.astype(query.dtype), jnp.swapaxes(lse, 1, 2)
+
+
 DECODE_REGISTRY = (
+    DecodeImplementation("hopper", _hopper_cannot_serve, lambda call: None, decode_hopper),
     DecodeImplementation("xla", lambda call: None, lambda call: None, decode_xla),
     DecodeImplementation(
         "reference",
@@ -444,12 +475,14 @@ def flash_decode(
         (`merge_attention_states`).
       num_splits: split-KV parallelism (cache chunks computed apart, then merged); None: the implementation's
         default ("xla": `xla_default_num_splits`: splits of up to 4096 keys, fewer where batch * heads * Tq
-        is large, at least 256). An upper bound: paged splits are whole pages.
-      implementation: None (the first of `DECODE_IMPLEMENTATIONS` that serves the call), "xla" or "reference"
-        (dense float32).
+        is large, at least 256; "hopper": `hopper.decode.default_num_splits`, enough CTAs to fill the SMs).
+        An upper bound: paged splits are whole pages, the kernel's whole key blocks.
+      implementation: None (the first of `DECODE_IMPLEMENTATIONS` that serves the call), "hopper" (the Hopper
+        kernel: bfloat16/float16, head_dim 64 or 128, on an sm90 GPU), "xla" or "reference" (dense float32).
     Returns:
       out [batch, Tq, heads, head_dim] in query's dtype (a query that sees no key gets zeros), and lse if
-      `return_lse`. The "xla" and "reference" paths differentiate by JAX autodiff (no custom backward).
+      `return_lse`. The "xla" and "reference" paths differentiate by JAX autodiff (no custom backward); the
+      "hopper" kernel has no gradient (it serves inference).
 
     Options other than scale must be static under `jax.jit`; lengths and block_table may be traced.
     """
