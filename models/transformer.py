@@ -3,27 +3,33 @@
 The attention is one config field: "flash" (`pallas_flash.flax`), "dense" (Flax's own
 `nnx.dot_product_attention`) or any callable with Flax's `attention_fn` signature. Attention holds no
 parameters, so parameters and their initialisation do not depend on that choice: one checkpoint runs with
-either.
+either. On a device mesh (`mesh`) flash attention runs inside `shard_map` as ring attention over the sequence
+(`pallas_flash.parallel`); everything else is sharded by GSPMD from the inputs' shardings.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from models.kv_cache import CacheStep, LayerCache
 from pallas_flash.api import IMPLEMENTATIONS
 from pallas_flash.decode import flash_decode
 from pallas_flash.flax import make_attention_fn
+from pallas_flash.parallel import context_parallel_attention
 
 NORMS = ("rmsnorm", "layernorm")
 MLPS = ("swiglu", "gelu")
 ATTENTIONS = ("flash", "dense")
+# The mesh axes a sharded model runs on: the batch is split along DATA_AXIS, each sequence along CONTEXT_AXIS.
+DATA_AXIS, CONTEXT_AXIS = "data", "context"
 ROPE_BASE = 10_000.0
 INIT_STD = 0.02  # GPT-2's initialiser; residual projections are further scaled by 1/sqrt(2 * num_layers)
 # Vocabularies up to this size look tokens up by a one-hot matmul, not a gather. A gather's gradient is a
@@ -55,6 +61,9 @@ class TransformerConfig:
     dtype: str = "float32"
     param_dtype: str = "float32"
     remat: bool = False
+    # None: one device. A mesh with axes ("data", "context"): inputs arrive with the batch split along "data"
+    # and the sequence along "context", and flash attention runs on each device's shard as ring attention.
+    mesh: Mesh | None = None
 
     def __post_init__(self):
         require_positive_ints(self, "num_layers", "num_heads", "num_kv_heads", "embed_dim", "mlp_dim")
@@ -89,6 +98,8 @@ class TransformerConfig:
         for name in ("remat", "deterministic_gradients"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.mesh is not None and set(self.mesh.axis_names) != {DATA_AXIS, CONTEXT_AXIS}:
+            raise ValueError(f"mesh must have the axes {(DATA_AXIS, CONTEXT_AXIS)}, got {tuple(self.mesh.axis_names)}")
 
     @property
     def head_dim(self) -> int:
@@ -96,6 +107,13 @@ class TransformerConfig:
 
     def attention_fn(self) -> Callable:
         """The configured attention as a Flax `attention_fn`."""
+        if self.attention == "flash" and self.mesh is not None:
+            return functools.partial(
+                _context_parallel_attention_fn,
+                mesh=self.mesh,
+                implementation=self.attention_implementation,
+                deterministic=self.deterministic_gradients,
+            )
         if self.attention == "flash":
             return make_attention_fn(
                 implementation=self.attention_implementation, deterministic_gradients=self.deterministic_gradients
@@ -103,6 +121,32 @@ class TransformerConfig:
         if self.attention == "dense":
             return nnx.dot_product_attention
         return self.attention
+
+
+def _context_parallel_attention_fn(
+    query, key, value, mask=None, *, mesh, implementation, deterministic, dtype=None, is_causal=False, **unused
+):
+    """Flash attention of q [batch, seq, heads, head_dim] and k, v [batch, seq, kv_heads, head_dim] sharded over
+    `mesh`: the sequence along "context" (contiguous shards, so positions and rotary embeddings stay global), the
+    batch along "data". Also with a context axis of one device: a Pallas kernel is opaque to GSPMD, which would
+    gather its inputs onto every device, while `shard_map` gives each device its own batch shard. The model
+    passes no mask (causality is `is_causal`) nor attention dropout (`Attention._attend`), the rest of Flax's
+    `attention_fn` arguments (`unused`) keep their defaults."""
+    if mask is not None:
+        raise ValueError("attention on a mesh takes no mask: causality is is_causal")
+    dtype = jnp.result_type(query, key, value) if dtype is None else jnp.dtype(dtype)
+    query, key, value = (x.astype(dtype) for x in (query, key, value))
+    return context_parallel_attention(
+        query,
+        key,
+        value,
+        mesh=mesh,
+        axis=CONTEXT_AXIS,
+        batch_axis=DATA_AXIS,
+        is_causal=is_causal,
+        implementation=implementation,
+        deterministic=deterministic,
+    )
 
 
 def require_positive_ints(config, *names: str) -> None:

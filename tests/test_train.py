@@ -1,5 +1,6 @@
 """CPU smoke tests of the trainer: config/CLI, data, loss decreases, exact resume, Ctrl-C, run folders and
-what each run writes, the `both` report."""
+what each run writes, the `both` report, and training on a device mesh (the test session's 8 CPU devices,
+tests/conftest.py; the same on two GPUs is `gpu`)."""
 
 import dataclasses
 import datetime
@@ -10,10 +11,13 @@ import shutil
 import signal
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from models.gpt import GPTConfig
+from pallas_flash import parallel
+from tests.tolerances import assert_close
 from train import __main__ as train_main
 from train import data as data_lib
 from train import loop, report
@@ -89,6 +93,11 @@ def test_cli_overrides_every_level():
         (["--recall_doc_len", "31"], "recall_doc_len"),
         (["--recall_num_keys", "16", "--recall_values_per_key", "16"], "recall_num_keys"),
         (["--recall_fact_probability", "0"], "recall_fact_probability"),
+        (["--mesh", "data=2,model=2"], "mesh"),
+        (["--mesh", "data=0"], "mesh"),
+        (["--mesh", "data=2,data=2"], "mesh"),
+        (["--mesh", "data=3"], "batch_size"),
+        (["--mesh", "context=3"], "seq_len"),
     ],
 )
 def test_bad_values_name_the_field(args, field, capsys):
@@ -710,3 +719,93 @@ def test_summary_pairs_the_seeds(tmp_path):
     assert "| 1 | 1.8658 | 1.8935 | -0.0277 |" in results_md and "(agreement.png)" in results_md
     assert (tmp_path / "agreement.png").stat().st_size > 0
     assert json.loads((tmp_path / "results.json").read_text())["claims"]["curves_agree"]["seeds"] == [0, 1, 2]
+
+
+# Mesh runs: 4 steps of SMALL with a loss record per step, and 17 validation windows (eval_tokens 1088), so the
+# last validation batch holds one window and a data axis of 2 pads it.
+MESH_RUN = SMALL + ["--steps", "4", "--warmup_steps", "1", "--log_every", "1", "--eval_tokens", "1088"]
+
+
+def _train_records(run_dir, *args):
+    """metrics.jsonl's records of a run of MESH_RUN with `args`, without checkpoints."""
+    train_main.main(MESH_RUN + ["--checkpoint_every", "0", "--run_dir", str(run_dir), *args])
+    return loop.read_metrics(run_dir / "metrics.jsonl")
+
+
+def _curves(records):
+    """(train losses by step, validation losses) of a run's records."""
+    return np.array([r["loss"] for r in records if "loss" in r]), np.array(
+        [r["val_loss"] for r in records if "val_loss" in r]
+    )
+
+
+@pytest.fixture(scope="module")
+def one_device_records(tmp_path_factory):
+    """The records of MESH_RUN without a mesh, by attention: what every mesh must reproduce."""
+    return {
+        attention: _train_records(tmp_path_factory.mktemp(attention), "--attention", attention)
+        for attention in ("flash", "dense")
+    }
+
+
+@pytest.mark.parametrize(
+    "attention, mesh, strategy",
+    [("flash", "data=1,context=2", None), ("flash", "data=2,context=2", "ring"), ("dense", "data=2,context=2", None)],
+)
+def test_a_mesh_trains_the_losses_of_one_device(attention, mesh, strategy, one_device_records, tmp_path, monkeypatch):
+    """Batch over "data", sequence over "context": the same train and validation losses as one device, up to
+    float32 summation order. Flash's default strategy at this length gathers K/V; "ring" forces the ring."""
+    if strategy:
+        monkeypatch.setattr(parallel, "choose_strategy", lambda *_: strategy)
+    records = _train_records(tmp_path, "--attention", attention, "--mesh", mesh)
+    for ours, reference in zip(_curves(records), _curves(one_device_records[attention])):
+        assert ours.shape == reference.shape
+        assert_close(ours, reference, np.float32)
+    assert json.loads((tmp_path / "config.json").read_text())["mesh"] == mesh
+    assert json.loads((tmp_path / "run.json").read_text())["config"]["mesh"] == mesh
+
+
+def test_a_checkpoint_resumes_on_another_mesh(tmp_path):
+    """Checkpoints hold replicated parameters and record the model without its mesh: a one-device run continues
+    on a mesh, with dropout drawing the same masks (the RNG is partitionable)."""
+    args = MESH_RUN + ["--checkpoint_every", "2", "--run_dir", str(tmp_path), "--model.dropout_rate", "0.1"]
+    train_main.main(args)
+    reference = _losses(tmp_path / "metrics.jsonl")
+    shutil.rmtree(tmp_path / "checkpoints" / "4")
+    (tmp_path / "run.json").unlink()
+    train_main.main(args + ["--mesh", "data=2,context=2", "--resume"])
+    resumed = _losses(tmp_path / "metrics.jsonl")
+    assert sorted(resumed) == [1, 2, 3, 4]
+    assert_close([resumed[s] for s in (3, 4)], [reference[s] for s in (3, 4)], np.float32)
+
+
+def test_a_mesh_needs_its_devices(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train_main.main(MESH_RUN + ["--mesh", "context=16", "--run_dir", str(tmp_path / "run")])
+    assert exit_info.value.code == 2 and "mesh='context=16': needs 16 devices" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_context_search_runs_on_the_mesh():
+    """Each probe is a real train step on the run's mesh, its batch rounded up to the data axis."""
+    cfg = parse_args(SMALL + ["--mesh", "data=2,context=2", "--max_context", "128"])
+    search = loop.find_max_context(cfg, "flash", log=lambda _: None)
+    assert [p["fits"] for p in search["probes"]] == [True, True] and search["longest"] == 128
+    assert (search["batch_size"], search["devices"], search["mesh"]) == (2, 4, "data=2,context=2")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "mesh, strategy", [("data=1,context=2", "ring"), ("data=1,context=2", "all_gather"), ("data=2,context=1", None)]
+)
+def test_two_gpus_train_the_losses_of_one(mesh, strategy, tmp_path, monkeypatch):
+    """The GPU presets' bfloat16 at a context the kernels tile (512, head_dim 64): two GPUs against one, within
+    bfloat16's output tolerance (each device's kernels see other tiles than the one-device call)."""
+    if len(jax.devices()) < 2:
+        pytest.skip("needs 2 GPUs")
+    if strategy:
+        monkeypatch.setattr(parallel, "choose_strategy", lambda *_: strategy)
+    gpu = ["--seq_len", "512", "--model.embed_dim", "128", "--model.dtype", "bfloat16"]
+    reference = _curves(_train_records(tmp_path / "one", *gpu))
+    for ours, want in zip(_curves(_train_records(tmp_path / "two", *gpu, "--mesh", mesh)), reference):
+        assert_close(ours, want, jnp.bfloat16)

@@ -35,10 +35,11 @@ def run_one(cfg, attention: str, run_dir: pathlib.Path) -> loop.RunResult:
 
 
 def main(argv=None) -> None:
-    """`python -m train`: exits 2 on a bad flag or run folder, 130 on Ctrl-C (after saying how to resume)."""
+    """`python -m train`: exits 2 on a bad flag, mesh or run folder, 130 on Ctrl-C (after saying how to resume)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     cfg = parse_args(argv)
     try:
+        loop.make_mesh(cfg)  # more devices than there are is a bad flag, refused before any folder is made
         out = choose_run_dir(cfg)
     except ValueError as err:
         print(f"python -m train: error: {err}", file=sys.stderr)
@@ -47,7 +48,7 @@ def main(argv=None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     print(
         f"run {cfg.name}: {cfg.attention} attention, data {cfg.data}, context {cfg.seq_len}, batch "
-        f"{cfg.batch_size}, {cfg.steps} steps -> {out}",
+        f"{cfg.batch_size}, {cfg.steps} steps{f', mesh {cfg.mesh}' if cfg.mesh else ''} -> {out}",
         file=sys.stderr,
     )
     try:

@@ -2,9 +2,10 @@
 
 Every field is a flag (`--steps 50`, `--seq_len 256`, `--model.num_layers 4`; dashes work too) whose
 `--help` line is the field's one-line meaning, its default (the tiny preset's, and the other presets' where
-they differ) and its choices. Two model fields are not flags because the trainer sets them: `attention` (from
-`--attention`) and `max_seq_len` (the context the run trains at, `--seq_len`, or a probe's context in the
-longest-context search).
+they differ) and its choices. Three model fields are not flags because the trainer sets them: `attention` (from
+`--attention`), `max_seq_len` (the context the run trains at, `--seq_len`, or a probe's context in the
+longest-context search) and `mesh` (the devices of `--mesh`; records leave it out, so a checkpoint resumes on
+any mesh).
 """
 
 from __future__ import annotations
@@ -19,14 +20,15 @@ import typing
 
 from models.gpt import PRESETS as MODEL_PRESETS
 from models.gpt import GPTConfig
-from models.transformer import MLPS, NORMS
+from models.transformer import CONTEXT_AXIS, DATA_AXIS, MLPS, NORMS
 from pallas_flash.api import IMPLEMENTATIONS
 from train.data import SLOT_LEN, VOCAB_SIZE
 
 ATTENTIONS = ("flash", "dense", "both")
 BUILTIN_DATA = ("stdlib", "recall")
 DTYPES = ("float32", "bfloat16", "float16")
-TRAINER_SET_MODEL_FIELDS = ("attention", "max_seq_len")
+TRAINER_SET_MODEL_FIELDS = ("attention", "max_seq_len", "mesh")
+MESH_AXES = (DATA_AXIS, CONTEXT_AXIS)
 RUNS_ROOT = pathlib.Path("runs")
 
 
@@ -67,6 +69,12 @@ class TrainConfig:
         False, "continue the run in run_dir (without run_dir: the newest run of this name) from its latest checkpoint"
     )
     seed: int = _field(0, "seed of the parameters, data order and dropout")
+    mesh: str | None = _field(
+        None,
+        "devices to train on, data=D,context=C (D*C devices; an axis left out is 1): each batch split over D, "
+        "each sequence over C by ring attention (batch_size a multiple of D, seq_len of C); none: one device",
+        ("data=D,context=C",),
+    )
     attention: str = _field(
         "flash", "attention to train with; both: flash and dense on the same data, then a comparison report", ATTENTIONS
     )
@@ -149,18 +157,42 @@ class TrainConfig:
         require(
             self.recall_doc_len % SLOT_LEN == 0, "recall_doc_len", f"must be a multiple of the slot length {SLOT_LEN}"
         )
+        if self.mesh is not None:
+            shape = parse_mesh(self.mesh)  # a malformed mesh raises naming the field
+            require(
+                self.batch_size % shape[DATA_AXIS] == 0,
+                "batch_size",
+                f"must be a multiple of mesh data={shape[DATA_AXIS]}",
+            )
+            require(
+                self.seq_len % shape[CONTEXT_AXIS] == 0,
+                "seq_len",
+                f"must be a multiple of mesh context={shape[CONTEXT_AXIS]}",
+            )
         if self.model.vocab_size < 256:
             raise ValueError(f"model.vocab_size={self.model.vocab_size}: must be at least 256 for byte-level data")
         for field in TRAINER_SET_MODEL_FIELDS:
             if getattr(self.model, field) != getattr(GPTConfig(), field):
                 raise ValueError(
-                    f"model.{field} is set by the trainer (--attention, --seq_len); leave it at "
+                    f"model.{field} is set by the trainer (--attention, --seq_len, --mesh); leave it at "
                     f"its default {getattr(GPTConfig(), field)!r}"
                 )
 
-    def model_config(self, attention: str, seq_len: int | None = None) -> GPTConfig:
-        """The model this run trains: the preset with the attention and context filled in."""
-        return dataclasses.replace(self.model, attention=attention, max_seq_len=seq_len or self.seq_len)
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        """{"data": D, "context": C} of `mesh`; one device on each axis without one."""
+        return parse_mesh(self.mesh) if self.mesh is not None else dict.fromkeys(MESH_AXES, 1)
+
+    def model_config(self, attention: str, seq_len: int | None = None, mesh=None) -> GPTConfig:
+        """The model this run trains: the preset with the attention, context and device mesh filled in."""
+        return dataclasses.replace(self.model, attention=attention, max_seq_len=seq_len or self.seq_len, mesh=mesh)
+
+    def model_record(self, attention: str) -> dict:
+        """The model as JSON, as records and checkpoints hold it: without the mesh, which `mesh` records, so a
+        checkpoint continues on any mesh."""
+        record = to_json(dataclasses.asdict(self.model_config(attention)))
+        del record["mesh"]
+        return record
 
     def run_record(self, attention: str, run_dir: pathlib.Path | str) -> dict:
         """This config as JSON, as the run with one `attention` in `run_dir` ran it (model fields filled in)."""
@@ -168,8 +200,23 @@ class TrainConfig:
             **to_json(dataclasses.asdict(self)),
             "attention": attention,
             "run_dir": str(run_dir),
-            "model": to_json(dataclasses.asdict(self.model_config(attention))),
+            "model": self.model_record(attention),
         }
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """{"data": D, "context": C} of a --mesh value "data=D,context=C"; an axis left out is 1."""
+    shape = dict.fromkeys(MESH_AXES, 1)
+    named = set()
+    for part in text.split(","):
+        name, _, size = part.strip().partition("=")
+        if name not in MESH_AXES or name in named or not size.isdigit() or int(size) < 1:
+            raise ValueError(
+                f"mesh={text!r}: must be data=D,context=C with positive integers (each axis once; one left out is 1)"
+            )
+        named.add(name)
+        shape[name] = int(size)
+    return shape
 
 
 def to_json(value):

@@ -3,6 +3,10 @@
 The model is split once into (graphdef, params, rest) and the steps are plain `jax.jit` functions over
 those pytrees, so a step costs no Python graph traversal. `rest` is the model's non-parameter state (its
 dropout RNG), threaded through the step and checkpointed with the parameters.
+
+On a device mesh (`--mesh data=D,context=C`) the same step runs as one `jax.jit` over sharded inputs: batches
+split along "data" (rows) and "context" (positions), parameters and optimizer state replicated; GSPMD
+partitions the model from that, and flash attention runs as ring attention (`models.transformer`).
 """
 
 from __future__ import annotations
@@ -23,12 +27,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from models.gpt import GPT
 from train import data as data_lib
 from train.checkpoint import Checkpointer
-from train.config import TrainConfig, to_json
+from train.config import MESH_AXES, TrainConfig
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
@@ -47,11 +53,51 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     )
 
 
-def init_model(cfg: TrainConfig, attention: str, seq_len: int | None = None):
-    """(graphdef, params, rest) for the run's model; parameters depend on the seed only, not the attention."""
+def make_mesh(cfg: TrainConfig) -> Mesh | None:
+    """The ("data", "context") mesh of `cfg.mesh` over the first D * C devices; None without --mesh."""
+    if cfg.mesh is None:
+        return None
+    shape = [cfg.mesh_shape[axis] for axis in MESH_AXES]
+    devices = jax.devices()
+    if math.prod(shape) > len(devices):
+        raise ValueError(
+            f"mesh={cfg.mesh!r}: needs {math.prod(shape)} devices, {len(devices)} {devices[0].platform} "
+            "device(s) available"
+        )
+    return Mesh(np.array(devices[: math.prod(shape)]).reshape(shape), MESH_AXES)
+
+
+def replicate(tree, mesh: Mesh | None):
+    """`tree` on every device of `mesh` (unchanged without one): parameters and optimizer state."""
+    return tree if mesh is None else jax.device_put(tree, NamedSharding(mesh, P()))
+
+
+def shard_batch(batch: dict, mesh: Mesh | None) -> dict:
+    """A batch's arrays, [batch, seq] or [batch], split along the mesh's data and context axes (as they are
+    without a mesh)."""
+    if mesh is None:
+        return batch
+    return {k: jax.device_put(v, NamedSharding(mesh, P(*MESH_AXES[: np.ndim(v)]))) for k, v in batch.items()}
+
+
+def pad_batch(batch: dict, multiple: int) -> dict:
+    """`batch` with its rows repeated up to a multiple of `multiple` (the mesh's data axis) and `weights`
+    [batch] 0 on the repeats: a validation set's last batch may be short, and the data axis splits rows evenly."""
+    rows = len(batch["inputs"])
+    padded = rows + -rows % multiple
+    if padded == rows:
+        return batch
+    index = np.arange(padded) % rows
+    return {**{k: v[index] for k, v in batch.items()}, "weights": (np.arange(padded) < rows).astype(np.float32)}
+
+
+def init_model(cfg: TrainConfig, attention: str, seq_len: int | None = None, mesh: Mesh | None = None):
+    """(graphdef, params, rest) for the run's model, replicated over `mesh`; parameters depend on the seed
+    only, not the attention or the mesh."""
     params_key, dropout_key = jax.random.split(jax.random.key(cfg.seed))
-    model = GPT(cfg.model_config(attention, seq_len), rngs=nnx.Rngs(params=params_key, dropout=dropout_key))
-    return nnx.split(model, nnx.Param, ...)
+    model = GPT(cfg.model_config(attention, seq_len, mesh), rngs=nnx.Rngs(params=params_key, dropout=dropout_key))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    return graphdef, replicate(params, mesh), replicate(rest, mesh)
 
 
 def _token_losses(model, batch, *, deterministic):
@@ -83,10 +129,11 @@ def answer_groups(distances: jax.Array, far_distance: int) -> dict[str, jax.Arra
     return groups
 
 
-def make_steps(graphdef, tx, far_distance: int = 0):
-    """jit-compiled (train_step, eval_step) for one model structure.
+def make_steps(graphdef, tx, far_distance: int = 0, mesh: Mesh | None = None):
+    """jit-compiled (train_step, eval_step) for one model structure, over batches placed by `shard_batch`.
 
-    On the recall task the eval step also scores the recalled values, in the groups of `answer_groups`.
+    On the recall task the eval step also scores the recalled values, in the groups of `answer_groups`. On a
+    mesh the train step's outputs stay replicated, as its parameter and optimizer-state inputs are.
     """
 
     def train_step(params, opt_state, rest, batch):
@@ -106,18 +153,20 @@ def make_steps(graphdef, tx, far_distance: int = 0):
 
     def eval_step(params, rest, batch):
         losses, logits = _token_losses(nnx.merge(graphdef, params, rest), batch, deterministic=True)
+        weights = batch.get("weights", jnp.ones(losses.shape[:1], jnp.float32))  # 0: a `pad_batch` repeat
+        token_weights = jnp.broadcast_to(weights[:, None], losses.shape)
         window_losses = losses.mean(axis=-1)
         sums = {
-            "loss": losses.sum(),
-            "tokens": jnp.float32(losses.size),
-            "windows": jnp.float32(losses.shape[0]),
-            "window_loss": window_losses.sum(),
-            "window_loss_sq": jnp.square(window_losses).sum(),
+            "loss": (losses * token_weights).sum(),
+            "tokens": token_weights.sum(),
+            "windows": weights.sum(),
+            "window_loss": (window_losses * weights).sum(),
+            "window_loss_sq": (jnp.square(window_losses) * weights).sum(),
         }
         if "distances" in batch:
             correct = (jnp.argmax(logits, axis=-1) == batch["targets"]).astype(jnp.float32)
             for name, mask in answer_groups(batch["distances"], far_distance).items():
-                mask = mask.astype(jnp.float32)
+                mask = mask.astype(jnp.float32) * token_weights
                 sums |= {
                     f"{name}_loss": (losses * mask).sum(),
                     f"{name}_correct": (correct * mask).sum(),
@@ -125,7 +174,8 @@ def make_steps(graphdef, tx, far_distance: int = 0):
                 }
         return sums
 
-    return jax.jit(train_step, donate_argnums=(0, 1, 2)), jax.jit(eval_step)
+    replicated = {} if mesh is None else {"out_shardings": NamedSharding(mesh, P())}
+    return jax.jit(train_step, donate_argnums=(0, 1, 2), **replicated), jax.jit(eval_step)
 
 
 def evaluate(eval_step, params, rest, batches) -> dict[str, float]:
@@ -298,13 +348,14 @@ def train(cfg: TrainConfig, attention: str, run_dir: pathlib.Path) -> RunResult:
     # Written first, so a run cut short (its time limit, a crash) still says what it was; run.json comes
     # only at the end.
     (run_dir / "config.json").write_text(json.dumps(cfg.run_record(attention, run_dir), indent=1))
+    mesh = make_mesh(cfg)
     dataset = data_lib.make_dataset(cfg)
-    eval_batches = dataset.eval_batches()
-    graphdef, params, rest = init_model(cfg, attention)
+    eval_batches = [shard_batch(pad_batch(b, cfg.mesh_shape["data"]), mesh) for b in dataset.eval_batches()]
+    graphdef, params, rest = init_model(cfg, attention, mesh=mesh)
     tx = make_optimizer(cfg)
-    opt_state = tx.init(params)
-    train_step, eval_step = make_steps(graphdef, tx, cfg.recall_far_distance)
-    model_record = to_json(dataclasses.asdict(cfg.model_config(attention)))
+    opt_state = replicate(tx.init(params), mesh)
+    train_step, eval_step = make_steps(graphdef, tx, cfg.recall_far_distance, mesh)
+    model_record = cfg.model_record(attention)
 
     start_step, sessions = 0, []
     if cfg.resume and latest is None:
@@ -338,7 +389,7 @@ def train(cfg: TrainConfig, attention: str, run_dir: pathlib.Path) -> RunResult:
         ]
 
     compile_start = time.perf_counter()
-    train_step = train_step.lower(params, opt_state, rest, dataset.train_batch(start_step)).compile()
+    train_step = train_step.lower(params, opt_state, rest, shard_batch(dataset.train_batch(start_step), mesh)).compile()
     compile_s = time.perf_counter() - compile_start
     step_bytes = compiled_bytes(train_step)
     tokens_per_step = cfg.batch_size * cfg.seq_len
@@ -373,7 +424,8 @@ def train(cfg: TrainConfig, attention: str, run_dir: pathlib.Path) -> RunResult:
     with stop_requests() as stop:
         last_time = time.perf_counter()
         for step in range(start_step, cfg.steps):
-            params, opt_state, rest, metrics = train_step(params, opt_state, rest, dataset.train_batch(step))
+            batch = shard_batch(dataset.train_batch(step), mesh)
+            params, opt_state, rest, metrics = train_step(params, opt_state, rest, batch)
             pending.append(metrics)
             done = step + 1
             if done % cfg.log_every == 0 or done == cfg.steps:
@@ -411,17 +463,25 @@ def train(cfg: TrainConfig, attention: str, run_dir: pathlib.Path) -> RunResult:
     return _result(attention, records, [*sessions, session(done)], compile_s, step_bytes)
 
 
+def search_batch_size(cfg: TrainConfig) -> int:
+    """The context search's batch: `search_batch_size` rounded up to a multiple of the mesh's data axis."""
+    data = cfg.mesh_shape["data"]
+    return -(-cfg.search_batch_size // data) * data
+
+
 def try_context(cfg: TrainConfig, attention: str, seq_len: int) -> dict:
-    """Compiles and runs one train step at `seq_len` x `search_batch_size`; out-of-memory is an answer."""
+    """Compiles and runs one train step at `seq_len` x `search_batch_size` on the run's mesh; out-of-memory is
+    an answer."""
     probe = {"seq_len": seq_len, "fits": False}
     try:
-        graphdef, params, rest = init_model(cfg, attention, seq_len)
+        mesh = make_mesh(cfg)
+        graphdef, params, rest = init_model(cfg, attention, seq_len, mesh)
         tx = make_optimizer(cfg)
-        opt_state = tx.init(params)
-        train_step, _ = make_steps(graphdef, tx)
+        opt_state = replicate(tx.init(params), mesh)
+        train_step, _ = make_steps(graphdef, tx, mesh=mesh)
         rng = np.random.default_rng((cfg.seed, seq_len))
-        tokens = rng.integers(1, data_lib.VOCAB_SIZE, size=(cfg.search_batch_size, seq_len + 1), dtype=np.int32)
-        batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+        tokens = rng.integers(1, data_lib.VOCAB_SIZE, size=(search_batch_size(cfg), seq_len + 1), dtype=np.int32)
+        batch = shard_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, mesh)
         compiled = train_step.lower(params, opt_state, rest, batch).compile()
         probe["step_bytes"] = compiled_bytes(compiled)
         start = time.perf_counter()
@@ -441,7 +501,8 @@ def try_context(cfg: TrainConfig, attention: str, seq_len: int) -> dict:
 
 
 def find_max_context(cfg: TrainConfig, attention: str, log=print) -> dict:
-    """Doubles the context from `seq_len` until a step runs out of memory or `max_context` is passed."""
+    """Doubles the context from `seq_len` until a step runs out of memory or `max_context` is passed, on the
+    run's mesh: with a context axis of C devices each holds 1/C of the sequence."""
     probes, seq_len = [], cfg.seq_len
     while seq_len <= cfg.max_context:
         probe = try_context(cfg, attention, seq_len)
@@ -453,7 +514,9 @@ def find_max_context(cfg: TrainConfig, attention: str, log=print) -> dict:
     fitting = [p["seq_len"] for p in probes if p["fits"]]
     return {
         "attention": attention,
-        "batch_size": cfg.search_batch_size,
+        "batch_size": search_batch_size(cfg),
+        "mesh": cfg.mesh,
+        "devices": math.prod(cfg.mesh_shape.values()),
         "longest": max(fitting, default=None),
         "limit_reached": bool(probes) and probes[-1]["fits"],
         "limit": cfg.max_context,

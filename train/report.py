@@ -24,6 +24,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from train.loop import search_batch_size  # noqa: E402
+
 
 def stamp(command: list[str] | None = None) -> dict:
     """When, where (backend and device kind) and by which command a file was made."""
@@ -54,6 +56,12 @@ def _longest(search: dict | None) -> str:
     return f">= {search['longest']:,} (search limit)" if search["limit_reached"] else f"{search['longest']:,}"
 
 
+def _devices(cfg) -> str:
+    """The devices a run trained on, as its reports say it: "1 device" or "4 devices (mesh data=2,context=2)"."""
+    count = math.prod(cfg.mesh_shape.values())
+    return f"{count} device{'s' if count > 1 else ''}" + (f" (mesh {cfg.mesh})" if cfg.mesh else "")
+
+
 def _summary(result) -> dict:
     summary = dataclasses.asdict(result)
     summary["final_loss"] = result.losses[-1] if result.losses else None
@@ -74,7 +82,7 @@ def write_run(run_dir: pathlib.Path, cfg, result, search: dict | None = None) ->
         run_dir / "loss.png",
         {result.attention: (result.steps, result.losses)},
         f"{result.attention} attention, {cfg.data}, context {cfg.seq_len}, batch {cfg.batch_size}\n"
-        f"{report['device']}, jax {report['jax']}",
+        f"{report['device']} x {_devices(cfg)}, jax {report['jax']}",
         {result.attention: result.evals},
     )
     return report
@@ -141,7 +149,7 @@ def write_comparison(run_dir: pathlib.Path, cfg, results: dict, searches: dict) 
         run_dir / "loss.png",
         {n: (r.steps, r.losses) for n, r in results.items()},
         f"flash vs dense, {cfg.data}, context {cfg.seq_len}, batch {cfg.batch_size}\n"
-        f"{report['device']}, jax {report['jax']}",
+        f"{report['device']} x {_devices(cfg)}, jax {report['jax']}",
         {n: r.evals for n, r in results.items()},
     )
 
@@ -155,11 +163,12 @@ def write_comparison(run_dir: pathlib.Path, cfg, results: dict, searches: dict) 
         "",
         f"Model: {cfg.model.num_layers} layers, {cfg.model.num_heads} heads, embed {cfg.model.embed_dim}, "
         f"compute {cfg.model.dtype}, parameters {cfg.model.param_dtype}; data `{cfg.data}`, context "
-        f"{cfg.seq_len}, batch {cfg.batch_size}, {cfg.steps} steps, seed {cfg.seed} (same data order).",
+        f"{cfg.seq_len}, batch {cfg.batch_size}, {cfg.steps} steps, seed {cfg.seed} (same data order); "
+        f"{_devices(cfg)}.",
         "",
         "| attention | final train loss | final val loss | tokens/s | compile s | step memory (XLA plan) "
         "| peak device memory | longest context (batch "
-        f"{cfg.search_batch_size}) |",
+        f"{search_batch_size(cfg)}, {_devices(cfg)}) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
