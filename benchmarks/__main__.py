@@ -1,6 +1,7 @@
 """The benchmark harness: ours side by side with cuDNN, XLA and JAX's own Pallas examples.
 
-    python -m benchmarks SUITE [options]          # SUITE: seed, sweep, memory, backends, sparse, bar, flex, or all
+    python -m benchmarks SUITE [options]          # SUITE: seed, sweep, memory, backends, sparse, bar, flex, ring,
+                                                  # decode, or all
     python -m benchmarks SUITE --smoke            # tiny sizes on CPU: checks the harness, claims nothing
     python -m benchmarks render DIR [DIR ...] --out DIR    # merge results.json files, redraw tables and plots
 
@@ -20,8 +21,9 @@ import shlex
 import sys
 import tempfile
 
-SUITES = ("seed", "sweep", "memory", "backends", "sparse", "bar", "flex")
-OWN_RUNNERS = ("bar", "flex")  # suites with a runner of their own (not the record suites' points x implementations)
+SUITES = ("seed", "sweep", "memory", "backends", "sparse", "bar", "flex", "ring", "decode")
+OWN_RUNNERS = ("bar", "flex", "ring", "decode")  # suites with a runner of their own (not points x implementations)
+SMOKE_CPU_DEVICES = 2  # the ring suite's --smoke splits its sequence over two CPU devices
 HELP = {
     "seed": "B=32 N=512 H=16 D=64 fp16 causal: fwd, bwd, fwd+bwd time and memory of every implementation",
     "sweep": "the FlashAttention paper's figure 3: N = 512..16k, D = 64 and 128, causal or not, B*N = 16k, H*D = 2048",
@@ -32,6 +34,10 @@ HELP = {
     "bar": "issues 6 and 7's bar: flash_attention's defaults against cuDNN, interleaved pairs with ~95%% intervals",
     "flex": "score_mod, mask_mod and sinks against our plain kernel, cuDNN and torch flex_attention (bf16, B*N = 16k, "
     "H=16, D=128, N=8k), and block-mask construction",
+    "ring": "context parallelism on every local device (zig-zag and contiguous rings, all-gather) against one GPU "
+    "on the whole sequence and cuDNN: causal, B=1, H=16 (and GQA 16/4), D=128, bf16, 8k-32k tokens per GPU",
+    "decode": "flash_decode (one query, GQA 32/8, D=128, bf16; contiguous, paged, ragged) against cuDNN in TB/s, "
+    "and GPT.generate against a dense masked-cache decode loop",
 }
 
 
@@ -40,6 +46,21 @@ def default_out(date: str, device: str) -> str:
     from benchmarks import report
 
     return os.path.join("runs", "benchmarks", f"{date}-{report.slug(device)}")
+
+
+def smoke_on_cpu() -> None:
+    """--smoke runs on the CPU, split into SMOKE_CPU_DEVICES devices where JAX has not started its CPU client yet
+    and XLA_FLAGS does not set a count (a process that started already, like the test session with its 8
+    devices, keeps what it has)."""
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+        return
+    try:
+        jax.config.update("jax_num_cpu_devices", SMOKE_CPU_DEVICES)
+    except (RuntimeError, AttributeError):  # started already, or a JAX without the option
+        pass
 
 
 def _csv(text, cast=str):
@@ -96,12 +117,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     flex = argparse.ArgumentParser(add_help=False)
     flex.add_argument("--cases", help="comma list of the cases to run (default: all; see benchmarks/README.md)")
+    ring = argparse.ArgumentParser(add_help=False)
+    ring.add_argument("--seqs-per-gpu", help="tokens per device, e.g. 8192,16384,32768 (the default)")
+    decode = argparse.ArgumentParser(add_help=False)
+    decode.add_argument("--cases", help="comma list of the cases to run (default: all; see benchmarks/README.md)")
     kind = argparse.RawDescriptionHelpFormatter
     for name in SUITES:
-        parents = {"bar": [common, bar], "flex": [common, flex]}.get(name, [common, records])
+        parents = {"bar": [common, bar], "flex": [common, flex], "ring": [common, ring], "decode": [common, decode]}
+        parents = parents.get(name, [common, records])
         doc = _suite_doc(name)
         sub.add_parser(name, parents=parents, help=HELP[name], description=doc, formatter_class=kind)
-    sub.add_parser("all", parents=[common, records], help="every suite in turn; flex, bar last", formatter_class=kind)
+    sub.add_parser(
+        "all", parents=[common, records], help="every suite in turn; flex, ring, decode, bar last", formatter_class=kind
+    )
     render = sub.add_parser("render", help="merge the results.json of folders and redraw tables and plots")
     render.add_argument("dirs", nargs="+", metavar="DIR")
     render.add_argument("--out", required=True)
@@ -109,9 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _suite_doc(name: str) -> str:
-    from benchmarks import bar, flex, suites
+    from benchmarks import bar, decode, flex, ring, suites
 
-    own = {"bar": bar.__doc__, "flex": flex.__doc__}
+    own = {"bar": bar.__doc__, "flex": flex.__doc__, "ring": ring.__doc__, "decode": decode.__doc__}
     return own.get(name) or f"The {name} suite: {HELP[name]}.\n\n{suites.__doc__}"
 
 
@@ -147,8 +175,6 @@ def write(records: list[dict], folder: str) -> str:
 
 
 def run_record_suites(args, names: list[str], argv: list[str], parser) -> dict[str, str]:
-    import jax
-
     from benchmarks import impls as impls_lib
     from benchmarks import suites
     from benchmarks.inputs import PASSES
@@ -157,7 +183,7 @@ def run_record_suites(args, names: list[str], argv: list[str], parser) -> dict[s
     if passes and set(passes) - set(PASSES):
         parser.error(f"unknown pass in {args.passes!r}; choose from {', '.join(PASSES)}")
     if args.smoke:
-        jax.config.update("jax_platforms", "cpu")
+        smoke_on_cpu()
     known = [impl.name for impl in impls_lib.all_impls()]
     chosen = _csv(args.impls)
     if chosen and set(chosen) - set(known):
@@ -275,16 +301,63 @@ def run_flex(args, argv: list[str], parser) -> str:
     )
 
 
-def _run_own_suite(name: str, args, argv: list[str], measure) -> str:
-    """A suite with a runner of its own (bar, flex): `measure(stamp, on_record)` returns its records, each stamped
-    with the environment, command and date; results.json is rewritten after each record, so a cut-off run keeps
-    what it measured. Returns the folder written."""
-    import jax
+def run_ring(args, argv: list[str], parser) -> str:
+    from benchmarks import ring
 
+    passes = _csv(args.passes) or list(ring.PASSES)
+    if set(passes) - set(ring.PASSES):
+        parser.error(f"ring takes the passes fwd and fwdbwd, got {args.passes!r}")
+    try:
+        seqs = _csv(args.seqs_per_gpu, int)
+    except ValueError:
+        parser.error(f"--seqs-per-gpu takes a comma list of integers, got {args.seqs_per_gpu!r}")
+    return _run_own_suite(
+        "ring",
+        args,
+        argv,
+        lambda stamp, on_record: ring.run(
+            seqs_per_gpu=[ring.SMOKE_SEQ_PER_GPU] if args.smoke else seqs or list(ring.SEQS_PER_GPU),
+            passes=passes,
+            reps=args.reps,
+            min_sample_ms=args.min_sample_ms,
+            time_budget=args.time_budget,
+            smoke=args.smoke,
+            stamp=stamp,
+            on_record=on_record,
+        ),
+    )
+
+
+def run_decode(args, argv: list[str], parser) -> str:
+    from benchmarks import decode
+
+    names = _csv(args.cases)
+    if names and set(names) - set(decode.case_names()):
+        parser.error(f"unknown case in {args.cases!r}; choose from {', '.join(decode.case_names())}")
+    return _run_own_suite(
+        "decode",
+        args,
+        argv,
+        lambda stamp, on_record: decode.run(
+            names=names,
+            reps=args.reps,
+            min_sample_ms=args.min_sample_ms,
+            time_budget=args.time_budget,
+            smoke=args.smoke,
+            stamp=stamp,
+            on_record=on_record,
+        ),
+    )
+
+
+def _run_own_suite(name: str, args, argv: list[str], measure) -> str:
+    """A suite with a runner of its own (bar, flex, ring, decode): `measure(stamp, on_record)` returns its records,
+    each stamped with the environment, command and date; results.json is rewritten after each record, so a cut-off
+    run keeps what it measured. Returns the folder written."""
     from benchmarks import suites
 
     if args.smoke:
-        jax.config.update("jax_platforms", "cpu")
+        smoke_on_cpu()
     command = _command(name, argv)
     print(f"regenerate: {command}", flush=True)
     env = suites.environment()
@@ -325,14 +398,14 @@ def main(argv=None):
             for suite in SUITES
             if any(r["suite"] == suite for r in records)
         }
-    runners = {"bar": run_bar, "flex": run_flex}
+    runners = {"bar": run_bar, "flex": run_flex, "ring": run_ring, "decode": run_decode}
     if args.suite in runners:
         return {args.suite: runners[args.suite](args, rest, parser)}
     names = [s for s in SUITES if s not in OWN_RUNNERS] if args.suite == "all" else [args.suite]
     written = run_record_suites(args, names, rest, parser)
     if args.suite == "all":
         own_argv = _drop_record_options([a for a in rest if a not in ("--isolate", "--no-isolate")])
-        for name in ("flex", "bar"):
+        for name in ("flex", "ring", "decode", "bar"):
             written[name] = runners[name](build_parser().parse_args([name, *own_argv]), own_argv, parser)
     return written
 

@@ -327,9 +327,128 @@ def _flex_table(records):
     ]
 
 
+def _interval(value, interval, fmt=".2f") -> str:
+    """`value (low-high)`, or '-' where there is no value."""
+    if value is None:
+        return "-"
+    text = format(value, fmt)
+    return text + (f" ({interval[0]:{fmt}}-{interval[1]:{fmt}})" if interval else "")
+
+
+def _against(value, target) -> str:
+    """' (>= target: met/missed)' after a value that has a lower bound as its target."""
+    if value is None or target is None:
+        return ""
+    return f" (>= {target:g}: {'met' if value >= target else 'missed'})"
+
+
+def ring_header() -> list[str]:
+    """The ring table's two header lines."""
+    return [
+        "| pass | tokens/GPU | GPUs | H/Hkv | variant | ms | TFLOP/s | single / this (~95%) | efficiency (target) "
+        "| contiguous / zig-zag (target) | rel err | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+
+def ring_row(r) -> str:
+    """One ring record as a row of that table (the note cut at 120 characters; results.json has it whole)."""
+    pass_ = "fwd+bwd" if r["pass"] == "fwdbwd" else r["pass"]
+    head = f"| {pass_} | {r['seq_per_gpu']} | {r['devices']} | {r['heads']}/{r['kv_heads']} | {r['variant']} |"
+    note = (r["note"] or "")[:120]
+    if r["status"] != "ok":
+        return f"{head} {r['status'].upper()} | | | | | | {note} |"
+    efficiency = _interval(r.get("efficiency"), r.get("efficiency_interval")) + _against(
+        r.get("efficiency"), r.get("target")
+    )
+    zigzag = _interval(r.get("ratio_to_contiguous"), r.get("contiguous_interval")) + _against(
+        r.get("ratio_to_contiguous"), r.get("contiguous_target")
+    )
+    error = "-" if r.get("rel_err") is None else f"{r['rel_err']:.1e}"
+    return (
+        f"{head} {r['ms']:.3f} | {r['tflops']:.0f} | {_interval(r.get('speedup'), r.get('speedup_interval'))} | "
+        f"{efficiency} | {zigzag} | {error} | {note} |"
+    )
+
+
+def _ring_table(records):
+    variants = ("single", "ring_zigzag", "ring_contiguous", "all_gather", "cudnn")
+    rows = sorted(
+        records,
+        key=lambda r: (
+            PASS_ORDER.index(r["pass"]),
+            r["seq_per_gpu"] or 0,
+            -r["kv_heads"],
+            variants.index(r["variant"]),
+        ),
+    )
+    return [
+        "### ring: context parallelism against one GPU on the whole sequence (causal, batch 1)",
+        "",
+        *_header(records),
+        "- single / this: the one-GPU flash_attention's ms / this row's ms, median of interleaved pairs; "
+        "efficiency: that over the number of GPUs; contiguous / zig-zag: the two rings paired",
+        "",
+        *ring_header(),
+        *(ring_row(r) for r in rows),
+        "",
+    ]
+
+
+def decode_header() -> list[str]:
+    """The decode table's two header lines."""
+    return [
+        "| case | B | keys (capacity) | page | variant | impl | ms | TB/s (of peak) | this / default (~95%) "
+        "| cuDNN / this | this / partner | tokens/s | dense / this (target) | rel err | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+
+def decode_row(r) -> str:
+    """One decode record as a row of that table (the note cut at 120 characters; results.json has it whole)."""
+    page = r.get("page_size") or "-"
+    keys = f"{r['kv_tokens']} ({r['batch'] * r['seq']})" if r.get("kv_tokens") else f"{r.get('context', '-')}"
+    head = f"| {r['case']} | {r['batch']} | {keys} | {page} | {r['variant']} | {r['impl'] or '-'} |"
+    note = (r["note"] or "")[:120]
+    if r["status"] != "ok":
+        return f"{head} {r['status'].upper()} | | | | | | | | {note} |"
+    tbs = "-"
+    if r.get("tbs") is not None:
+        peak = r.get("fraction_of_peak")
+        tbs = f"{r['tbs']:.2f}" + ("" if peak is None else f" ({peak:.0%})")
+    partner = "-"
+    if r.get("ratio_to_partner") is not None:
+        partner = f"{r['partner']}: {_interval(r['ratio_to_partner'], r['partner_interval'])}"
+    tokens = "-" if r.get("tokens_per_s") is None else f"{r['tokens_per_s']:.0f}"
+    dense = _interval(r.get("ratio_to_dense"), r.get("dense_interval")) + _against(
+        r.get("ratio_to_dense"), r.get("target")
+    )
+    error = "-" if r.get("rel_err") is None else f"{r['rel_err']:.1e}"
+    return (
+        f"{head} {r['ms']:.3f} | {tbs} | {_interval(r.get('ratio_to_default'), r.get('ratio_interval'))} | "
+        f"{_interval(r.get('ratio_to_cudnn'), r.get('cudnn_interval'))} | {partner} | {tokens} | {dense} | "
+        f"{error} | {note} |"
+    )
+
+
+def _decode_table(records):
+    return [
+        "### decode: flash_decode against cuDNN (one query per sequence), and GPT.generate against a dense loop",
+        "",
+        *_header(records),
+        "- this / default: this row's ms / flash_decode(implementation=None)'s, median of interleaved pairs; "
+        "cuDNN / this: cuDNN's ms / the default's; this / partner: ms over the paired case's default "
+        "(paged: contiguous, ragged: uniform); TB/s: the keys and values the queries see, over the time",
+        "",
+        *decode_header(),
+        *(decode_row(r) for r in records),
+        "",
+    ]
+
+
 def markdown(records) -> str:
     lines = []
-    for suite in ("bar", "flex", "seed", "sweep", "memory", "backends", "sparse"):
+    for suite in ("bar", "flex", "ring", "decode", "seed", "sweep", "memory", "backends", "sparse"):
         rows = [r for r in records if r["suite"] == suite]
         if not rows:
             continue
@@ -337,6 +456,10 @@ def markdown(records) -> str:
             lines += _bar_table(rows)
         elif suite == "flex":
             lines += _flex_table(rows)
+        elif suite == "ring":
+            lines += _ring_table(rows)
+        elif suite == "decode":
+            lines += _decode_table(rows)
         elif suite == "sweep":
             lines += _sweep_tables(rows)
         elif suite == "memory":
@@ -362,6 +485,8 @@ def plots(records, out) -> list[str]:
     for suite, draw in (
         ("bar", _plot_bar),
         ("flex", _plot_flex),
+        ("ring", _plot_ring),
+        ("decode", _plot_decode),
         ("sweep", _plot_sweep),
         ("memory", _plot_memory),
         ("seed", _plot_bars),
@@ -563,5 +688,70 @@ def _plot_flex(plt, rows, suite):
         ax.set_title("fwd+bwd" if pass_ == "fwdbwd" else pass_, fontsize=9)
         ax.grid(alpha=0.3)
     fig.suptitle(f"{rows[0]['device']}, {rows[0]['dtype']}: ours with the modifier against the rest", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def _plot_ring(plt, rows, suite):
+    """Scaling efficiency with its interval against tokens per GPU: one panel per pass, one series per strategy
+    and head layout; the pass's target as a dotted line."""
+    passes = [p for p in PASS_ORDER if any(r["pass"] == p for r in rows)]
+    fig, axes = plt.subplots(1, len(passes), figsize=(5.5 * len(passes), 3.8), squeeze=False, sharey=True)
+    for ax, pass_ in zip(axes[0], passes):
+        sub = [r for r in rows if r["pass"] == pass_ and r.get("efficiency") is not None]
+        for variant, heads, kv_heads in sorted({(r["variant"], r["heads"], r["kv_heads"]) for r in sub}):
+            pts = sorted(
+                (r["seq_per_gpu"], r["efficiency"], *r["efficiency_interval"])
+                for r in sub
+                if (r["variant"], r["heads"], r["kv_heads"]) == (variant, heads, kv_heads)
+            )
+            ys = [y for _, y, _, _ in pts]
+            err = [[y - lo for _, y, lo, _ in pts], [hi - y for _, y, _, hi in pts]]
+            style = "-" if heads == kv_heads else "--"
+            ax.errorbar([x for x, *_ in pts], ys, yerr=err, marker="o", capsize=3, linestyle=style,
+                        label=f"{variant} H={heads}/{kv_heads}")  # fmt: skip
+        targets = {r["target"] for r in sub if r.get("target")}
+        for target in targets:
+            ax.axhline(target, color="gray", linestyle=":", linewidth=0.8)
+        ax.axhline(1.0, color="gray", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens per GPU")
+        ax.set_title(f"{'fwd+bwd' if pass_ == 'fwdbwd' else pass_}: single ms / (GPUs x this ms)", fontsize=9)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("scaling efficiency")
+    fig.suptitle(f"{rows[0]['device']} x {rows[0]['devices']}, {rows[0]['dtype']}: context parallelism", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def _plot_decode(plt, rows, suite):
+    """TB/s of each case's variants (the HBM peak dotted), and generation tokens/s of both loops."""
+    attention = [r for r in rows if r.get("tbs") is not None]
+    generation = [r for r in rows if r.get("tokens_per_s") is not None]
+    panels = [p for p in (attention, generation) if p] or [rows]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 3.8), squeeze=False)
+    if attention:
+        ax = axes[0][0]
+        labels = [f"{r['case']}: {r['variant']} ({r['impl']})" for r in attention]
+        ax.barh(range(len(attention)), [r["tbs"] for r in attention])
+        ax.set_yticks(range(len(attention)))
+        ax.set_yticklabels(labels, fontsize=7)
+        ax.invert_yaxis()
+        peak = attention[0].get("peak_tbs")
+        if peak:
+            ax.axvline(peak, color="gray", linestyle=":", label=f"HBM peak {peak} TB/s")
+            ax.legend(fontsize=7)
+        ax.set_xlabel("TB/s (keys and values seen / time)")
+        ax.grid(alpha=0.3)
+    if generation:
+        ax = axes[0][-1]
+        ax.bar([r["variant"] for r in generation], [r["tokens_per_s"] for r in generation])
+        r0 = generation[0]
+        ax.set_title(f"{r0['preset']} GPT, B={r0['batch']}, {r0['prompt']} + {r0['new_tokens']} tokens", fontsize=9)
+        ax.set_ylabel("generated tokens/s")
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{rows[0]['device']}: decoding", fontsize=10)
     fig.tight_layout()
     return fig

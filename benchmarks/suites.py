@@ -256,7 +256,9 @@ def _nbytes(tree):
     return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree) if hasattr(x, "dtype"))
 
 
-def _short(exc: BaseException) -> str:
+def error_note(exc: BaseException) -> str:
+    """A record's note for an exception: "out of memory" (what the tables print as OOM), else its type and the
+    start of its message on one line."""
     text = " ".join(str(exc).split())
     if "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text:
         return "out of memory"
@@ -439,7 +441,7 @@ def run_group(spec: dict) -> None:
                             fn, point, pass_, dtype, impl.scale_of(point), input_sets[key], settings, partner
                         )
                     except Exception as e:  # noqa: BLE001 - anything an implementation raises skips that point
-                        emit(point, impl, pass_, status="skip", note=_short(e), dtype=dtype)
+                        emit(point, impl, pass_, status="skip", note=error_note(e), dtype=dtype)
                         continue
                     emit(point, impl, pass_, dtype=dtype, **_partner_fields(point, record, baseline))
                     if kept is not None and point.timed:

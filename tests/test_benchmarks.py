@@ -11,7 +11,7 @@ import re
 import pytest
 
 from benchmarks import __main__ as harness
-from benchmarks import bar, flex, suites, timing
+from benchmarks import bar, decode, flex, ring, suites, timing
 from benchmarks.inputs import PASSES
 
 REQUIRED = {
@@ -142,6 +142,117 @@ def test_flex_pairs_every_modifier_with_our_plain_call(smoke):
     assert build["ms"] > 0 and build["target"] == flex.BLOCK_CLASSES_TARGET_MS
 
 
+def test_ring_pairs_every_strategy_with_one_device(smoke):
+    """The ring suite's smoke: on 2 CPU devices, every strategy and pass (MHA and GQA) is checked against the
+    one-device call and paired with it; efficiency is the speed-up over the device count; the zig-zag ring is
+    paired with the contiguous one; cuDNN is skipped, with its reason, off the GPU."""
+    records, *_ = smoke
+    rows = records["ring"]
+    by = {(r["pass"], r["kv_heads"], r["variant"]): r for r in rows}
+    assert len(by) == len(rows) == 2 * 2 * len(ring.VARIANTS)
+    for pass_ in ring.PASSES:
+        for heads, kv_heads in ring.SMOKE.heads:
+            single = by[(pass_, kv_heads, "single")]
+            assert single["status"] == "ok" and single["ms"] > 0 and single["heads"] == heads
+            assert single["seq_q"] == 2 * single["seq_per_gpu"] == 2 * ring.SMOKE_SEQ_PER_GPU
+            for variant in ring.SHARDED:
+                r = by[(pass_, kv_heads, variant.name)]
+                assert r["status"] == "ok" and r["devices"] == 2 and r["layout"] == variant.layout, r
+                assert r["rel_err"] <= r["tolerance"]
+                low, high = r["speedup_interval"]
+                assert low <= r["speedup"] <= high and r["efficiency"] == pytest.approx(r["speedup"] / 2)
+                assert r["target"] is None  # the targets hold from 32k tokens per device
+            zigzag = by[(pass_, kv_heads, "ring_zigzag")]
+            low, high = zigzag["contiguous_interval"]
+            assert low <= zigzag["ratio_to_contiguous"] <= high and zigzag["contiguous_target"] == ring.ZIGZAG_TARGET
+            cudnn = by[(pass_, kv_heads, "cudnn")]
+            assert cudnn["status"] == "skip" and "NVIDIA" in cudnn["note"]
+
+
+def test_ring_records_a_single_device_out_of_memory_and_still_times_the_shards(monkeypatch):
+    """Where the whole sequence does not fit one device, `single` is an OOM row and the sharded variants are timed
+    alone (unchecked, unpaired); nothing crashes."""
+    import dataclasses
+
+    def whole(implementation):
+        def attend(q, k, v):
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.0TiB")
+
+        return attend
+
+    monkeypatch.setattr(ring, "whole", whole)
+    monkeypatch.setattr(ring, "SMOKE", dataclasses.replace(ring.SMOKE, heads=((2, 2),)))
+    with contextlib.redirect_stdout(io.StringIO()):
+        rows = ring.run(seqs_per_gpu=[32], passes=["fwd"], smoke=True)
+    by = {r["variant"]: r for r in rows}
+    assert by["single"]["status"] == "oom" and "cudnn" not in by
+    for variant in ring.SHARDED:
+        r = by[variant.name]
+        assert r["status"] == "ok" and r["ms"] > 0 and r["efficiency"] is None and "unchecked" in r["note"], r
+
+
+def test_decode_pairs_every_cache_and_the_generation_loop(smoke):
+    """The decode suite's smoke: every cache's default (the xla entry on the CPU) is checked and timed, the forced
+    xla path paired with it; paged caches are paired with the contiguous one and the ragged batch with the uniform
+    batch of the same total; GPT.generate's loop is timed against the dense masked-cache loop."""
+    records, *_ = smoke
+    rows = records["decode"]
+    by = {(r["case"], r["variant"]): r for r in rows}
+    for case in decode.cases(decode.SMOKE):
+        default = by[(case.name, "default")]
+        assert default["status"] == "ok" and default["impl"] == "xla" and default["tbs"] > 0, default
+        assert default["rel_err"] <= default["tolerance"] and default["fraction_of_peak"] is None  # no peak: CPU
+        forced = by[(case.name, "xla")]
+        low, high = forced["ratio_interval"]
+        assert forced["status"] == "ok" and low <= forced["ratio_to_default"] <= high
+        assert (case.name, "cudnn") in by if not case.page_size else (case.name, "cudnn") not in by
+        if case.partner:
+            low, high = default["partner_interval"]
+            assert default["partner"] == case.partner and low <= default["ratio_to_partner"] <= high
+    assert by[("ragged", "default")]["kv_bytes"] == by[("uniform", "default")]["kv_bytes"]
+    assert {by[(f"paged{p}", "default")]["page_size"] for p in decode.SMOKE.page_sizes} == set(decode.SMOKE.page_sizes)
+    flash, dense = by[(decode.GENERATION, "flash")], by[(decode.GENERATION, "dense")]
+    assert flash["tokens_per_s"] > 0 and dense["tokens_per_s"] > 0 and flash["target"] == decode.GENERATION_TARGET
+    assert flash["tokens_agree"] == 1.0  # float32, greedy: the dense loop computes the same model
+    low, high = flash["dense_interval"]
+    assert low <= flash["ratio_to_dense"] <= high
+
+
+def test_paged_cache_holds_the_contiguous_keys():
+    """`decode.paginate` with its block table reads back the contiguous cache, page for page."""
+    import numpy as np
+
+    cache = np.arange(2 * 8 * 1 * 1, dtype=np.float32).reshape(2, 8, 1, 1)
+    order = np.random.default_rng(0).permutation(4)
+    pages = decode.paginate(cache, 4, order)
+    table = order.reshape(2, 2)
+    np.testing.assert_array_equal(pages[table].reshape(cache.shape), cache)
+
+
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_dense_decode_baseline_computes_flash_decode(q_len):
+    """The dense loop's attention (Flax's masked full-length cache, GQA by repeated key heads) is flash_decode's."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import pallas_flash as pf
+    from tests import tolerances
+
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (2, q_len, 4, 16))
+    k, v = (jax.random.normal(x, (2, 32, 2, 16)) for x in keys[1:])
+    lengths = jnp.array([5, 32], jnp.int32)
+    ours = decode.masked_dense_decode(q, k, v, lengths=lengths)
+    want = pf.flash_decode(q, k, v, lengths=lengths, implementation="reference")
+    assert tolerances.relative_error(np.asarray(ours), np.asarray(want)) <= tolerances.OUTPUT[jnp.float32]
+
+
+def test_decode_lengths_spread_the_ragged_total_evenly():
+    ragged, even = (decode.Case("c", 8, 100, lengths=kind).lengths_of() for kind in ("ragged", "even"))
+    assert ragged.min() >= 1 and ragged.max() <= 100 and ragged.sum() == even.sum() and even.max() - even.min() <= 1
+
+
 @pytest.mark.parametrize(
     "band, documents, visible",
     [
@@ -215,6 +326,9 @@ def test_default_output_folder_is_under_runs(tmp_path, monkeypatch):
         (["flex", "--passes", "up"], "up"),
         (["flex", "--cases", "alibi,nope"], "nope"),
         (["flex", "--impls", "pf:xla"], "--impls"),  # a record suite's option: flex picks its own rows
+        (["ring", "--passes", "bwd"], "bwd"),
+        (["ring", "--seqs-per-gpu", "8k"], "--seqs-per-gpu"),
+        (["decode", "--cases", "paged64,nope"], "nope"),
     ],
 )
 def test_bad_arguments_are_named(argv, word, capsys):
