@@ -8,7 +8,7 @@ bottom-right), minus what a left window hides. The result is what `flash_attenti
 
 Implementations form a registry (`DECODE_REGISTRY`), as `flash_attention`'s do: `implementation=None` runs the
 first that serves the call, in this order:
-  * "hopper": the Hopper flash-decoding kernel (`pallas_flash.hopper.decode`: GQA heads packed into one tile,
+  * "mosaic": the Hopper flash-decoding kernel (`pallas_flash.hopper.decode`: GQA heads packed into one tile,
     split-KV sized to the SMs, a TMA ring over the contiguous or paged cache), bfloat16/float16 at head_dim
     64 or 128 on an sm90 GPU; its per-split partials are merged by `merge_attention_states`.
   * "xla": split-KV in plain JAX, the default off the GPU kernels. The key axis is cut into `num_splits`
@@ -271,7 +271,7 @@ def _hopper_cannot_serve(call: DecodeCall) -> str | None:
 
 
 def decode_hopper(query, key_cache, value_cache, lengths, block_table, params: DecodeParams, *, interpret=None):
-    """The Hopper flash-decoding kernel (the "hopper" implementation, `hopper.decode`): its per-split partial
+    """The Hopper flash-decoding kernel (the "mosaic" implementation, `hopper.decode`): its per-split partial
     results merged through their LSEs; contract of `DecodeImplementation.run`. `interpret`: as
     `hopper_decode_partials`' (the Mosaic GPU interpreter on CPU, for tests)."""
     outs, lses = hopper_decode.hopper_decode_partials(
@@ -291,7 +291,7 @@ def decode_hopper(query, key_cache, value_cache, lengths, block_table, params: D
 
 
 DECODE_REGISTRY = (
-    DecodeImplementation("hopper", _hopper_cannot_serve, lambda call: None, decode_hopper),
+    DecodeImplementation("mosaic", _hopper_cannot_serve, lambda call: None, decode_hopper),
     DecodeImplementation("xla", lambda call: None, lambda call: None, decode_xla),
     DecodeImplementation(
         "reference",
@@ -475,14 +475,14 @@ def flash_decode(
         (`merge_attention_states`).
       num_splits: split-KV parallelism (cache chunks computed apart, then merged); None: the implementation's
         default ("xla": `xla_default_num_splits`: splits of up to 4096 keys, fewer where batch * heads * Tq
-        is large, at least 256; "hopper": `hopper.decode.default_num_splits`, enough CTAs to fill the SMs).
+        is large, at least 256; "mosaic": `hopper.decode.default_num_splits`, enough CTAs to fill the SMs).
         An upper bound: paged splits are whole pages, the kernel's whole key blocks.
-      implementation: None (the first of `DECODE_IMPLEMENTATIONS` that serves the call), "hopper" (the Hopper
+      implementation: None (the first of `DECODE_IMPLEMENTATIONS` that serves the call), "mosaic" (the Hopper
         kernel: bfloat16/float16, head_dim 64 or 128, on an sm90 GPU), "xla" or "reference" (dense float32).
     Returns:
       out [batch, Tq, heads, head_dim] in query's dtype (a query that sees no key gets zeros), and lse if
       `return_lse`. The "xla" and "reference" paths differentiate by JAX autodiff (no custom backward); the
-      "hopper" kernel has no gradient (it serves inference).
+      "mosaic" kernel has no gradient (it serves inference).
 
     Options other than scale must be static under `jax.jit`; lengths and block_table may be traced.
     """

@@ -317,7 +317,7 @@ BAD = {  # id -> (arguments from (contiguous, paged), error, message)
     "window-right": (lambda a, p: dict(a, local_window_size=(4, 2)), ValueError, "local_window_size"),
     "soft-cap": (lambda a, p: dict(a, logits_soft_cap=-1.0), ValueError, "logits_soft_cap"),
     "num_splits": (lambda a, p: dict(a, num_splits=0), ValueError, "num_splits"),
-    "implementation": (lambda a, p: dict(a, implementation="mosaic"), ValueError, "implementation must be"),
+    "implementation": (lambda a, p: dict(a, implementation="cuda"), ValueError, "implementation must be"),
 }
 
 

@@ -1,4 +1,4 @@
-"""The Hopper flash-decoding kernel (pallas_flash/hopper/decode.py, flash_decode's "hopper" implementation):
+"""The Hopper flash-decoding kernel (pallas_flash/hopper/decode.py, flash_decode's "mosaic" implementation):
 in the Mosaic GPU interpreter with race detection against the dense float32 `decode_reference`, lowered for
 CUDA on the CPU, and on an H100 through `flash_decode` (`gpu`); its split heuristic and what it declines."""
 
@@ -157,9 +157,9 @@ def test_declines_what_it_cannot_serve_with_a_reason():
     assert "page_size 96" in hopper_decode.unsupported_reason(jnp.bfloat16, 128, 96)
     if not device.on_hopper_gpu():  # on CPU the kernel never serves: None keeps choosing "xla"
         q, k, v = _inputs(1, 1, 64, 4, 1, 64, jnp.bfloat16, seed=0)
-        with pytest.raises(ValueError, match="implementation='hopper' cannot serve.*no Hopper"):
-            pf.flash_decode(q, k, v, lengths=jnp.array([64]), implementation="hopper")
-        assert pf.DECODE_IMPLEMENTATIONS[0] == "hopper"
+        with pytest.raises(ValueError, match="implementation='mosaic' cannot serve.*no Hopper"):
+            pf.flash_decode(q, k, v, lengths=jnp.array([64]), implementation="mosaic")
+        assert pf.DECODE_IMPLEMENTATIONS[0] == "mosaic"
 
 
 def test_default_splits_fill_the_sms():
@@ -201,7 +201,7 @@ def _on_gpu(
         logits_soft_cap=cap,
         num_splits=splits,
         return_lse=True,
-        implementation="hopper",
+        implementation="mosaic",
     )
     params = decode.DecodeParams(scale=head_dim**-0.5, window_left=window, logits_soft_cap=cap)
     _check(out, lse, *_reference(q, k_cache, v_cache, lengths, table, params), jnp.bfloat16)
