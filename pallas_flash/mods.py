@@ -24,6 +24,7 @@ import typing
 import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
+from jax import lax
 
 SCORE, BATCH, HEAD, QUERY, KEY = "score", "batch", "head", "query", "key"
 _INDEX_NAMES = (BATCH, HEAD, QUERY, KEY)
@@ -315,6 +316,22 @@ class Staged:
         out = _lift(out, tile, shape)
         return out.astype(jnp.float32) if self.program.kind == "score" else out
 
+    def block_classes(self, stacks, *, batch: int, heads: int, q_len: int, kv_len: int, block_q: int,
+                      block_kv: int):  # fmt: skip
+        """`block_classes` of this (mask) program from its stacks (`stacks`), as the kernels see them: by interval
+        arithmetic where every joint operation has a rule, else at every position. Bd/Hd as `block_classes`,
+        widened to the stacks' own batch/head dims."""
+        present = [s for s in stacks if s is not None]
+        bd, hd = varies(self.program)
+        nb = batch if bd or any(s.shape[0] > 1 for s in present) else 1
+        nh = heads if hd or any(s.shape[1] > 1 for s in present) else 1
+        try:
+            return _staged_block_classes(self, stacks, batch=nb, heads=nh, q_len=q_len, kv_len=kv_len,
+                                         block_q=block_q, block_kv=block_kv)  # fmt: skip
+        except _NoRule:
+            return _dense_block_classes(self.program, None, batch, heads, q_len, kv_len, block_q, block_kv, self,
+                                        list(stacks))  # fmt: skip
+
 
 def _lift(x, tile, shape):
     x = jnp.asarray(x)
@@ -370,46 +387,61 @@ def varies(program: Program) -> tuple[bool, bool]:
     return BATCH in deps, HEAD in deps
 
 
-# Elements a block-class evaluation holds at once (a chunk of query blocks by every key): bounds its memory.
+# Elements a dense block-class evaluation holds at once (a chunk of query blocks by every key): bounds its memory.
 BLOCK_CLASS_CHUNK = 1 << 26
 
 
 def block_classes(program: Program, consts, *, batch: int, heads: int, q_len: int, kv_len: int, block_q: int,
                   block_kv: int):  # fmt: skip
-    """Which [block_q, block_kv] blocks a mask_mod leaves anything / everything visible in, evaluated exactly on
-    the device: (any, every), bool [Bd, Hd, num_q_blocks, num_kv_blocks] with Bd = batch or 1 and Hd = heads or 1
-    (`varies`). Positions past q_len / kv_len count as hidden for `any` and are ignored by `every`. A stageable
-    program runs as its elementwise joint part over precomputed row and column values (XLA fuses it into the
-    reduction); others are vmapped. Chunks of query blocks keep memory near BLOCK_CLASS_CHUNK elements."""
+    """Which [block_q, block_kv] blocks a mask_mod leaves anything / everything visible in, on the device: (any,
+    every), bool [Bd, Hd, num_q_blocks, num_kv_blocks], Bd = batch where the program varies with the batch index,
+    else 1 (Hd likewise). Sound: a block marked empty (not any) sees nothing, one marked full (every) sees every
+    position in range (positions past q_len / kv_len are ignored); others are partial. A stageable program whose
+    joint part has interval rules is classed by interval arithmetic over each block's ranges of positions and
+    staged values (O(blocks), no per-position work; exact for the built-in masks); others are evaluated at every
+    position (exact)."""
+    staged, _ = stage(program)
+    if staged is None:
+        return _dense_block_classes(program, consts, batch, heads, q_len, kv_len, block_q, block_kv)
+    stacks = staged.stacks(consts, batch if staged.dims("row")[0] or staged.dims("col")[0] else 1,
+                           heads if staged.dims("row")[1] or staged.dims("col")[1] else 1, q_len, kv_len)  # fmt: skip
+    return staged.block_classes(stacks, batch=batch, heads=heads, q_len=q_len, kv_len=kv_len, block_q=block_q,
+                                block_kv=block_kv)  # fmt: skip
+
+
+def _dense_block_classes(program, consts, batch, heads, q_len, kv_len, block_q, block_kv, staged=None, stacks=None):
+    """block_classes by evaluating every position: the program vmapped, or a staged one's joint part over its
+    stacks; chunks of query blocks keep memory near BLOCK_CLASS_CHUNK elements."""
     bd, hd = varies(program)
+    if stacks is not None:
+        present = [s for s in stacks if s is not None]
+        bd, hd = bd or any(s.shape[0] > 1 for s in present), hd or any(s.shape[1] > 1 for s in present)
     nb, nh = (batch if bd else 1), (heads if hd else 1)
     num_q, num_kv = -(-q_len // block_q), -(-kv_len // block_kv)
-    q_pad, kv_pad = num_q * block_q, num_kv * block_kv
-    staged, _ = stage(program)
-    stacks = None if staged is None else staged.stacks(consts, nb, nh, q_pad, kv_pad)
+    kv_pad = num_kv * block_kv
     per_chunk = max(1, min(num_q, BLOCK_CLASS_CHUNK // max(1, nb * nh * block_q * kv_pad)))
     num_chunks = -(-num_q // per_chunk)
+    rows_pad = num_chunks * per_chunk * block_q
     shape = (nb, nh, per_chunk * block_q, kv_pad)
     b = jnp.broadcast_to(jnp.arange(nb, dtype=jnp.int32)[:, None, None, None], shape)
     h = jnp.broadcast_to(jnp.arange(nh, dtype=jnp.int32)[None, :, None, None], shape)
     k = jnp.broadcast_to(jnp.arange(kv_pad, dtype=jnp.int32)[None, None, None, :], shape)
+    if stacks is not None:  # padded to whole chunks of rows and whole key blocks
+        stacks = [None if s is None else _pad_last(s, rows_pad if i < 2 else kv_pad) for i, s in enumerate(stacks)]
 
     def values(stack, side, start):
         if stack is None:
             return []
-        bsel = slice(None) if stack.shape[0] > 1 else slice(0, 1)
-        hsel = slice(None) if stack.shape[1] > 1 else slice(0, 1)
-        x = stack[bsel, hsel]
         if side == "row":
-            x = jax.lax.dynamic_slice_in_dim(x, start, shape[2], axis=3)[..., None]  # [b, h, R, rows, 1]
+            x = jax.lax.dynamic_slice_in_dim(stack, start, shape[2], axis=3)[..., None]  # [b, h, R, rows, 1]
         else:
-            x = x[..., None, :]  # [b, h, C, 1, kv]
+            x = stack[..., None, :]  # [b, h, C, 1, kv]
         return [jnp.broadcast_to(x[:, :, j], shape) for j in range(x.shape[2])]
 
     def chunk(i):
         start = i * per_chunk * block_q
         q = start + jnp.broadcast_to(jnp.arange(shape[2], dtype=jnp.int32)[None, None, :, None], shape)
-        if staged is None:
+        if stacks is None:
             seen = program.apply(consts, b, h, q, k)
         else:
             rows_int, rows_float, cols_int, cols_float = stacks
@@ -417,17 +449,196 @@ def block_classes(program: Program, consts, *, batch: int, heads: int, q_len: in
                                 values(cols_int, "col", 0), values(cols_float, "col", 0))  # fmt: skip
         valid = (q < q_len) & (k < kv_len)
         blocks = (nb, nh, per_chunk, block_q, num_kv, block_kv)
-        seen, valid = seen.reshape(blocks), valid.reshape(blocks)
+        seen, valid = jnp.broadcast_to(seen, shape).reshape(blocks), valid.reshape(blocks)
         return (seen & valid).any(axis=(3, 5)), (seen | ~valid).all(axis=(3, 5))
 
-    if staged is not None:  # the row stacks are sliced per chunk: pad them to whole chunks
-        rows = [
-            None if x is None else jnp.pad(x, ((0, 0),) * 3 + ((0, num_chunks * shape[2] - q_pad),)) for x in stacks[:2]
-        ]
-        stacks = (*rows, *stacks[2:])
     anything, everything = jax.lax.map(chunk, jnp.arange(num_chunks, dtype=jnp.int32))
     fold = lambda x: jnp.moveaxis(x, 0, 2).reshape(nb, nh, num_chunks * per_chunk, num_kv)[:, :, :num_q]
     return fold(anything), fold(everything)
+
+
+def _pad_last(x, size):
+    return x if x.shape[-1] == size else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
+
+
+# ---- Interval arithmetic for block classes ---------------------------------------------------------------------
+# Each value is a pair (lo, hi) of arrays over blocks: every value it takes in the block lies in [lo, hi]. For a
+# bool, lo means "true at every position", hi "true at some position". A rule may only widen, never narrow.
+
+
+def _corners(f, a, b):
+    values = [f(x, y) for x in a for y in b]
+    lo, hi = values[0], values[0]
+    for v in values[1:]:
+        lo, hi = jnp.minimum(lo, v), jnp.maximum(hi, v)
+    return lo, hi
+
+
+def _increasing(f):
+    return lambda a: (f(a[0]), f(a[1]))
+
+
+def _abs(a):
+    lo, hi = a
+    crosses = (lo < 0) & (hi > 0)
+    small, large = jnp.minimum(jnp.abs(lo), jnp.abs(hi)), jnp.maximum(jnp.abs(lo), jnp.abs(hi))
+    return jnp.where(crosses, jnp.zeros_like(lo), small), large
+
+
+def _div(a, b):
+    excludes_zero = (b[0] > 0) | (b[1] < 0)
+    lo, hi = _corners(lambda x, y: lax.div(x, jnp.where(excludes_zero, y, jnp.ones_like(y))), a, b)
+    if jnp.issubdtype(lo.dtype, jnp.floating):
+        return jnp.where(excludes_zero, lo, -jnp.inf), jnp.where(excludes_zero, hi, jnp.inf)
+    info = jnp.iinfo(lo.dtype)
+    return jnp.where(excludes_zero, lo, info.min), jnp.where(excludes_zero, hi, info.max)
+
+
+def _compare(op):
+    def rule(a, b):
+        if op == "lt":
+            return a[1] < b[0], a[0] < b[1]
+        if op == "le":
+            return a[1] <= b[0], a[0] <= b[1]
+        if op == "gt":
+            return a[0] > b[1], a[1] > b[0]
+        if op == "ge":
+            return a[0] >= b[1], a[1] >= b[0]
+        overlap = (a[0] <= b[1]) & (b[0] <= a[1])
+        single = (a[0] == a[1]) & (b[0] == b[1]) & (a[0] == b[0])
+        return (single, overlap) if op == "eq" else (~overlap, ~single)
+
+    return rule
+
+
+def _select(pred, *cases):
+    if len(cases) != 2 or pred[0].dtype != jnp.bool_:
+        raise _NoRule("select_n")
+    low, high = cases
+    either = (jnp.minimum(low[0], high[0]), jnp.maximum(low[1], high[1]))
+    pick = lambda i: jnp.where(pred[0], high[i], jnp.where(~pred[1], low[i], either[i]))
+    return pick(0), pick(1)
+
+
+def _clamp(lower, x, upper):
+    return lax.clamp(lower[0], x[0], upper[0]), lax.clamp(lower[1], x[1], upper[1])
+
+
+def _square(a):
+    lo, hi = _abs(a)
+    return lo * lo, hi * hi
+
+
+def _logical(name):
+    def rule(*args):
+        if args[0][0].dtype != jnp.bool_:
+            raise _NoRule(name)  # bitwise on integers: no interval rule
+        if name == "not":
+            return ~args[0][1], ~args[0][0]
+        a, b = args
+        if name == "and":
+            return a[0] & b[0], a[1] & b[1]
+        if name == "or":
+            return a[0] | b[0], a[1] | b[1]
+        return (a[0] & ~b[1]) | (~a[1] & b[0]), (a[1] & ~b[0]) | (~a[0] & b[1])  # xor
+
+    return rule
+
+
+class _NoRule(Exception):
+    pass
+
+
+_INTERVAL_RULES = {
+    "add": lambda a, b: (a[0] + b[0], a[1] + b[1]),
+    "sub": lambda a, b: (a[0] - b[1], a[1] - b[0]),
+    "neg": lambda a: (-a[1], -a[0]),
+    "mul": lambda a, b: _corners(lambda x, y: x * y, a, b),
+    "div": _div,
+    "max": lambda a, b: (jnp.maximum(a[0], b[0]), jnp.maximum(a[1], b[1])),
+    "min": lambda a, b: (jnp.minimum(a[0], b[0]), jnp.minimum(a[1], b[1])),
+    "abs": _abs,
+    "square": _square,
+    "clamp": _clamp,
+    "select_n": _select,
+    **{name: _compare(name) for name in ("lt", "le", "gt", "ge", "eq", "ne")},
+    **{name: _logical(name) for name in ("and", "or", "not", "xor")},
+    **{
+        name: _increasing(getattr(lax, name))
+        for name in ("exp", "exp2", "log", "log1p", "tanh", "logistic", "sqrt", "floor", "ceil", "sign", "erf")
+    },
+    "round": _increasing(lax.round),
+    "stop_gradient": lambda a: a,
+    "copy": lambda a: a,
+    "copy_p": lambda a: a,
+}
+
+
+def _interval(eqn, args):
+    name = eqn.primitive.name
+    if name == "convert_element_type":
+        dtype = dict(eqn.params)["new_dtype"]
+        return args[0][0].astype(dtype), args[0][1].astype(dtype)
+    if name == "integer_pow" and dict(eqn.params)["y"] == 2:
+        return _square(args[0])
+    rule = _INTERVAL_RULES.get(name)
+    if rule is None:
+        raise _NoRule(name)
+    return rule(*args)
+
+
+def _block_extrema(stack, side, block, length, valid_len):
+    """Per block of `block` positions along the last axis: (min, max) over the positions < valid_len, the
+    stack [b, h, n, length] -> each [b, h, n, num_blocks]."""
+    num = -(-length // block)
+    x = _pad_last(stack, num * block).reshape(*stack.shape[:-1], num, block)
+    valid = (jnp.arange(num * block) < valid_len).reshape(num, block)
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        big, small = jnp.inf, -jnp.inf
+    else:
+        big, small = jnp.iinfo(x.dtype).max, jnp.iinfo(x.dtype).min
+    return jnp.where(valid, x, big).min(-1), jnp.where(valid, x, small).max(-1)
+
+
+def _staged_block_classes(staged, stacks, *, batch, heads, q_len, kv_len, block_q, block_kv):
+    num_q, num_kv = -(-q_len // block_q), -(-kv_len // block_kv)
+    qi = jnp.arange(num_q, dtype=jnp.int32)[None, None, :, None]
+    ki = jnp.arange(num_kv, dtype=jnp.int32)[None, None, None, :]
+    flat = staged.flat
+    exact = lambda x: (x, x)
+    env = dict(
+        zip(
+            flat.inputs[staged.program.num_consts :],
+            [
+                exact(jnp.arange(batch, dtype=jnp.int32)[:, None, None, None]),
+                exact(jnp.arange(heads, dtype=jnp.int32)[None, :, None, None]),
+                (qi * block_q, jnp.minimum(qi * block_q + block_q - 1, q_len - 1)),
+                (ki * block_kv, jnp.minimum(ki * block_kv + block_kv - 1, kv_len - 1)),
+            ],
+        )
+    )
+    for (side, kind), stack in zip([("row", "int"), ("row", "float"), ("col", "int"), ("col", "float")], stacks):
+        group = staged.group(side, kind)
+        if not group:
+            continue
+        block, length = (block_q, q_len) if side == "row" else (block_kv, kv_len)
+        lo, hi = _block_extrema(stack, side, block, stack.shape[-1], length)  # [b, h, n, blocks]
+        for j, s in enumerate(group):
+            lo_j, hi_j = lo[:, :, j], hi[:, :, j]
+            expand = (lambda x: x[..., :, None]) if side == "row" else (lambda x: x[..., None, :])
+            lo_j, hi_j = expand(lo_j), expand(hi_j)
+            env[s.value] = (
+                (lo_j != 0, hi_j != 0) if s.dtype == jnp.bool_ else (lo_j.astype(s.dtype), hi_j.astype(s.dtype))
+            )
+    for eqn in flat.eqns:
+        if not _is_joint(eqn.deps):
+            continue
+        args = [exact(jnp.asarray(i[1])) if isinstance(i, tuple) else env[i] for i in eqn.inputs]
+        (out,) = eqn.outputs
+        env[out] = _interval(eqn, args)
+    lo, hi = exact(jnp.asarray(flat.output[1])) if isinstance(flat.output, tuple) else env[flat.output]
+    shape = (batch, heads, num_q, num_kv)
+    return jnp.broadcast_to(hi, shape), jnp.broadcast_to(lo, shape)
 
 
 # ---- Built-in mods --------------------------------------------------------------------------------------------

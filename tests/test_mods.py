@@ -245,6 +245,36 @@ def test_staging_splits_rows_columns_and_the_joint_part():
     assert staged is None and "both q_idx and kv_idx" in why
 
 
+INTERVAL_CASES = {
+    "causal": mods.causal(),
+    "window": mods.sliding_window(17, 5),
+    "document_causal": mods.and_masks(mods.document(DOCS), mods.causal()),
+    "prefix_lm": mods.prefix_lm(jnp.asarray([13, 0])),
+    "or_per_head": mods.or_masks(mods.sliding_window(3, 3), lambda b, h, q, k: (k < 10) & (h < 2)),
+    "scaled_positions": lambda b, h, q, k: (2 * k - 3) // 4 <= q * 1,
+    "float_threshold": lambda b, h, q, k: jnp.tanh(q.astype(jnp.float32) / 9.0) > jnp.abs(k - 20) / 30.0,
+    "remainder": lambda b, h, q, k: (q % 7) == (k % 7),  # no interval rule: evaluated at every position
+}
+
+
+@pytest.mark.parametrize("name", INTERVAL_CASES)
+@pytest.mark.parametrize("blocks", [(8, 16), (16, 8)])
+def test_block_classes_by_intervals_are_sound_and_exact_for_builtins(name, blocks):
+    """Interval arithmetic over each block's ranges never calls a block empty or full that is not (against the
+    evaluation at every position), and is exact for the built-in masks."""
+    program, consts = mods.trace(INTERVAL_CASES[name], "mask")
+    shape = dict(batch=2, heads=4, q_len=40, kv_len=37, block_q=blocks[0], block_kv=blocks[1])
+    got = [np.broadcast_to(np.asarray(x), (2, 4) + x.shape[2:]) for x in mods.block_classes(program, consts, **shape)]
+    want = [
+        np.broadcast_to(np.asarray(x), (2, 4) + x.shape[2:])
+        for x in mods._dense_block_classes(program, consts, *shape.values())
+    ]
+    assert (got[0] >= want[0]).all() and (got[1] <= want[1]).all(), "unsound"
+    if name not in ("scaled_positions", "float_threshold"):
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
+
+
 @pytest.mark.parametrize("chunk", [1 << 26, 700])
 @pytest.mark.parametrize("stageable", [True, False])
 def test_block_classes_of_a_document_mask(chunk, stageable, monkeypatch):

@@ -13,7 +13,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_flash import blocks, masks, mods
+from pallas_flash import blocks, masks
 from pallas_flash._compat import smem_vector_load
 from pallas_flash.hopper.config import NUM_CONSUMERS
 
@@ -363,43 +363,10 @@ def narrow_to_mask_ranges(lo, hi, same, ranges, *, batch, head, tile, num_kv_blo
 
 def staged_block_classes(mask, stacks, *, batch: int, heads: int, q_len: int, kv_len: int, block_q: int,
                          block_kv: int):  # fmt: skip
-    """`mods.block_classes` of a staged mask program (`mods.Staged`) from its stacks (`Staged.stacks`): the
-    program evaluated as the kernels evaluate it (`Staged.joint` on the staged values), one query block at a
-    time. (any, every): bool [Bd, Hd, num_q_blocks, num_kv_blocks], Bd = batch where the program or a stack
-    varies with the batch index, else 1 (Hd likewise with heads); positions past q_len / kv_len count as
-    hidden for `any` and are ignored by `every`."""
-    present = [s for s in stacks if s is not None]
-    varies_batch, varies_head = mods.varies(mask.program)
-    bd = batch if varies_batch or any(s.shape[0] > 1 for s in present) else 1
-    hd = heads if varies_head or any(s.shape[1] > 1 for s in present) else 1
-    num_q, num_kv = -(-q_len // block_q), -(-kv_len // block_kv)
-    rows_int, rows_float, cols_int, cols_float = (
-        None if s is None else pad_axis(s, 3, (num_q * block_q, num_kv * block_kv)[i // 2])
-        for i, s in enumerate(stacks)
-    )
-    shape = (bd, hd, block_q, num_kv * block_kv)
-    b = jnp.broadcast_to(jnp.arange(bd, dtype=jnp.int32)[:, None, None, None], shape)
-    h = jnp.broadcast_to(jnp.arange(hd, dtype=jnp.int32)[None, :, None, None], shape)
-    k = jnp.broadcast_to(jnp.arange(num_kv * block_kv, dtype=jnp.int32)[None, None, None, :], shape)
-
-    def cols(stack):  # [Bd', Hd', 1, kv positions] per value
-        return [] if stack is None else [stack[:, :, i, None, :] for i in range(stack.shape[2])]
-
-    def one_block_row(i):
-        q = jnp.broadcast_to((i * block_q + jnp.arange(block_q, dtype=jnp.int32))[None, None, :, None], shape)
-
-        def rows(stack):  # [Bd', Hd', block_q, 1] per value
-            block = lax.dynamic_slice_in_dim(stack, i * block_q, block_q, axis=3) if stack is not None else None
-            return [] if block is None else [block[:, :, j, :, None] for j in range(block.shape[2])]
-
-        seen = mask.joint(None, b, h, q, k, rows(rows_int), rows(rows_float), cols(cols_int), cols(cols_float))
-        valid = (q < q_len) & (k < kv_len)
-        split = (bd, hd, block_q, num_kv, block_kv)
-        seen, valid = jnp.broadcast_to(seen, shape).reshape(split), valid.reshape(split)
-        return (seen & valid).any(axis=(2, 4)), (seen | ~valid).all(axis=(2, 4))
-
-    anything, everything = lax.map(one_block_row, jnp.arange(num_q, dtype=jnp.int32))
-    return jnp.moveaxis(anything, 0, 2), jnp.moveaxis(everything, 0, 2)
+    """`mods.block_classes` of a staged mask program (`mods.Staged`) from its stacks (`Staged.stacks`), as the
+    kernels evaluate it: (any, every), bool [Bd, Hd, num_q_blocks, num_kv_blocks]."""
+    return mask.block_classes(stacks, batch=batch, heads=heads, q_len=q_len, kv_len=kv_len, block_q=block_q,
+                              block_kv=block_kv)  # fmt: skip
 
 
 def coarsen_block_classes(anything, everything, rows: int, cols: int):
