@@ -805,7 +805,8 @@ def test_two_gpus_train_the_losses_of_one(mesh, strategy, tmp_path, monkeypatch)
         pytest.skip("needs 2 GPUs")
     if strategy:
         monkeypatch.setattr(parallel, "choose_strategy", lambda *_: strategy)
-    gpu = ["--seq_len", "512", "--model.embed_dim", "128", "--model.dtype", "bfloat16"]
+    # The default corpus size: SMALL's 400 kB of another machine's standard library can hold less than one window.
+    gpu = ["--seq_len", "512", "--model.embed_dim", "128", "--model.dtype", "bfloat16", "--corpus_bytes", "4000000"]
     reference = _curves(_train_records(tmp_path / "one", *gpu))
     for ours, want in zip(_curves(_train_records(tmp_path / "two", *gpu, "--mesh", mesh)), reference):
         assert_close(ours, want, jnp.bfloat16)
