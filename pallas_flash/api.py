@@ -114,14 +114,19 @@ class Implementation:
 
 
 def _mosaic_cannot_serve(call: Call) -> str | None:
-    unserved = tuple(f for f in call.features if f not in _HOPPER_PROGRAMS or not _foldable(f, call.mods))
+    unserved = tuple(
+        f
+        for f in call.features
+        if f not in _HOPPER_KERNEL_FEATURES and (f not in _HOPPER_PROGRAMS or not _foldable(f, call.mods))
+    )
     return hopper.unsupported_reason(
         call.query, call.key, band=call.band, unserved=unserved, config=call.config, mods=_hopper_programs(call.mods)
     )
 
 
-# Modifiers the Hopper kernels take as programs (`_hopper_programs`).
+# Modifiers the Hopper kernels take as programs (`_hopper_programs`), and those they run themselves.
 _HOPPER_PROGRAMS = ("logits_soft_cap", "alibi_slopes", "bias", "mask", "score_mod", "mask_mod")
+_HOPPER_KERNEL_FEATURES = ("dropout",)
 
 
 def _spans_both(dims) -> bool:
@@ -638,6 +643,86 @@ def _attention(
 ):
     """`flash_attention` once its options are static Python values: checks, dispatch and the kernels, traced
     once per shape and option set. Returns (out, lse)."""
+    call = _prepare(
+        query,
+        key,
+        value,
+        scale_value,
+        segment_ids,
+        kv_segment_ids,
+        query_seq_lengths,
+        key_value_seq_lengths,
+        bias,
+        mask,
+        alibi_slopes,
+        dropout_rng,
+        score_consts,
+        mask_consts,
+        scale=scale,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        is_causal=is_causal,
+        local_window_size=local_window_size,
+        block_mask=block_mask,
+        logits_soft_cap=logits_soft_cap,
+        dropout_rate=dropout_rate,
+        broadcast_dropout=broadcast_dropout,
+        implementation=implementation,
+        config=config,
+    )
+    sinks = _check_sinks(sinks, query.shape[2])
+    if call.impl == "xla":
+        return _reference(call, key, value, sinks)
+    out, lse = _kernels(call, key, value, deterministic)
+    return (out, lse) if sinks is None else _add_sinks(out, lse, sinks)
+
+
+class _Prepared(typing.NamedTuple):
+    """A call past the boundary's checks: the implementation that dispatch chose, and what every implementation
+    takes (`query` with a traced scale folded in, `scale` then 1)."""
+
+    impl: str
+    query: typing.Any
+    scale: float
+    band: masks.Band
+    config: KernelConfig
+    q_ids: typing.Any
+    kv_ids: typing.Any
+    block_mask: typing.Any
+    mods: masks.ScoreMods
+    mod_arrays: masks.ModArrays
+
+
+def _prepare(
+    query,
+    key,
+    value,
+    scale_value,
+    segment_ids,
+    kv_segment_ids,
+    query_seq_lengths,
+    key_value_seq_lengths,
+    bias,
+    mask,
+    alibi_slopes,
+    dropout_rng,
+    score_consts,
+    mask_consts,
+    *,
+    scale,
+    score_mod,
+    mask_mod,
+    is_causal,
+    local_window_size,
+    block_mask,
+    logits_soft_cap,
+    dropout_rate,
+    broadcast_dropout,
+    implementation,
+    config,
+) -> _Prepared:
+    """The checks and the dispatch that `flash_attention` and `attention_backward` share (so both run the same
+    implementation on the same masks and modifiers for the same options)."""
     _check_inputs(query, key, value)
     band = masks.Band.of(is_causal, _check_window(local_window_size))
     q_ids, kv_ids = _segments(query, key, segment_ids, kv_segment_ids, query_seq_lengths, key_value_seq_lengths)
@@ -647,7 +732,6 @@ def _attention(
     )
     mods = dataclasses.replace(mods, score_mod=score_mod, mask_mod=mask_mod)
     mod_arrays = mod_arrays._replace(score_consts=tuple(score_consts), mask_consts=tuple(mask_consts))
-    sinks = _check_sinks(sinks, query.shape[2])
     head_dim = query.shape[-1]
     if scale_value is not None:  # a traced scale: fold it into the query, the kernels scale by 1
         query = (query.astype(jnp.float32) * scale_value.astype(jnp.float32)).astype(query.dtype)
@@ -679,11 +763,7 @@ def _attention(
         mods,
     )
     impl = dispatch(implementation, call)
-    if impl == "xla":
-        return _reference(query, key, value, scale, band, q_ids, kv_ids, block_mask, mods, mod_arrays, sinks)
-    out, lse = _kernels(impl, query, key, value, scale, band, config, q_ids, kv_ids, block_mask, mods, mod_arrays,
-                        deterministic)  # fmt: skip
-    return (out, lse) if sinks is None else _add_sinks(out, lse, sinks)
+    return _Prepared(impl, query, scale, band, config, q_ids, kv_ids, block_mask, mods, mod_arrays)
 
 
 def _check_sinks(sinks, heads):
@@ -706,44 +786,58 @@ def _add_sinks(out, lse, sinks):
     return out, new_lse
 
 
-def _kernels(impl, query, key, value, scale, band, config, q_ids, kv_ids, block_mask, mods, mod_arrays, deterministic):
-    masking = dict(q_segment_ids=q_ids, kv_segment_ids=kv_ids, block_mask=block_mask, mods=mods, mod_arrays=mod_arrays)
-    if impl == "mosaic":
-        hopper_mods, hopper_arrays = _hopper_programs(mods, mod_arrays)
+def _kernels(call: _Prepared, key, value, deterministic):
+    masking = dict(
+        q_segment_ids=call.q_ids,
+        kv_segment_ids=call.kv_ids,
+        block_mask=call.block_mask,
+        mods=call.mods,
+        mod_arrays=call.mod_arrays,
+    )
+    if call.impl == "mosaic":
+        hopper_mods, hopper_arrays = _hopper_programs(call.mods, call.mod_arrays)
         return hopper.flash_attention_hopper(
-            query,
+            call.query,
             key,
             value,
-            scale=scale,
-            band=band,
-            config=config,
-            q_segment_ids=q_ids,
-            kv_segment_ids=kv_ids,
+            scale=call.scale,
+            band=call.band,
+            config=call.config,
+            q_segment_ids=call.q_ids,
+            kv_segment_ids=call.kv_ids,
             deterministic=deterministic,
             mods=hopper_mods,
             mod_arrays=hopper_arrays,
         )
-    if impl == "pallas":
+    if call.impl == "pallas":
         return portable.flash_attention_portable(
-            query, key, value, scale=scale, band=band, config=config, interpret=not device.on_nvidia_gpu(), **masking
+            call.query,
+            key,
+            value,
+            scale=call.scale,
+            band=call.band,
+            config=call.config,
+            interpret=not device.on_nvidia_gpu(),
+            **masking,
         )
-    if impl == "xla_chunked":
+    if call.impl == "xla_chunked":
         return xla_chunked.attention_chunked(
-            query, key, value, scale=scale, band=band, block_kv=config.xla_block_kv, **masking
+            call.query, key, value, scale=call.scale, band=call.band, block_kv=call.config.xla_block_kv, **masking
         )
-    raise AssertionError(impl)
+    raise AssertionError(call.impl)
 
 
-def _reference(query, key, value, scale, band, q_ids, kv_ids, block_mask, mods, mod_arrays, sinks):
+def _reference(call: _Prepared, key, value, sinks):
+    mods, mod_arrays = call.mods, call.mod_arrays
     return reference.attention_reference(
-        query,
+        call.query,
         key,
         value,
-        scale=scale,
-        band=band,
-        q_segment_ids=q_ids,
-        kv_segment_ids=kv_ids,
-        block_mask=block_mask,
+        scale=call.scale,
+        band=call.band,
+        q_segment_ids=call.q_ids,
+        kv_segment_ids=call.kv_ids,
+        block_mask=call.block_mask,
         bias=mod_arrays.bias,
         mask=mod_arrays.mask,
         alibi_slopes=mod_arrays.alibi_slopes,
@@ -757,3 +851,243 @@ def _reference(query, key, value, scale, band, q_ids, kv_ids, block_mask, mods, 
         mask_consts=mod_arrays.mask_consts,
         sinks=sinks,
     )
+
+
+# ---- the backward on given residuals ------------------------------------------------------------------------------
+
+
+def attention_backward(
+    query,
+    key,
+    value,
+    out,
+    lse,
+    d_out,
+    d_lse=None,
+    *,
+    scale=None,
+    is_causal=False,
+    segment_ids=None,
+    kv_segment_ids=None,
+    query_seq_lengths=None,
+    key_value_seq_lengths=None,
+    local_window_size=None,
+    block_mask=None,
+    mask=None,
+    alibi_slopes=None,
+    logits_soft_cap=None,
+    mask_mod=None,
+    implementation=None,
+    config=None,
+    deterministic=True,
+):
+    """(dq, dk, dv): the gradient of `flash_attention(query, key, value, return_lse=True, **options)` for the
+    cotangents (d_out, d_lse) of its (out, lse), from the residuals `out` and `lse` instead of a forward: the
+    backward of the implementation that flash_attention dispatches these options to ("xla", the dense reference,
+    recomputes its forward instead).
+
+    The residuals may be those of attention over a larger set of keys that these keys belong to: the backward's
+    probabilities exp(S - lse) and its delta = rowsum(d_out * out) - d_lse are then the larger call's, and the
+    result is the part of its gradient that flows through these keys (dq's terms of these keys, and their dk and
+    dv). Ring attention's backward adds these parts up step by step without recomputing any step's forward.
+
+    Args:
+      query, key, value: as `flash_attention`.
+      out: [batch, q_len, heads, head_dim] in query's dtype; lse: float32 [batch, heads, q_len], natural log,
+        -inf for a query that sees no key.
+      d_out: like out; d_lse: like lse, or None (zeros).
+      scale: a Python float, or None for 1 / sqrt(head_dim).
+      The other options as `flash_attention`'s: those without a gradient of their own (no bias, score_mod,
+      dropout or sinks).
+    Returns:
+      dq, dk, dv shaped and typed like query, key and value.
+    """
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise TypeError(f"attention_backward's scale must be a Python float or None, got {scale!r}")
+    for name, x, shape in (
+        ("out", out, query.shape),
+        ("d_out", d_out, query.shape),
+        ("lse", lse, (query.shape[0], query.shape[2], query.shape[1])),
+        ("d_lse", d_lse, (query.shape[0], query.shape[2], query.shape[1])),
+    ):
+        if x is not None and tuple(x.shape) != tuple(shape):
+            raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
+    if d_lse is None:
+        d_lse = jnp.zeros(lse.shape, jnp.float32)
+    if isinstance(local_window_size, list):
+        local_window_size = tuple(local_window_size)
+    mask_program, mask_consts = (None, ()) if mask_mod is None else mods_lib.trace(mask_mod, "mask")
+    return _attention_backward(
+        query,
+        key,
+        value,
+        out,
+        lse,
+        d_out,
+        d_lse,
+        segment_ids,
+        kv_segment_ids,
+        query_seq_lengths,
+        key_value_seq_lengths,
+        mask,
+        alibi_slopes,
+        mask_consts,
+        scale=None if scale is None else float(scale),
+        mask_mod=mask_program,
+        is_causal=is_causal,
+        local_window_size=local_window_size,
+        block_mask=block_mask,
+        logits_soft_cap=logits_soft_cap,
+        implementation=implementation,
+        config=config,
+        deterministic=deterministic,
+    )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "scale",
+        "mask_mod",
+        "is_causal",
+        "local_window_size",
+        "block_mask",
+        "logits_soft_cap",
+        "implementation",
+        "config",
+        "deterministic",
+    ),
+)
+def _attention_backward(
+    query,
+    key,
+    value,
+    out,
+    lse,
+    d_out,
+    d_lse,
+    segment_ids,
+    kv_segment_ids,
+    query_seq_lengths,
+    key_value_seq_lengths,
+    mask,
+    alibi_slopes,
+    mask_consts,
+    *,
+    scale,
+    mask_mod,
+    is_causal,
+    local_window_size,
+    block_mask,
+    logits_soft_cap,
+    implementation,
+    config,
+    deterministic,
+):
+    """`attention_backward` once its options are static: the checks and dispatch of `flash_attention`, then the
+    chosen implementation's backward."""
+    call = _prepare(
+        query,
+        key,
+        value,
+        None,
+        segment_ids,
+        kv_segment_ids,
+        query_seq_lengths,
+        key_value_seq_lengths,
+        None,
+        mask,
+        alibi_slopes,
+        None,
+        (),
+        mask_consts,
+        scale=scale,
+        score_mod=None,
+        mask_mod=mask_mod,
+        is_causal=is_causal,
+        local_window_size=local_window_size,
+        block_mask=block_mask,
+        logits_soft_cap=logits_soft_cap,
+        dropout_rate=0.0,
+        broadcast_dropout=False,
+        implementation=implementation,
+        config=config,
+    )
+    d_lse = d_lse.astype(jnp.float32)
+    if call.impl == "mosaic":
+        return _hopper_backward(call, key, value, out, lse, d_out, d_lse, deterministic)
+    if call.impl == "pallas":
+        return _portable_backward(call, key, value, out, lse, d_out, d_lse)
+    if call.impl == "xla_chunked":
+        return _chunked_backward(call, key, value, out, lse, d_out, d_lse)
+    primal, vjp = jax.vjp(lambda q, k, v: _reference(call._replace(query=q), k, v, None), call.query, key, value)
+    return vjp((d_out.astype(primal[0].dtype), d_lse))
+
+
+def _hopper_backward(call: _Prepared, key, value, out, lse, d_out, d_lse, deterministic):
+    """The Hopper custom_vjp's backward on the residuals its forward saves, with these out and lse; the staged
+    values of the folded programs (`_hopper_programs`) are recomputed as `hopper.flash_attention_hopper` computes
+    them (O(seq) work in XLA)."""
+    hopper_mods, arrays = _hopper_programs(call.mods, call.mod_arrays)
+    score_mod, mask_mod = hopper._staged(hopper_mods)
+    batch, q_len, heads, _ = call.query.shape
+    lengths = (batch, heads, q_len, key.shape[1])
+    score_stacks = mask_stacks = (None,) * 4
+    if score_mod is not None:
+        score_stacks = score_mod.stacks(arrays.score_consts, *lengths)
+    if mask_mod is not None:
+        mask_stacks = mask_mod.stacks(tuple(jax.lax.stop_gradient(c) for c in arrays.mask_consts), *lengths)
+    # The mask's block ranges (None here) steer only the forward; the backward returns their integer cotangent.
+    residuals = (call.query, key, value, call.q_ids, call.kv_ids, score_stacks, mask_stacks, None, arrays, out, lse)
+    grads = hopper._attention_bwd(
+        call.scale, call.band, call.config, deterministic, hopper_mods, residuals, (d_out, d_lse)
+    )
+    return grads[:3]
+
+
+def _portable_backward(call: _Prepared, key, value, out, lse, d_out, d_lse):
+    grads = portable.backward(
+        call.query,
+        key,
+        value,
+        out,
+        lse,
+        (d_out, d_lse),
+        scale=call.scale,
+        band=call.band,
+        config=call.config,
+        interpret=not device.on_nvidia_gpu(),
+        q_segment_ids=call.q_ids,
+        kv_segment_ids=call.kv_ids,
+        block_mask=call.block_mask,
+        mods=call.mods,
+        mod_arrays=call.mod_arrays,
+    )
+    return grads[:3]
+
+
+def _chunked_backward(call: _Prepared, key, value, out, lse, d_out, d_lse):
+    """The XLA chunked custom_vjp's backward, in its layout: queries grouped by K/V head, [batch, q_len,
+    kv_heads, group, head_dim], and (out, lse) [batch, kv_heads, group, q_len(, head_dim)] float32."""
+    batch, q_len, heads, head_dim = call.query.shape
+    kv_heads = key.shape[2]
+    group = heads // kv_heads
+
+    def by_group(x):  # [batch, q_len, heads, head_dim] -> [batch, kv_heads, group, q_len, head_dim]
+        return jnp.moveaxis(x.astype(jnp.float32), 2, 1).reshape(batch, kv_heads, group, q_len, head_dim)
+
+    def rows(x):  # [batch, heads, q_len] -> [batch, kv_heads, group, q_len]
+        return x.reshape(batch, kv_heads, group, q_len)
+
+    q = call.query.reshape(batch, q_len, kv_heads, group, head_dim)
+    residuals = (q, key, value, call.q_ids, call.kv_ids, call.mod_arrays, by_group(out), rows(lse))
+    dq, dk, dv, *_ = xla_chunked._chunked_bwd(
+        call.scale,
+        call.band,
+        call.config.xla_block_kv,
+        call.mods,
+        call.block_mask,
+        residuals,
+        (by_group(d_out), rows(d_lse)),
+    )
+    return dq.reshape(call.query.shape), dk, dv

@@ -17,13 +17,16 @@ closed-over array by both positions), evaluated on each [block_q, block_kv] tile
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
+import operator
 import typing
 
 import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 SCORE, BATCH, HEAD, QUERY, KEY = "score", "batch", "head", "query", "key"
@@ -290,31 +293,89 @@ class Staged:
         return env
 
     def joint(self, score, batch, head, q_idx, kv_idx, rows_int=(), rows_float=(), cols_int=(), cols_float=(), *,
-              tile=None):  # fmt: skip
-        """The program's result on one tile. `score`: float32 [bq, bk] (None for a mask_mod); batch, head: int32
-        scalars; q_idx, kv_idx: int32 positions broadcast to the tile; rows_* / cols_*: the tile's staged values
-        (one per entry of that stack, as stored: int32 or float32, broadcast to the tile). `tile(x)` broadcasts
-        a scalar to the tile (default jnp.broadcast_to; a kernel passes one that gives its register layout).
-        Returns the modified score (float32) or the mask (bool), tile-shaped."""
-        shape = (score if score is not None else q_idx).shape
-        tile = tile or (lambda x: jnp.broadcast_to(x, shape))
-        flat = self.flat
-        score = (score,) if self.program.kind == "score" else ()
-        env = dict(zip(flat.inputs[self.program.num_consts :], (*score, batch, head, q_idx, kv_idx)))
-        supplied = {("row", "int"): rows_int, ("row", "float"): rows_float,
-                    ("col", "int"): cols_int, ("col", "float"): cols_float}  # fmt: skip
-        for (side, kind), given in supplied.items():
+              tile=None, q_axis=None, scale=1.0, max_position=None, split=False):  # fmt: skip
+        """The program's result on one tile of logits (the score `scale * score`, float32; None for a mask_mod).
+
+        Tiles (q_axis None): q_idx, kv_idx: int32 positions broadcast to the tile; rows_* / cols_*: the tile's
+        staged values (one per entry of that stack, as stored: int32 or float32), broadcast to it; batch, head:
+        int32 scalars (or tiles). `tile(x)` broadcasts a scalar to the tile (default jnp.broadcast_to).
+
+        Vectors (q_axis 0 or 1, the Hopper kernels' form): q_idx and rows_* are vectors [bq] of the tile's
+        queries, kv_idx and cols_* vectors [bk] of its keys; the tile is [bq, bk] (q_axis 0) or [bk, bq]. Each
+        operation runs at the smallest shape of its operands (scalar, query vector, key vector, tile), so a
+        vector reaches the tile (`lax.broadcast_in_dim` along its axis) only where it meets a value of the other
+        axis or the score.
+
+        Either form (`_TileEvaluator`): multiplies by constants (`scale`, the program's literals) are folded
+        into one factor, applied where the value meets another or, with `split`, left to the caller; with
+        `max_position` (every position is below it), int->float conversions of values made of positions and
+        integer literals are moved onto the positions where float32 stays exact. Returns the modified score
+        (float32) or the mask (bool), tile-shaped; with `split` (a score program), (x, c): the score is c * x,
+        c a Python float that a kernel folds into its own multiply-add."""
+        kinds = (("row", "int", rows_int), ("row", "float", rows_float),
+                 ("col", "int", cols_int), ("col", "float", cols_float))  # fmt: skip
+        if q_axis is None:
+            shape = (score if score is not None else q_idx).shape
+            side_of = {"row": TILE, "col": TILE}
+        else:
+            lengths = (q_idx.shape[0], kv_idx.shape[0])
+            shape = lengths if q_axis == 0 else lengths[::-1]
+            side_of = {"row": ROW, "col": COL}
+        inputs = self.flat.inputs[self.program.num_consts :]
+        has_score = self.program.kind == "score"
+        given = [(batch, TILE), (head, TILE), (q_idx, side_of["row"]), (kv_idx, side_of["col"])]
+        if has_score:
+            given.insert(0, (score, TILE))
+        for side, kind, values in kinds:
             group = self.group(side, kind)
-            if len(given or ()) != len(group):
-                raise ValueError(f"{side}s_{kind} has {len(given or ())} values; this program stages {len(group)}")
-            for s, x in zip(group, given or ()):
-                env[s.value] = (x != 0) if s.dtype == jnp.bool_ else x.astype(s.dtype)
-        for eqn in flat.eqns:
-            if _is_joint(eqn.deps):
-                _run(eqn, env, lift=lambda x: _lift(x, tile, shape))
-        out = jnp.asarray(flat.output[1]) if isinstance(flat.output, tuple) else env[flat.output]
-        out = _lift(out, tile, shape)
-        return out.astype(jnp.float32) if self.program.kind == "score" else out
+            if len(values or ()) != len(group):
+                raise ValueError(f"{side}s_{kind} has {len(values or ())} values; this program stages {len(group)}")
+            for s, x in zip(group, values or ()):
+                given.append(((x != 0) if s.dtype == jnp.bool_ else x.astype(s.dtype), side_of[side]))
+        vids = [*inputs, *(s.value for side, kind, _ in kinds for s in self.group(side, kind))]
+        env = {}
+        for vid, (x, side) in zip(vids, given):
+            x = jnp.asarray(x)
+            env[vid] = _Value(x, SCALAR if x.ndim == 0 else side)
+        if has_score:
+            env[inputs[0]] = dataclasses.replace(env[inputs[0]], coef=float(scale))
+        evaluator = _TileEvaluator(
+            self.flat,
+            env,
+            shape=shape,
+            q_axis=q_axis,
+            tile=tile or (lambda x: jnp.broadcast_to(x, shape)),
+            positions=inputs[-2:] if max_position is not None else (),
+            max_position=max_position,
+        )
+        out = evaluator.operand(self.flat.output)
+        if not has_score:
+            return evaluator.broadcast(evaluator.materialize(out), out.side, TILE)
+        if split and out.literal is None and out.side == TILE:
+            x = out.x if out.factor is None else out.x * evaluator.broadcast(out.factor, out.factor_side, TILE)
+            return x.astype(jnp.float32), out.coef
+        x = evaluator.broadcast(evaluator.materialize(out), out.side, TILE).astype(jnp.float32)
+        return (x, 1.0) if split else x
+
+    @property
+    def score_derivative(self) -> float | None:
+        """d result / d score where it is a constant (the score passes through adds, subtracts, negations,
+        multiplies and divides by literals, float conversions and selects whose cases agree), else None: with
+        1.0 (ALiBi, biases) a kernel's pullback of the score is the identity."""
+        flat = self.flat
+        if self.program.kind != "score":
+            return None
+        producer = {o: e for e in flat.eqns for o in e.outputs}
+        memo = {}
+
+        def derivative(atom):
+            if isinstance(atom, tuple) or SCORE not in flat.deps[atom]:
+                return 0.0
+            if atom not in memo:
+                memo[atom] = _derivative_rule(producer.get(atom), derivative)
+            return memo[atom]
+
+        return derivative(flat.output)
 
     def block_classes(self, stacks, *, batch: int, heads: int, q_len: int, kv_len: int, block_q: int,
                       block_kv: int):  # fmt: skip
@@ -333,21 +394,258 @@ class Staged:
                                         list(stacks))  # fmt: skip
 
 
-def _lift(x, tile, shape):
-    x = jnp.asarray(x)
-    return tile(x) if x.shape != shape else x
-
-
-def _run(eqn, env, lift=None):
+def _run(eqn, env):
     args = [jnp.asarray(i[1]) if isinstance(i, tuple) else env[i] for i in eqn.inputs]
-    if lift is not None:  # on a tile: scalars are broadcast so that every operand has the tile's shape
-        args = [lift(a) for a in args]
     out = eqn.primitive.bind(*args, **dict(eqn.params))
     env.update(zip(eqn.outputs, out if eqn.primitive.multiple_results else [out]))
 
 
 def _encode(x, kind):
     return x.astype(jnp.int32) if kind == "int" else x.astype(jnp.float32)
+
+
+def _derivative_rule(eqn, derivative):
+    """d eqn's output / d score from its inputs' (`derivative` of an atom; None where not a constant). No eqn:
+    the score itself."""
+    if eqn is None:
+        return 1.0
+    name, inputs = eqn.primitive.name, eqn.inputs
+    ds = [derivative(i) for i in inputs]
+    literal = [float(i[1]) if isinstance(i, tuple) else None for i in inputs]
+    if name in ("add", "sub", "neg", "convert_element_type", "copy", "copy_p") and all(d is not None for d in ds):
+        if name == "sub":
+            return ds[0] - ds[1]
+        return -ds[0] if name == "neg" else sum(ds)
+    if name == "mul" and any(x is not None for x in literal) and all(d is not None for d in ds):
+        return ds[0] * literal[1] if literal[1] is not None else ds[1] * literal[0]
+    if name == "div" and literal[1] not in (None, 0.0) and ds[0] is not None:
+        return ds[0] / literal[1]
+    if name == "select_n" and ds[1] is not None and all(d == ds[1] for d in ds[1:]):
+        return ds[1]
+    if name == "stop_gradient":
+        return 0.0
+    return None
+
+
+# ---- Evaluating the joint part on a tile ----------------------------------------------------------------------
+# A value's side says which axes of the tile it varies along: bit 1 the queries, bit 2 the keys (so sides join
+# by `|`). It is computed at its side's shape (a scalar, a vector of the tile's queries or keys, or the tile) and
+# broadcast only where it meets a value of another side: a per-key bias costs one vector op per key, not one op
+# per logit, until it is added to the score.
+SCALAR, ROW, COL, TILE = 0, 1, 2, 3
+# Integers of magnitude up to 2**24 are exact in float32.
+EXACT_FLOAT32_INTEGERS = 1 << 24
+# Folded constant factors stay well inside float32's range, so that folding never overflows where the
+# program's own multiplies would not.
+_FOLD_RANGE = (1e-30, 1e30)
+# Integer ops through which an int->float conversion moves toward the positions: exact in float32 while every
+# intermediate is an integer below EXACT_FLOAT32_INTEGERS (`_TileEvaluator.bound`).
+_EXACT_IN_FLOAT = {"add", "sub", "neg", "abs", "max", "min", "mul", "clamp", "select_n"}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Value:
+    """A value of the joint part at its side's shape: coef * factor * x. coef: a Python float (the logits'
+    scale and the program's multiplies by literals, folded); factor: None or, for a tile, a float array of a
+    smaller side that multiplies it (a per-query slope times a tile of distances). Both reach x once, inside
+    the multiply-add where the value meets another, or where an operation needs it plain. literal: the
+    Python value of a literal operand."""
+
+    x: typing.Any
+    side: int
+    coef: float = 1.0
+    factor: typing.Any = None
+    factor_side: int = SCALAR
+    literal: typing.Any = None
+
+
+class _TileEvaluator:
+    """The joint part of a flat program on one tile, demand-driven from its output (`Staged.joint`): `env` maps
+    the program's named inputs and staged values to `_Value`s; `positions` are the query and key positions'
+    value ids (empty: no conversion is moved), each below `max_position`."""
+
+    def __init__(self, flat, env, *, shape, q_axis, tile, positions, max_position):
+        self.flat, self.values, self.floats, self.bounds = flat, dict(env), {}, {}
+        self.producer = {o: e for e in flat.eqns for o in e.outputs}
+        self.shape, self.q_axis, self.tile = shape, q_axis, tile
+        self.positions, self.max_position = set(positions), max_position
+
+    def broadcast(self, x, side, to):
+        """x of `side` at side `to` (which contains it)."""
+        if side == to:
+            return x
+        if side == SCALAR:
+            if to == TILE:
+                return self.tile(x)
+            return jnp.broadcast_to(x, (self.shape[(0 if to == ROW else 1) ^ self.q_axis],))
+        return lax.broadcast_in_dim(x, self.shape, [self.q_axis if side == ROW else 1 - self.q_axis])
+
+    def materialize(self, v: _Value):
+        """v as a plain array at its side."""
+        if v.factor is not None:
+            factor = v.factor if v.coef == 1.0 else v.factor * np.float32(v.coef)
+            return v.x * self.broadcast(factor, v.factor_side, v.side)
+        return v.x if v.coef == 1.0 else v.x * np.asarray(v.coef, v.x.dtype)
+
+    def operand(self, atom) -> _Value:
+        if isinstance(atom, tuple):
+            x = np.asarray(atom[1])
+            return _Value(x, SCALAR, literal=x.item())
+        if atom not in self.values:
+            eqn = self.producer[atom]
+            self.values.update(zip(eqn.outputs, self.apply(eqn)))
+        return self.values[atom]
+
+    def apply(self, eqn) -> list:
+        out_dtype = self.flat.dtypes[eqn.outputs[0]]
+        if eqn.primitive.name == "convert_element_type" and out_dtype == jnp.float32 and self.exact(eqn.inputs[0]):
+            return [self.as_float(eqn.inputs[0])]
+        return self.compute(eqn.primitive, dict(eqn.params), [self.operand(i) for i in eqn.inputs], out_dtype)
+
+    def compute(self, primitive, params, args, out_dtype) -> list:
+        if out_dtype == jnp.float32 and not primitive.multiple_results:
+            folded = self.fold(primitive.name, args)
+            if folded is not None:
+                return [folded]
+        side = functools.reduce(operator.or_, (a.side for a in args), SCALAR)
+        xs = [self.broadcast(jnp.asarray(self.materialize(a)), a.side, side) for a in args]
+        out = primitive.bind(*xs, **params)
+        return [_Value(x, side) for x in (out if primitive.multiple_results else [out])]
+
+    # -- folding constants and factors (float32 values only)
+
+    def fold(self, name, args):
+        """The float32 result of `name` as a `_Value` with its constants and factors still folded, or None
+        where the operation needs its operands plain."""
+        if name == "mul":
+            a, b = args
+            if (a.literal is None) == (b.literal is None):
+                return None if a.literal is not None else self.product(a, b)
+            value, literal = (a, b.literal) if b.literal is not None else (b, a.literal)
+            return self.scaled(value, float(literal))
+        if name == "div" and args[1].literal is not None and args[0].literal is None and args[1].literal != 0:
+            return self.scaled(args[0], 1.0 / float(args[1].literal))
+        if any(a.literal is not None for a in args):
+            return None
+        if name == "neg":
+            return dataclasses.replace(args[0], coef=-args[0].coef)
+        if name in ("add", "sub"):
+            a, b = args
+            return self.sum(a, dataclasses.replace(b, coef=-b.coef) if name == "sub" else b)
+        plain = all(a.factor is None for a in args)
+        if name == "abs" and plain:
+            a = args[0]
+            return _Value(lax.abs(a.x), a.side, abs(a.coef))
+        cases = args[1:] if name == "select_n" else args
+        if name in ("max", "min", "select_n") and plain and len({a.coef for a in cases}) == 1:
+            coef = cases[0].coef
+            if name != "select_n" and coef < 0:
+                return None
+            side = functools.reduce(operator.or_, (a.side for a in args), SCALAR)
+            xs = [self.broadcast(a.x, a.side, side) for a in args]
+            return _Value({"max": lax.max, "min": lax.min, "select_n": lax.select_n}[name](*xs), side, coef)
+        return None
+
+    @staticmethod
+    def scaled(v: _Value, c: float):
+        coef = v.coef * c
+        if v.literal is not None or not _FOLD_RANGE[0] < abs(coef) < _FOLD_RANGE[1]:
+            return None
+        return dataclasses.replace(v, coef=coef)
+
+    def product(self, a: _Value, b: _Value):
+        """a * b: a tile times a smaller value keeps the smaller one as (part of) its factor."""
+        coef = a.coef * b.coef
+        if not _FOLD_RANGE[0] < abs(coef) < _FOLD_RANGE[1]:
+            return None
+        if a.side != TILE and b.side != TILE:  # no factors: the product at the joined side
+            side = a.side | b.side
+            return _Value(self.broadcast(a.x, a.side, side) * self.broadcast(b.x, b.side, side), side, coef)
+        if a.side != TILE:
+            a, b = b, a
+        x, factor = a.x, (a.factor, a.factor_side)
+        if b.side == TILE:
+            x = x * b.x
+            other = (b.factor, b.factor_side)
+        else:
+            other = (b.x, b.side)
+        joined = self.joined_factor(factor, other)
+        if joined is None:  # a row factor and a column factor: one of them reaches the tile now
+            x, joined = x * self.broadcast(factor[0], factor[1], TILE), other
+        return _Value(x, TILE, coef, *joined)
+
+    def joined_factor(self, f, g):
+        """The product of two factors (array, side) or None where they make a tile."""
+        if f[0] is None or g[0] is None:
+            return g if f[0] is None else f
+        side = f[1] | g[1]
+        if side == TILE:
+            return None
+        return self.broadcast(f[0], f[1], side) * self.broadcast(g[0], g[1], side), side
+
+    def sum(self, a: _Value, b: _Value):
+        """a + b. Two tiles: the one without a factor keeps its constant and the other is scaled by the ratio,
+        one multiply-add. A tile and a smaller value: None (plain, which is the tile's constant in one
+        multiply-add with the other)."""
+        side = a.side | b.side
+        if a.factor is None and b.factor is None and a.coef == b.coef:
+            return _Value(self.broadcast(a.x, a.side, side) + self.broadcast(b.x, b.side, side), side, a.coef)
+        if a.side != TILE or b.side != TILE:
+            return None
+        for u, w in ((a, b), (b, a)):
+            if u.factor is None:
+                ratio = w.coef / u.coef
+                if w.factor is None:
+                    return _Value(u.x + w.x * np.float32(ratio), TILE, u.coef)
+                return _Value(u.x + w.x * self.broadcast(w.factor * np.float32(ratio), w.factor_side, TILE), TILE,
+                              u.coef)  # fmt: skip
+        return None
+
+    # -- int -> float conversions moved onto the positions
+
+    def bound(self, atom):
+        """A bound on |value| of an integer made of positions (each below max_position) and integer literals
+        by `_EXACT_IN_FLOAT` operations (multiplies by a literal only), else None."""
+        if isinstance(atom, tuple):
+            x = np.asarray(atom[1])
+            return abs(int(x)) if x.ndim == 0 and np.issubdtype(x.dtype, np.integer) else None
+        if atom in self.positions:
+            return self.max_position
+        if atom in self.bounds:
+            return self.bounds[atom]
+        eqn, bound = self.producer.get(atom), None
+        dtype = self.flat.dtypes[atom]
+        if eqn is not None and eqn.primitive.name in _EXACT_IN_FLOAT and jnp.issubdtype(dtype, jnp.integer):
+            name = eqn.primitive.name
+            inputs = eqn.inputs[1:] if name == "select_n" else eqn.inputs
+            bounds = [self.bound(i) for i in inputs]
+            if name == "mul" and not any(isinstance(i, tuple) for i in inputs):
+                bounds = [None]
+            if all(b is not None for b in bounds):
+                bound = {"add": sum, "sub": sum, "mul": math.prod}.get(name, max)(bounds)
+        self.bounds[atom] = bound
+        return bound
+
+    def exact(self, atom) -> bool:
+        bound = None if isinstance(atom, tuple) else self.bound(atom)
+        return bound is not None and bound <= EXACT_FLOAT32_INTEGERS
+
+    def as_float(self, atom) -> _Value:
+        """An exact integer value (`exact`) converted to float32, each conversion on a position vector (or a
+        literal) and the integer operations redone in float32."""
+        if isinstance(atom, tuple):
+            return self.operand(("literal", np.float32(atom[1])))
+        if atom not in self.floats:
+            eqn = self.producer.get(atom)
+            if atom in self.positions or eqn is None:
+                v = self.operand(atom)
+                self.floats[atom] = _Value(v.x.astype(jnp.float32), v.side)
+            else:
+                args = [self.as_float(i) for i in eqn.inputs]
+                if eqn.primitive.name == "select_n":  # the predicate stays as it is
+                    args[0] = self.operand(eqn.inputs[0])
+                (self.floats[atom],) = self.compute(eqn.primitive, dict(eqn.params), args, jnp.float32)
+        return self.floats[atom]
 
 
 def stage(program: Program) -> tuple[Staged | None, str | None]:

@@ -6,8 +6,8 @@ chunks of it, `to_zigzag`) and calls `ring_attention` on its shard with the axis
     attends its queries to the K/V it holds, and the partial outputs merge through their LSE
     (`merge_attention_states`). The next step's transfer is issued before this step's kernel, so XLA overlaps
     them. The backward is its own custom_vjp: K/V travel again with their dK/dV accumulators, which arrive home
-    after a full turn; each step's gradient is the kernel's own backward of that step, fed with the cotangents
-    the merge gives it. Fixed order everywhere: bitwise deterministic.
+    after a full turn; each step's gradient is the backward kernels' on the merged out and lse (no step's forward
+    runs again). Fixed order everywhere: bitwise deterministic.
   * "all_gather": K/V gathered once, then one local call (its gradient is reduce-scattered by autodiff). Cheaper
     for short sequences or small K/V (GQA/MQA), where a ring's steps are too short to hide their transfers.
 Causal attention with the contiguous layout leaves device r idle for the steps that bring later shards; the
@@ -29,7 +29,7 @@ import numpy as np
 from jax import lax
 
 from pallas_flash import masks
-from pallas_flash.api import flash_attention
+from pallas_flash.api import attention_backward, flash_attention
 from pallas_flash.decode import merge_attention_states
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -121,26 +121,9 @@ def _empty(query):
     return jnp.zeros(query.shape, query.dtype), jnp.full((batch, heads, q_len), -jnp.inf, jnp.float32)
 
 
-def _attend(plan, q, k, v, q_ids, kv_ids, **kwargs):
-    segments = {} if q_ids is None else dict(segment_ids=q_ids, kv_segment_ids=kv_ids)
-    return flash_attention(q, k, v, return_lse=True, **dict(plan.options), **segments, **kwargs)
-
-
-def _step(plan, case, q, k, v, q_ids, kv_ids, q_pos, kv_pos):
-    """(out, lse) of the local queries against the K/V held now, for one static case."""
-    if case == SKIP:
-        return _empty(q)
-    if case in (FULL, CAUSAL):
-        return _attend(plan, q, k, v, q_ids, kv_ids, is_causal=case == CAUSAL)
-    if case == KV_FIRST_HALF:  # every local query sees the first key chunk whole, the second not at all
-        half = k.shape[1] // 2
-        return _attend(plan, q, k[:, :half], v[:, :half], q_ids, None if kv_ids is None else kv_ids[:, :half])
-    if case == Q_SECOND_HALF:  # the second query chunk sees every key held; the first sees none
-        half = q.shape[1] // 2
-        out, lse = _attend(plan, q[:, half:], k, v, None if q_ids is None else q_ids[:, half:], kv_ids)
-        first_out, first_lse = _empty(q[:, :half])
-        return jnp.concatenate([first_out, out], axis=1), jnp.concatenate([first_lse, lse], axis=2)
-    left, right = plan.band.left, plan.band.right
+def _band_mask(band, q_pos, kv_pos):
+    """The band on global positions as a mask_mod (the POSITIONS case): q_pos / kv_pos int32 [q_len] / [kv_len]."""
+    left, right = band.left, band.right
 
     def mask_mod(b, h, qi, ki):
         seen = jnp.bool_(True)
@@ -150,16 +133,72 @@ def _step(plan, case, q, k, v, q_ids, kv_ids, q_pos, kv_pos):
             seen = seen & (kv_pos[ki] <= q_pos[qi] + right)
         return seen
 
-    return _attend(plan, q, k, v, q_ids, kv_ids, mask_mod=mask_mod)
+    return mask_mod
 
 
-def _switch(plan, case, *args):
-    """`_step` for a traced case: one branch per case the plan can meet."""
+def _options(plan, case, q_ids, kv_ids, q_pos, kv_pos):
+    """flash_attention's (and attention_backward's) keyword arguments for a FULL, CAUSAL or POSITIONS step; the
+    half cases slice their inputs down to a FULL step."""
+    options = dict(plan.options)
+    if q_ids is not None:
+        options.update(segment_ids=q_ids, kv_segment_ids=kv_ids)
+    if case == CAUSAL:
+        options["is_causal"] = True
+    if case == POSITIONS:
+        options["mask_mod"] = _band_mask(plan.band, q_pos, kv_pos)
+    return options
+
+
+def _cols(x, start, stop):
+    """x[:, start:stop] (a slice of the sequence axis), None for None."""
+    return None if x is None else x[:, start:stop]
+
+
+def _step(plan, case, q, k, v, q_ids, kv_ids, q_pos, kv_pos):
+    """(out, lse) of the local queries against the K/V held now, for one static case."""
+    if case == SKIP:
+        return _empty(q)
+    if case == KV_FIRST_HALF:  # every local query sees the first key chunk whole, the second not at all
+        half = k.shape[1] // 2
+        options = _options(plan, FULL, q_ids, _cols(kv_ids, 0, half), q_pos, kv_pos)
+        return flash_attention(q, k[:, :half], v[:, :half], return_lse=True, **options)
+    if case == Q_SECOND_HALF:  # the second query chunk sees every key held; the first sees none
+        half = q.shape[1] // 2
+        options = _options(plan, FULL, _cols(q_ids, half, None), kv_ids, q_pos, kv_pos)
+        out, lse = flash_attention(q[:, half:], k, v, return_lse=True, **options)
+        first_out, first_lse = _empty(q[:, :half])
+        return jnp.concatenate([first_out, out], axis=1), jnp.concatenate([first_lse, lse], axis=2)
+    return flash_attention(q, k, v, return_lse=True, **_options(plan, case, q_ids, kv_ids, q_pos, kv_pos))
+
+
+def _step_grad(plan, case, q, k, v, q_ids, kv_ids, q_pos, kv_pos, out, lse, d_out, d_lse):
+    """(dq, dk, dv): the part of the ring's gradient that flows through the K/V held now, for one static case,
+    from the ring's merged (out, lse) and their cotangents (`attention_backward`); sliced as `_step` slices."""
+    if case == SKIP:
+        return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
+    if case == KV_FIRST_HALF:  # the second key chunk is seen by no local query: zero gradient
+        half = k.shape[1] // 2
+        options = _options(plan, FULL, q_ids, _cols(kv_ids, 0, half), q_pos, kv_pos)
+        dq, dk, dv = attention_backward(q, k[:, :half], v[:, :half], out, lse, d_out, d_lse, **options)
+        pad = lambda x: jnp.concatenate([x, jnp.zeros_like(x)], axis=1)  # zig-zag chunks: equal lengths
+        return dq, pad(dk), pad(dv)
+    if case == Q_SECOND_HALF:  # the first query chunk sees no key held: zero gradient
+        half = q.shape[1] // 2
+        options = _options(plan, FULL, _cols(q_ids, half, None), kv_ids, q_pos, kv_pos)
+        rows = (out[:, half:], lse[:, :, half:], d_out[:, half:], d_lse[:, :, half:])
+        dq, dk, dv = attention_backward(q[:, half:], k, v, *rows, **options)
+        return jnp.concatenate([jnp.zeros_like(dq), dq], axis=1), dk, dv
+    options = _options(plan, case, q_ids, kv_ids, q_pos, kv_pos)
+    return attention_backward(q, k, v, out, lse, d_out, d_lse, **options)
+
+
+def _switch(plan, step, case, *args):
+    """`step` (`_step` or `_step_grad`) for a traced case: one branch per case the plan can meet."""
     cases = plan.cases()
     if len(cases) == 1:
-        return _step(plan, cases[0], *args)
+        return step(plan, cases[0], *args)
     index = sum(jnp.where(case == c, i, 0) for i, c in enumerate(cases))
-    return lax.switch(index, [functools.partial(_step, plan, c) for c in cases], *args)
+    return lax.switch(index, [functools.partial(step, plan, c) for c in cases], *args)
 
 
 def _merge(acc, part):
@@ -198,7 +237,7 @@ def _ring_forward(plan, axis_name, q, k, v, q_ids, kv_ids):
         if t + 1 < plan.num_shards:  # issued before this step's kernel: the transfer runs under it
             arriving = _rotate(held, axis_name, plan.num_shards)
         shard, source, q_pos, kv_pos = _positions(plan, axis_name, q_len, k.shape[1], t)
-        part = _switch(plan, plan.case(shard, source), q, held[0], held[1], q_ids, held[2], q_pos, kv_pos)
+        part = _switch(plan, _step, plan.case(shard, source), q, held[0], held[1], q_ids, held[2], q_pos, kv_pos)
         acc = _merge(acc, part)
         if t + 1 < plan.num_shards:
             held = arriving
@@ -211,27 +250,21 @@ def _ring_fwd(plan, axis_name, q, k, v, q_ids, kv_ids):
 
 
 def _ring_bwd(plan, axis_name, residuals, cotangents):
-    """Each step's gradient from the step's own vjp, with the cotangents the merge gives it: with
-    w = exp(lse_t - lse), d out_t = w * d out and d lse_t = w * (rowsum(d out * (out_t - out)) + d lse). dK/dV
-    accumulate in float32 and travel with their K/V, arriving home after the last step's rotation."""
+    """Each step's part of the gradient from the backward kernels on the merged (out, lse) and their cotangents:
+    with the whole row's lse, a step's probabilities exp(S - lse) are exactly its keys' share of the merged
+    softmax, and delta = rowsum(d out * out) - d lse is the whole row's, so no step's forward runs again (as
+    ring-flash-attention). dK/dV accumulate in float32 and travel with their K/V, arriving home after the last
+    step's rotation."""
     q, k, v, q_ids, kv_ids, out, lse = residuals
     d_out, d_lse = cotangents
-    q_len = q.shape[1]
-    d_out = d_out.astype(jnp.float32)
-    rows = lambda x: jnp.swapaxes(jnp.sum(d_out * x.astype(jnp.float32), axis=-1), 1, 2)  # [B, H, Tq]
-    total = rows(out)
     dq = jnp.zeros(q.shape, jnp.float32)
     held, grads = (k, v, kv_ids), (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
     for t in range(plan.num_shards):
         if t + 1 < plan.num_shards:
             arriving = _rotate(held, axis_name, plan.num_shards)
-        shard, source, q_pos, kv_pos = _positions(plan, axis_name, q_len, k.shape[1], t)
-        case = plan.case(shard, source)
-        step = lambda q, k, v: _switch(plan, case, q, k, v, q_ids, held[2], q_pos, kv_pos)  # noqa: B023
-        (out_t, lse_t), vjp = jax.vjp(step, q, held[0], held[1])
-        w = jnp.where(jnp.isneginf(lse_t), 0.0, jnp.exp(lse_t - jnp.where(jnp.isneginf(lse), 0.0, lse)))
-        d_out_t = (d_out * jnp.swapaxes(w, 1, 2)[..., None]).astype(out_t.dtype)
-        dq_t, dk_t, dv_t = vjp((d_out_t, w * (rows(out_t) - total + d_lse)))
+        shard, source, q_pos, kv_pos = _positions(plan, axis_name, q.shape[1], k.shape[1], t)
+        step = (q, held[0], held[1], q_ids, held[2], q_pos, kv_pos, out, lse, d_out, d_lse)
+        dq_t, dk_t, dv_t = _switch(plan, _step_grad, plan.case(shard, source), *step)
         dq = dq + dq_t.astype(jnp.float32)
         grads = (grads[0] + dk_t.astype(jnp.float32), grads[1] + dv_t.astype(jnp.float32))
         grads = _rotate(grads, axis_name, plan.num_shards)  # toward the next holder of these K/V (home, last)

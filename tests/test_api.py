@@ -267,7 +267,7 @@ def test_dispatch_where_the_hopper_kernel_serves(monkeypatch, caplog):
         assert api.dispatch(None, _call()) == "mosaic"
         for call, words in (
             (_call(dtype=jnp.float32), "bfloat16 or float16"),
-            (_call(features=("bias", "dropout")), "no bias or dropout"),
+            (_call(features=("bias", "block_mask")), "no bias or block_mask"),
             (_call(head_dim=512), "head_dim <= 256"),
         ):
             assert api.dispatch(None, call) != "mosaic"
@@ -276,3 +276,133 @@ def test_dispatch_where_the_hopper_kernel_serves(monkeypatch, caplog):
     messages = [r.getMessage() for r in caplog.records]
     assert any(m.endswith("ran 'mosaic' on backend 'cpu' (the first choice)") for m in messages), messages
     assert any("not 'mosaic': the Mosaic GPU kernel takes bfloat16 or float16" in m for m in messages), messages
+
+
+# ---- the backward on given residuals ----------------------------------------------------------------------------
+
+
+def _backward_options(name, batch, q_len, kv_len):
+    """attention_backward's (and flash_attention's) options of a named case: a band, segment ids, a mask_mod with
+    a closed-over array, a bool mask and a soft cap (the options without gradients of their own)."""
+    rng = np.random.default_rng(7)
+    if name == "causal":
+        return dict(is_causal=True)
+    if name == "window_segments":
+        ids = lambda length: jnp.asarray(np.cumsum(rng.random((batch, length)) < 0.1, axis=1), jnp.int32)
+        return dict(local_window_size=(9, 3), segment_ids=ids(q_len), kv_segment_ids=ids(kv_len))
+    if name == "mask_mod_mask_soft_cap":
+        starts = jnp.asarray(rng.integers(0, kv_len // 2, batch), jnp.int32)
+        return dict(
+            mask_mod=lambda b, h, qi, ki: ki >= starts[b] - qi % 3,
+            mask=jnp.asarray(rng.random((1, 1, 1, kv_len)) < 0.8),
+            logits_soft_cap=3.0,
+        )
+    raise AssertionError(name)
+
+
+BACKWARD_CASES = ["causal", "window_segments", "mask_mod_mask_soft_cap"]
+
+
+@pytest.mark.parametrize("case", BACKWARD_CASES)
+@pytest.mark.parametrize("impl", ["xla_chunked", "pallas", "xla"])
+def test_attention_backward_on_own_residuals_equals_the_vjp(impl, case):
+    """attention_backward on a call's own (out, lse) and cotangents equals the vjp of that flash_attention call
+    (the same implementation, the same backward), including a cotangent on the lse."""
+    q, k, v, d_out = make_inputs(SHAPE, jnp.float32, seed=20)
+    d_lse = 0.1 * make_inputs(SHAPE, jnp.float32, seed=21)[0][..., 0].swapaxes(1, 2)
+    options = dict(_backward_options(case, SHAPE[0], SHAPE[1], SHAPE[2]), implementation=impl, config=SMALL_BLOCKS)
+
+    @jax.jit
+    def both(q, k, v):
+        (out, lse), vjp = jax.vjp(lambda *x: pf.flash_attention(*x, return_lse=True, **options), q, k, v)
+        return vjp((d_out, d_lse)), api.attention_backward(q, k, v, out, lse, d_out, d_lse, **options)
+
+    want, got = both(q, k, v)
+    for name, g, w, x in zip("qkv", got, want, (q, k, v)):
+        assert g.shape == x.shape and g.dtype == x.dtype
+        assert_close(g, w, jnp.float32, table=GRADIENT, what=f"d{name}")
+
+
+@pytest.mark.parametrize("impl", ["xla_chunked", "pallas"])
+def test_attention_backward_of_a_key_split_adds_up_to_the_whole(impl):
+    """With the residuals of attention over all keys, attention_backward on each part of a key split gives that
+    part's dk, dv and its share of dq: the parts add up to the whole call's gradient (ring attention's steps)."""
+    q, k, v, d_out = make_inputs(SHAPE, jnp.float32, seed=22)
+    d_lse = 0.1 * make_inputs(SHAPE, jnp.float32, seed=23)[0][..., 0].swapaxes(1, 2)
+    options = _backward_options("window_segments", SHAPE[0], SHAPE[1], SHAPE[2])
+    kv_ids = options.pop("kv_segment_ids")
+    options.update(implementation=impl, config=SMALL_BLOCKS, local_window_size=None)
+    split = 24  # a key block boundary of SMALL_BLOCKS, and a ragged last part
+
+    @jax.jit
+    def both(q, k, v):
+        (out, lse), vjp = jax.vjp(
+            lambda *x: pf.flash_attention(*x, kv_segment_ids=kv_ids, return_lse=True, **options), q, k, v
+        )
+        parts = [
+            api.attention_backward(
+                q, k[:, keys], v[:, keys], out, lse, d_out, d_lse, kv_segment_ids=kv_ids[:, keys], **options
+            )
+            for keys in (slice(0, split), slice(split, None))
+        ]
+        return vjp((d_out, d_lse)), parts
+
+    (dq, dk, dv), parts = both(q, k, v)
+    assert_close(parts[0][0] + parts[1][0], dq, jnp.float32, table=GRADIENT, what="dq")
+    assert_close(jnp.concatenate([parts[0][1], parts[1][1]], axis=1), dk, jnp.float32, table=GRADIENT, what="dk")
+    assert_close(jnp.concatenate([parts[0][2], parts[1][2]], axis=1), dv, jnp.float32, table=GRADIENT, what="dv")
+
+
+def test_attention_backward_checks_its_residuals():
+    q, k, v, d_out = make_inputs(SHAPE, jnp.float32, seed=24)
+    lse = jnp.zeros((SHAPE[0], SHAPE[3], SHAPE[1]), jnp.float32)
+    with pytest.raises(ValueError, match="lse must have shape"):
+        api.attention_backward(q, k, v, d_out, lse[:, :, :5], d_out)
+    with pytest.raises(TypeError, match="scale must be a Python float"):
+        api.attention_backward(q, k, v, d_out, lse, d_out, scale=jnp.float32(0.5))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("case", ["causal", "mask_mod_mask_soft_cap"])
+def test_attention_backward_runs_the_hopper_backward(case, monkeypatch):
+    """On sm90 (faked), attention_backward hands the Hopper custom_vjp's backward the residuals its forward would
+    save (staged programs included); run in JAX's Mosaic GPU interpreter, it equals the portable backward on the
+    same residuals."""
+    from pallas_flash import _compat
+    from pallas_flash.hopper import vjp as hopper_vjp
+
+    params = _compat.mosaic_gpu_interpret_params(detect_races=False)
+    if params is None:
+        pytest.skip("this JAX has no Mosaic GPU interpreter")
+    shape = (1, 64, 64, 2, 1, 64)
+    q, k, v, d_out = make_inputs(shape, jnp.bfloat16, seed=25)
+    out, lse = pf.flash_attention(q, k, v, return_lse=True, **_backward_options(case, 1, 64, 64))
+    options = _backward_options(case, 1, 64, 64)
+    want = api.attention_backward(q, k, v, out, lse, d_out, implementation="pallas", **options)
+    monkeypatch.setattr(device, "on_hopper_gpu", lambda: True)
+    interpreted = functools.partial(hopper_vjp.hopper_bwd.hopper_backward, interpret=params)
+    monkeypatch.setattr(hopper_vjp.hopper_bwd, "hopper_backward", interpreted)
+    got = api.attention_backward(q, k, v, out, lse, d_out, implementation="mosaic", **options)
+    for name, g, w in zip("qkv", got, want):
+        assert_close(g, w, jnp.bfloat16, table=GRADIENT, what=f"d{name}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", BACKWARD_CASES)
+def test_attention_backward_on_hopper_equals_the_vjp(case):
+    """On sm90, attention_backward(implementation="mosaic") on a call's own residuals equals that call's vjp."""
+    if not device.on_hopper_gpu():
+        pytest.skip("needs an sm90 GPU")
+    shape = (2, 256, 384, 4, 2, 64)
+    q, k, v, d_out = make_inputs(shape, jnp.bfloat16, seed=26)
+    d_lse = 0.1 * make_inputs(shape, jnp.float32, seed=27)[0][..., 0].swapaxes(1, 2)
+    options = dict(_backward_options(case, *shape[:3]), implementation="mosaic")
+
+    @jax.jit
+    def both(q, k, v):
+        (out, lse), vjp = jax.vjp(lambda *x: pf.flash_attention(*x, return_lse=True, **options), q, k, v)
+        return vjp((d_out, d_lse)), api.attention_backward(q, k, v, out, lse, d_out, d_lse, **options)
+
+    want, got = both(q, k, v)
+    for name, g, w in zip("qkv", got, want):
+        assert_close(g, w, jnp.float32, table=GRADIENT, what=f"d{name}")

@@ -368,3 +368,136 @@ def test_modifiers_fold_into_programs_for_the_hopper_kernels(kwargs):
         grads = [jax.grad(lambda b: jnp.sum(run(b, f) * w))(bias) for f in (False, True)]
         assert grads[1].shape == bias.shape
         assert_close(grads[1], grads[0], jnp.float32, table=GRADIENT, what="dbias")
+
+
+# Programs for the kernels' vector form of `Staged.joint`, each with its constant d score / d score_in (None: not
+# a constant). Tiles of 24 queries by 40 keys, 2 examples, 3 heads.
+VECTOR_SHAPE = (2, 3, 24, 40)  # batch, heads, q_len, kv_len
+GAINS = normal(11, (24,)) + 1.5
+KEY_BIAS = normal(12, (3, 40))
+VECTOR_DOCS = _docs(2, 40, [(9, 30), (33,)])
+VECTOR_SCORES = {
+    "soft_cap": (mods.soft_cap(2.0), None),
+    "alibi": (mods.alibi(SLOPES[:3]), 1.0),
+    "key_bias": (lambda s, b, h, q, k: s + KEY_BIAS[h, k], 1.0),
+    "cap_alibi_bias": (
+        mods.chain(mods.soft_cap(3.0), mods.alibi(SLOPES[:3]), lambda s, b, h, q, k: s + KEY_BIAS[h, k]),
+        None,
+    ),  # fmt: skip
+    "row_gain_times_key_bias": (lambda s, b, h, q, k: -2.0 * s + GAINS[q] * KEY_BIAS[h, k], -2.0),
+    "head_times_distance": (lambda s, b, h, q, k: s + ((k - q) * h).astype(jnp.float32) * 1e-2, 1.0),
+    "leaky_select": (lambda s, b, h, q, k: jnp.where(s > 0, s, 0.1 * s) / 3.0, None),
+    "squared_distance": (
+        lambda s, b, h, q, k: (
+            s - 0.01 * ((k - q) * (k - q)).astype(jnp.float32) + jnp.maximum(k - 2 * q, -5).astype(jnp.float32)
+        ),
+        1.0,
+    ),
+    "constant": (lambda s, b, h, q, k: jnp.float32(1.5), 0.0),
+}
+VECTOR_MASKS = {
+    "document_causal": mods.and_masks(mods.document(VECTOR_DOCS[:, :24], VECTOR_DOCS), mods.causal()),
+    "sliding_window": mods.sliding_window(5, 2),
+    "prefix_lm": mods.prefix_lm(jnp.asarray([7, 0])),
+    "per_head": lambda b, h, q, k: (h < 2) & (k <= q + h),
+}
+
+
+def _vector_args(staged, consts, b, h):
+    """The staged values of (b, h) as `Staged.joint` takes them in its vector form: four lists of vectors."""
+    stacks = staged.stacks(consts, *VECTOR_SHAPE)
+
+    def vectors(stack):
+        if stack is None:
+            return []
+        return list(stack[b if stack.shape[0] > 1 else 0, h if stack.shape[1] > 1 else 0])
+
+    return [vectors(s) for s in stacks]
+
+
+@pytest.mark.parametrize("q_axis", [0, 1])
+@pytest.mark.parametrize("name", [*VECTOR_SCORES, *VECTOR_MASKS])
+def test_joint_on_vectors_equals_the_program(name, q_axis):
+    """`Staged.joint` in the kernels' form (positions and staged values as vectors of the tile's queries and keys,
+    queries along either axis, the score's scale folded in, conversions moved onto the positions; the score
+    split into a tile and a constant factor or not) equals the program on every position; so does the tile
+    form."""
+    kind = "score" if name in VECTOR_SCORES else "mask"
+    fn = VECTOR_SCORES[name][0] if kind == "score" else VECTOR_MASKS[name]
+    program, consts = mods.trace(fn, kind)
+    staged, why = mods.stage(program)
+    assert why is None
+    batch, heads, q_len, kv_len = VECTOR_SHAPE
+    scale = 0.3
+    s = normal(13, (q_len, kv_len), 3.0)
+    q, k = jnp.arange(q_len, dtype=jnp.int32), jnp.arange(kv_len, dtype=jnp.int32)
+    for b in range(batch):
+        for h in range(heads):
+            score_in = (scale * s,) if kind == "score" else ()
+            want = program.apply(consts, *score_in, b, h, q[:, None], k[None, :])
+            values = _vector_args(staged, consts, b, h)
+            score = None if kind == "mask" else (s if q_axis == 0 else s.T)
+            args = (score, jnp.int32(b), jnp.int32(h), q, k, *values)
+            for split in (False, True) if kind == "score" else (False,):
+                out = staged.joint(*args, q_axis=q_axis, scale=scale, max_position=kv_len, split=split)
+                if split:
+                    out = out[0] * out[1]
+                out = out if q_axis == 0 else out.T
+                if kind == "mask":
+                    np.testing.assert_array_equal(out, want)
+                else:
+                    np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
+            tile = lambda x, axis: jnp.broadcast_to(jnp.expand_dims(x, 1 - axis), (q_len, kv_len))  # noqa: E731
+            tiles = [[tile(x, 0 if i < 2 else 1) for x in group] for i, group in enumerate(values)]
+            out = staged.joint(*(score_in or (None,)), jnp.int32(b), jnp.int32(h), tile(q, 0), tile(k, 1), *tiles)
+            if kind == "mask":
+                np.testing.assert_array_equal(out, want)
+            else:
+                np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", VECTOR_SCORES)
+def test_score_derivative_is_the_constant_slope(name):
+    """`Staged.score_derivative`: d result / d score where the score passes through linear steps only, else None."""
+    fn, slope = VECTOR_SCORES[name]
+    staged, _ = mods.stage(mods.trace(fn, "score")[0])
+    assert staged.score_derivative == slope
+
+
+def _tile_equations(fn, kind, max_position):
+    """(the tile-shaped equations of `Staged.joint`'s vector form on a 64 x 128 tile, broadcasts left out; the
+    constant factor of the split score)."""
+    program, consts = mods.trace(fn, kind)
+    staged, _ = mods.stage(program)
+    values = _vector_args(staged, consts, 0, 0)
+    sizes = [64, 64, 128, 128]
+    values = [[jnp.zeros((size,), x.dtype) for x in group] for size, group in zip(sizes, values)]
+    q, k = jnp.zeros((64,), jnp.int32), jnp.zeros((128,), jnp.int32)
+    score = jnp.zeros((64, 128)) if kind == "score" else None
+    factor = []
+
+    def run(score, q, k, values):
+        out = staged.joint(score, jnp.int32(0), jnp.int32(0), q, k, *values, q_axis=0, scale=0.125,
+                           max_position=max_position, split=kind == "score")  # fmt: skip
+        if kind == "score":
+            factor.append(out[1])
+            return out[0]
+        return out
+
+    jaxpr = jax.make_jaxpr(run)(score, q, k, values)
+    eqns = [e.primitive.name for e in jaxpr.eqns if e.outvars[0].aval.shape == (64, 128)]
+    return [e for e in eqns if e != "broadcast_in_dim"], factor and factor[0]
+
+
+def test_joint_folds_constants_and_keeps_vectors_until_they_meet():
+    """Per logit, the vector form pays only for what meets the tile: a soft cap is one multiply (scale / cap) and
+    a tanh, its cap left as the split factor; ALiBi converts the position vectors, not the tile (a subtract, an
+    abs, a multiply-add with the slope pre-scaled on its vector); a per-key bias one multiply-add; a causal
+    mask one compare. A conversion stays on the tile where float32 might not be exact (positions up to 2**24)."""
+    assert _tile_equations(mods.soft_cap(4.0), "score", 1024) == (["mul", "tanh"], 4.0)
+    assert _tile_equations(mods.alibi(SLOPES), "score", 1024) == (["sub", "abs", "mul", "add"], 0.125)
+    bias = lambda s, b, h, q, k: s + KEY_BIAS[0, k % 40]  # noqa: E731
+    assert _tile_equations(bias, "score", 1024) == (["mul", "add"], 1.0)
+    assert _tile_equations(mods.causal(), "mask", 1024)[0] == ["le"]
+    inexact = _tile_equations(lambda s, b, h, q, k: s + (k + q).astype(jnp.float32), "score", 1 << 24)[0]
+    assert "convert_element_type" in inexact

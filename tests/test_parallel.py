@@ -1,6 +1,9 @@
 """Context parallelism (pallas_flash.parallel) on 2, 4 and 8 CPU devices (tests/conftest.py forces 8): outputs, LSE
 and gradients equal one device's call on the whole sequence, and repeat bitwise; causal with both layouts, GQA,
-packed documents across shard borders, windows, both strategies. The same checks on two H100s are `gpu`."""
+packed documents across shard borders, windows, both strategies; the ring's backward runs no forward. The same
+checks on two H100s are `gpu`."""
+
+import collections
 
 import jax
 import jax.numpy as jnp
@@ -92,6 +95,42 @@ def test_causal_ring_equals_one_device(devices, layout):
 )
 def test_ring_features(kwargs):
     _check(4, **kwargs)
+
+
+def test_ring_on_the_portable_kernels():
+    """The ring's steps and their residual backwards on the Pallas kernels (interpret mode): the zig-zag cases."""
+    _check(2, layout="zigzag", implementation="pallas", docs=True, seq=32)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_ring_backward_runs_no_forward(layout, monkeypatch):
+    """The ring's gradient traces each step's forward once (the forward pass) and its backward once per step and
+    case (`attention_backward` on the merged residuals): no step's forward is recomputed; SKIP steps run none."""
+    devices = 4
+    mesh = _mesh(devices)
+    counts = collections.Counter()
+    for name in ("flash_attention", "attention_backward"):
+
+        def counted(*args, _fn=getattr(parallel, name), _name=name, **kwargs):
+            counts[_name] += 1
+            return _fn(*args, **kwargs)
+
+        monkeypatch.setattr(parallel, name, counted)
+    x = normal(0, (1, 32, 2, 16))
+
+    def loss(q, k, v):
+        out = parallel.context_parallel_attention(
+            q, k, v, mesh=mesh, is_causal=True, layout=layout, strategy="ring", implementation="xla_chunked",
+            config=CONFIG,
+        )  # fmt: skip
+        return jnp.sum(out)
+
+    jax.make_jaxpr(loss)(x, x, x)
+    steps = devices * (2 if layout == "contiguous" else 3)  # a traced branch per case, but SKIP calls nothing
+    assert counts == {"flash_attention": steps}
+    counts.clear()
+    jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(x, x, x)
+    assert counts == {"flash_attention": steps, "attention_backward": steps}
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])

@@ -34,6 +34,9 @@ scaled logits (x = scale * S; P = exp2(score(x) * log2(e) - lse2)) and takes dS 
 float per-query values is summed over keys in the dQ pass, of its per-key values over queries in the dK/dV
 pass. The mask program is evaluated in masked steps only; its block classes (evaluated once in XLA from its
 stacks) narrow each tile's visited blocks and unmasked run further.
+Dropout: every variant regenerates the forward's keep bits (the dK/dV tiles hash their queries along the
+columns): dV += (P^T keep) dO, scaled by 1 / (1 - rate) at the store, and dP = Z (dO V^T) with Z = keep / (1 - rate)
+before delta is subtracted (so not in the dP accumulator: no delta_in_dp).
 Ragged lengths are padded in the wrapper: padded query rows have lse2 = +inf and dO = 0 (no contribution),
 padded keys are masked in the dQ pass (their dK/dV rows are sliced off). head_dim is padded to a multiple
 of 64 (the wgmma contraction granule of a 128-byte swizzle).
@@ -63,7 +66,7 @@ from pallas_flash.hopper.common import (
     staged_block_classes,
 )
 from pallas_flash.hopper.config import H100_SHARED_MEMORY, NUM_CONSUMERS, HopperBwdConfig
-from pallas_flash.hopper.fwd import KernelMods
+from pallas_flash.hopper.fwd import KernelMods, kernel_dropout
 
 MAX_HEAD_DIM = 128  # at 256, K and V of a 128-key CTA alone take 128 KiB of shared memory
 
@@ -96,6 +99,11 @@ def _fold_vmap(fn):
         return folded(*(args[i] for i in present))
 
     return call
+
+
+def _one_pass_with_seed(q, k, v, d_out, lse2, delta, q_ids, kv_ids, dropout_seed, **kwargs):
+    """The one pass (`dkdv_pass`) with dropout's seed table as a positional argument, for `_fold_vmap`."""
+    return dkdv_pass(q, k, v, d_out, lse2, delta, q_ids, kv_ids, dropout_seed=dropout_seed, **kwargs)
 
 
 def check_config(config: HopperBwdConfig, head_dim: int, itemsize: int = 2) -> None:
@@ -164,7 +172,17 @@ def _stack_cotangent(d, stack, length: int):
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "is_causal", "local_window_size", "config", "score_mod", "mask_mod", "interpret"),
+    static_argnames=(
+        "scale",
+        "is_causal",
+        "local_window_size",
+        "config",
+        "score_mod",
+        "mask_mod",
+        "dropout_rate",
+        "broadcast_dropout",
+        "interpret",
+    ),
 )
 def hopper_backward(
     q,
@@ -185,6 +203,9 @@ def hopper_backward(
     score_stacks=(None,) * 4,
     mask_mod: mods.Staged | None = None,
     mask_stacks=(None,) * 4,
+    dropout_rate: float = 0.0,
+    dropout_seed=None,
+    broadcast_dropout: bool = False,
     interpret=None,
 ):
     """Gradients of attention on Hopper from the forward's residuals.
@@ -193,7 +214,8 @@ def hopper_backward(
     lse [batch, heads, q_len] float32 natural log; cotangents d_out like out and d_lse like lse (or None).
     The band, segment ids and programs as in `hopper_fwd.hopper_forward` (the forward's own): score_mod /
     mask_mod a `mods.Staged` or None, with its (rows_int, rows_float, cols_int, cols_float) from
-    `Staged.stacks` (two passes only: the default config takes them where programs are given).
+    `Staged.stacks` (two passes only: the default config takes them where programs are given). Dropout
+    (dropout_rate, dropout_seed, broadcast_dropout) as the forward's: the same keep mask, in every variant.
     Returns (dq, dk, dv, d_rows_float, d_cols_float): dq, dk, dv shaped and typed like (q, k, v), dk/dv
     summed over each kv head's group; d_rows_float / d_cols_float the cotangents of score_stacks[1] /
     score_stacks[3] (None where that stack is None; zeros unless `score_mod.needs_grad`).
@@ -244,8 +266,14 @@ def hopper_backward(
     ids = masks.pad_segment_ids(q_segment_ids, kv_segment_ids, q_pad, kv_pad)
 
     common = dict(scale=scale, band=band, kv_len=kv_len, config=config, interpret=interpret)
+    dropout, seed = kernel_dropout(dropout_rate, broadcast_dropout, dropout_seed, batch)
+    if dropout is not None:
+        common.update(dropout=dropout, dropout_seed=seed)
     if config.dq_atomic:
-        dk, dv, dq = _fold_vmap(functools.partial(dkdv_pass, **common))(qp, kp, vp, dop, lse2, delta, *ids)
+        one_pass, seeds = dkdv_pass, ()
+        if dropout is not None:  # the seed table is per example: positional, so that `_fold_vmap` folds it too
+            one_pass, seeds = _one_pass_with_seed, (common.pop("dropout_seed"),)
+        dk, dv, dq = _fold_vmap(functools.partial(one_pass, **common))(qp, kp, vp, dop, lse2, delta, *ids, *seeds)
         dq = (dq * scale).astype(q.dtype)
     elif not has_programs:
         dk, dv = dkdv_pass(qp, kp, vp, dop, lse2, delta, *ids, **common)

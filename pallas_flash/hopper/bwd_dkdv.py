@@ -49,7 +49,7 @@ from pallas_flash.hopper.common import (
     wgmma_operand,
 )
 from pallas_flash.hopper.config import NUM_CONSUMERS, HopperBwdConfig
-from pallas_flash.hopper.fwd import KernelMods
+from pallas_flash.hopper.fwd import KernelDropout, KernelMods, positions
 
 # The ordered one pass's producer warp by warp: warp 1 adds dQ in order, the others issue a step's copies ("q": Q
 # and the segment ids; "lse2", "do", "delta"). On a full band one warp issues them all (two cost 4-7% there);
@@ -87,6 +87,8 @@ def _dkdv_kernel(
     programs: KernelMods,
     interpreting: bool,
     dq_order=None,
+    dropout: KernelDropout | None = None,
+    seed_ref=None,
 ):
     """Grid (batch, kv_heads, kv_tiles) (with config.dq_ordered `ordered_launch`'s), 3 warpgroups ("wg"):
     0 and 1 consume, 2 produces (with config.dq_ordered its first warp loads, its second stores dQ).
@@ -107,7 +109,9 @@ def _dkdv_kernel(
     (resident per consumer, every query head of the group) their packed values, mask_ranges_ref the mask
     program's query blocks per (batch, kv head, key tile) (`mask_block_ranges`, over the group's heads), and
     d_cols_ref None or float32 [batch, heads, n, kv_pad]: the gradient of the score program's float column
-    values per key (summed over queries)."""
+    values per key (summed over queries).
+    `dropout`: None, or the forward's dropout, seed_ref its seed table (`fwd.kernel_dropout`): dV += (P^T keep)
+    dO (the 1 / (1 - rate) applied once, to dV), dP^T = Z (V dO^T) with Z = keep / (1 - rate)."""
     (
         (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, *dq_staging),
         (k_ready, v_ready),
@@ -121,6 +125,7 @@ def _dkdv_kernel(
     has_segments = q_ids_ref is not None
     block_q, block_kv, num_stages = config.block_q_dkv, config.block_kv_dkv, config.num_stages_dkv
     num_q_blocks = q_ref.shape[1] // block_q
+    max_position = max(q_ref.shape[1], k_ref.shape[1])  # positions the programs see are below it
     dtype = q_ref.dtype
     if dq_order is None:
         batch, kv_head = lax.axis_index("batch"), lax.axis_index("kv_heads")
@@ -214,7 +219,25 @@ def _dkdv_kernel(
         # `config.delta_in_dp`: where the split order's or dkv_overlap's dP^T wgmma runs (not fused, not
         # interpreting), its accumulator starts at -delta, so it yields dP^T - delta and delta is not live beside
         # P^T, dP^T, dK and dV when dS^T is formed (fewer spills).
-        delta_in_dp = config.delta_in_dp and not fused and not interpreting
+        # (Not with dropout: dP^T is rescaled before delta is subtracted.)
+        delta_in_dp = config.delta_in_dp and not fused and not interpreting and dropout is None
+
+        def kept(q_block, g, shape):
+            """With dropout, which of the step's P^T survive (bool [block_kv, block_q]), else None: its query
+            rows' hashes vary along the tile's columns."""
+            if dropout is None:
+                return None
+            q_pos = positions(q_block * block_q, block_q, column, interpreting=interpreting)
+            row_hash = dropout.row_hash(seed_ref, batch, kv_head * group + g, q_pos)
+            return dropout.keep(row_hash, kv_start + iota(shape, 0), q_axis=1)
+
+        def dropped(p, keep):
+            """dV's operand: P^T with the dropped entries zeroed (float32)."""
+            return p if keep is None else jnp.where(keep, p, 0.0)
+
+        def dropped_dp(dp, keep):
+            """dP^T of the dropped, rescaled P^T: Z dP^T."""
+            return dp if keep is None else jnp.where(keep, dp * dropout.scale, 0.0)
 
         def probabilities(s, q_block, slot, *, g, cols, masked: bool):
             """(P^T, pullback): P^T = exp2(c S^T - lse2) of the step's query block (float32), masked if `masked`;
@@ -222,28 +245,26 @@ def _dkdv_kernel(
             to the raw logits, the step's part of the gradient of its float column values), else None. g: the
             query head within the group; cols: `column_values(g)`."""
             lse2 = load_vector(lse_smem.at[slot], column)
-            q_idx = kv_idx = pullback = None
-            if score_mod is not None or (masked and mask_mod is not None):  # positions the programs read
-                q_idx, kv_idx = q_block * block_q + iota(s.shape, 1), kv_start + iota(s.shape, 0)
+            position = pullback = None
+            if score_mod is not None or (masked and mask_mod is not None):  # the positions the programs read
+                position = dict(
+                    batch=batch,
+                    head=kv_head * group + g,
+                    q_idx=positions(q_block * block_q, block_q, column, interpreting=interpreting),
+                    kv_idx=positions(kv_start, block_kv, plgpu.Layout.WGMMA.reduce(1), interpreting=interpreting),
+                    q_axis=1,
+                    max_position=max_position,
+                )
             if rows_ref is not None:  # the block's values ride the Q ring; every step waits (one wait per phase)
                 plgpu.barrier_wait(rows_ready.at[slot])
             rows = programs.values("row", lambda i: load_vector(rows_smem.at[slot, i], column), masked=masked)
             if score_mod is None:
                 p = jnp.exp2(s * c - lax.broadcast_in_dim(lse2, s.shape, [1]))
             else:
-                x, pullback = program_score(
-                    score_mod,
-                    s * scale,
-                    rows.score,
-                    cols.score,
-                    batch=batch,
-                    head=kv_head * group + g,
-                    q_idx=q_idx,
-                    kv_idx=kv_idx,
-                    q_axis=1,
-                    grad_side="col" if grads else None,
+                logits2, pullback = program_score(
+                    score_mod, s, rows.score, cols.score, scale=scale, grad_side="col" if grads else None, **position
                 )
-                p = jnp.exp2(x * LOG2E - lax.broadcast_in_dim(lse2, s.shape, [1]))
+                p = jnp.exp2(logits2 - lax.broadcast_in_dim(lse2, s.shape, [1]))
             q_seg = None
             if has_segments:  # every step waits (one wait per phase); masked ones read the ids
                 plgpu.barrier_wait(q_ids_ready.at[slot])
@@ -261,16 +282,7 @@ def _dkdv_kernel(
                     q_axis=1,
                 )
                 if mask_mod is not None:
-                    seen = program_mask(
-                        mask_mod,
-                        rows.mask,
-                        cols.mask,
-                        batch=batch,
-                        head=kv_head * group + g,
-                        q_idx=q_idx,
-                        kv_idx=kv_idx,
-                        q_axis=1,
-                    )
+                    seen = program_mask(mask_mod, rows.mask, cols.mask, **position)
                     visible = seen if visible is None else visible & seen
                 if visible is not None:  # None: traced for a loop that runs no iterations
                     p = jnp.where(visible, p, 0.0)
@@ -321,24 +333,27 @@ def _dkdv_kernel(
             else:
                 s = pl.run_scoped(s_t, tile)
             p, pullback = probabilities(s, q_block, slot, g=g, cols=cols, masked=masked)
+            keep = kept(q_block, g, s.shape)
+            p_v = dropped(p, keep)
             if not fused:
                 wait_do(slot)
 
                 def dv_dp_t(refs):  # one wgmma group: a single wait for both
                     dv_ref, dp_ref = refs
-                    plgpu.wgmma(dv_ref, p.astype(dtype), do_tile)
+                    plgpu.wgmma(dv_ref, p_v.astype(dtype), do_tile)
                     plgpu.wgmma(dp_ref, v_smem, do_tile.transpose((1, 0)))
 
                 if interpreting:
-                    dv = dv + jnp.dot(p.astype(dtype), wgmma_operand(do_tile), preferred_element_type=jnp.float32)
+                    dv = dv + jnp.dot(p_v.astype(dtype), wgmma_operand(do_tile), preferred_element_type=jnp.float32)
                     dp = dot_t(wgmma_operand(v_smem), wgmma_operand(do_tile))
                 else:
                     dp_init = -delta_columns(slot, s.shape) if delta_in_dp else zeros(s.shape)
                     dv, dp = pl.run_state(dv_dp_t)((plgpu.ACC.init(dv), plgpu.ACC.init(dp_init)))
+            dp = dropped_dp(dp, keep)
             ds = p * dp if delta_in_dp else p * (dp - delta_columns(slot, s.shape))
             ds, acc = through_program(ds, pullback, acc)
             if fused:  # the wgmma operands now: float32 P^T dies here
-                ds, p = ds.astype(dtype), p.astype(dtype)
+                ds, p_v = ds.astype(dtype), p_v.astype(dtype)
             if dq_acc_ref is None:
 
                 def dk_update(dk_ref):
@@ -379,7 +394,7 @@ def _dkdv_kernel(
 
             def dv_dk_dq(refs):
                 dv_ref, dk_ref, dq_ref = refs
-                plgpu.wgmma(dv_ref, p, do_tile)
+                plgpu.wgmma(dv_ref, p_v, do_tile)
                 dk_dq(dk_ref, dq_ref)
 
             dq_smem = dq_staging_smem.at[lax.rem(t, 2), wg]
@@ -428,9 +443,12 @@ def _dkdv_kernel(
                 s = dot_t(wgmma_operand(k_smem), wgmma_operand(q_tile))
                 dk = dk + jnp.dot(ds_prev, wgmma_operand(q_smem.at[prev]), preferred_element_type=jnp.float32)
                 p, pullback = probabilities(s, q_block, slot, g=g, cols=cols, masked=masked)
+                keep = kept(q_block, g, s.shape)
                 wait_do(slot)
-                dv = dv + jnp.dot(p.astype(dtype), wgmma_operand(do_tile), preferred_element_type=jnp.float32)
-                dp = dot_t(wgmma_operand(v_smem), wgmma_operand(do_tile))
+                dv = dv + jnp.dot(
+                    dropped(p, keep).astype(dtype), wgmma_operand(do_tile), preferred_element_type=jnp.float32
+                )
+                dp = dropped_dp(dot_t(wgmma_operand(v_smem), wgmma_operand(do_tile)), keep)
                 if pullback is not None:
                     ds = p * dp if delta_in_dp else p * (dp - delta_columns(slot, p.shape))
                     p, acc = through_program(ds, pullback, acc)  # dS^T in place of P^T (dP^T is not read)
@@ -443,12 +461,13 @@ def _dkdv_kernel(
                     plgpu.wgmma(dk_ref, ds_prev, q_smem.at[prev])
                     s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S^T_t done; dK may run on
                     p, pullback = probabilities(s, q_block, slot, g=g, cols=cols, masked=masked)
+                    keep = kept(q_block, g, s.shape)
                     wait_do(slot)
                     if delta_in_dp:
                         dp_ref[...] = -delta_columns(slot, p.shape)
-                    plgpu.wgmma(dv_ref, p.astype(dtype), do_tile)
+                    plgpu.wgmma(dv_ref, dropped(p, keep).astype(dtype), do_tile)
                     plgpu.wgmma(dp_ref, v_smem, do_tile.transpose((1, 0)))
-                    dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=None)
+                    dp = dropped_dp(plgpu.wgmma_accumulator_load(dp_ref, wait_n=None), keep)
                     if pullback is None:
                         return p, dp, dk_ref[...], dv_ref[...], acc
                     # The program's pullback lives in this scope: dS^T is formed here, in P^T's place.
@@ -543,7 +562,7 @@ def _dkdv_kernel(
                 k_smem[...] = (dk * scale).astype(dtype)
         else:
             k_smem[...] = (dk * scale).astype(dtype)
-        v_smem[...] = dv.astype(dtype)
+        v_smem[...] = (dv if dropout is None else dv * dropout.scale).astype(dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[rows], commit_group=False)
         plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[rows], commit_group=False)
@@ -626,13 +645,16 @@ def dkdv_pass(
     kv_len: int,
     config: HopperBwdConfig,
     programs: KernelMods = KernelMods(),
+    dropout: KernelDropout | None = None,
+    dropout_seed=None,
     interpret,
 ):
     """(dk, dv), and with config.dq_atomic also dq (float32, unscaled, [batch, q_pad, heads, d]). With a score
     program whose float values need gradients (`needs_grad`, two passes only), also d_cols: float32
     [batch, heads, n, kv_pad], the gradient of each of its float column values per key and query head
     (summed over queries). mod_operands: the programs' packed row and column values and the mask program's
-    query blocks per (batch, kv head, key tile) (`mask_block_ranges`), each None where absent."""
+    query blocks per (batch, kv head, key tile) (`mask_block_ranges`), each None where absent; dropout_seed:
+    `dropout`'s seed table (`fwd.kernel_dropout`)."""
     batch, kv_pad, kv_heads, head_dim = k.shape
     block_q, block_kv, num_stages = config.block_q_dkv, config.block_kv_dkv, config.num_stages_dkv
     has_segments = q_ids is not None
@@ -694,6 +716,7 @@ def dkdv_pass(
         config=config,
         programs=programs,
         interpreting=interpret is not None,
+        dropout=dropout,
     )
 
     num_q_blocks = q.shape[1] // block_q
@@ -706,6 +729,7 @@ def dkdv_pass(
         segment_refs, rest = (rest[:3], rest[3:]) if has_segments else ((None, None, None), rest)
         rest = list(rest)
         mod_refs = [None if x is None else rest.pop(0) for x in mod_operands]
+        seed_ref = None if dropout is None else rest.pop(0)
         if num_d_cols:
             *rest, d_cols_ref = rest
         else:
@@ -718,12 +742,22 @@ def dkdv_pass(
 
         def run(*scoped):
             if ranks is None:
-                return body(*inputs, *segment_refs, *mod_refs, dq_acc, *outputs, d_cols_ref, scoped)
+                return body(*inputs, *segment_refs, *mod_refs, dq_acc, *outputs, d_cols_ref, scoped, seed_ref=seed_ref)
             *scoped, staged, free = scoped
             *cta, active = ordered_cta(batch, kv_heads, num_tiles, launch_group)
             order = DqOrder(ranks, semaphores, tuple(cta), staged, free)
             pl.when(active)(
-                lambda: body(*inputs, *segment_refs, *mod_refs, dq_acc, *outputs, None, tuple(scoped), dq_order=order)
+                lambda: body(
+                    *inputs,
+                    *segment_refs,
+                    *mod_refs,
+                    dq_acc,
+                    *outputs,
+                    None,
+                    tuple(scoped),
+                    dq_order=order,
+                    seed_ref=seed_ref,
+                )
             )
 
         pl.run_scoped(
@@ -744,6 +778,8 @@ def dkdv_pass(
         q_ranges = segment_block_ranges(kv_ids, q_ids, rows_per_tile=NUM_CONSUMERS * block_kv, cols_per_block=block_q)
         operands += (q_ids, kv_ids, q_ranges)
     operands += tuple(x for x in mod_operands if x is not None)
+    if dropout is not None:
+        operands += (dropout_seed,)
     out_type = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
     grid = dict(
         grid=(batch, kv_heads, num_tiles),

@@ -35,7 +35,7 @@ from pallas_flash.hopper.common import (
     wgmma_operand,
 )
 from pallas_flash.hopper.config import NUM_CONSUMERS, HopperBwdConfig
-from pallas_flash.hopper.fwd import KernelMods
+from pallas_flash.hopper.fwd import KernelDropout, KernelMods, positions
 
 
 def _dq_kernel(
@@ -63,13 +63,16 @@ def _dq_kernel(
     config: HopperBwdConfig,
     programs: KernelMods,
     interpreting: bool,
+    dropout: KernelDropout | None = None,
+    seed_ref=None,
 ):
     """Grid (batch, heads, q_tiles), 3 warpgroups ("wg"): 0 and 1 consume, 2 produces.
 
     Shapes and `interpreting` as in `_dkdv_kernel`; dq_ref like q_ref. `programs`: the score and mask
     programs with rows_ref (resident per consumer) and cols_ref (riding the K ring) their packed values,
     mask_ranges_ref the mask program's key blocks per query tile (`mask_block_ranges`), and d_rows_ref None
-    or float32 [batch, heads, n, q_pad]: the gradient of the score program's float row values."""
+    or float32 [batch, heads, n, q_pad]: the gradient of the score program's float row values. `dropout`:
+    None, or the forward's dropout (dP = Z (dO V^T), Z = keep / (1 - rate)), seed_ref its seed table."""
     (
         (q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem),
         resident_ready,
@@ -82,6 +85,7 @@ def _dq_kernel(
     has_segments = q_ids_ref is not None
     block_q, block_kv, num_stages = config.block_q_dq, config.block_kv_dq, config.num_stages_dq
     num_kv_blocks = k_ref.shape[1] // block_kv
+    max_position = max(q_ref.shape[1], k_ref.shape[1])  # positions the programs see are below it
     dtype = q_ref.dtype
     batch, head = lax.axis_index("batch"), lax.axis_index("heads")
     tile_start, kv_lo, kv_hi, same = query_tile_schedule(
@@ -155,6 +159,10 @@ def _dq_kernel(
         # The programs' staged values of this warpgroup's queries (`ModValues`), resident.
         row_values = programs.values("row", lambda i: load_vector(rows_smem.at[wg, i], row), masked=True)
         grads = score_mod is not None and score_mod.needs_grad
+        if dropout is not None:  # this warpgroup's queries' hashes, once
+            dropout_hash = dropout.row_hash(
+                seed_ref, batch, head, positions(q_start, block_q, row, interpreting=interpreting)
+            )
 
         def slot_of(kv_step):
             return lax.rem(kv_step - kv_lo, num_stages)
@@ -182,28 +190,27 @@ def _dq_kernel(
             """(dS, d rows) of block kv_step: dS = P (dP - delta) (float32), P recomputed from S and lse2, with a
             score program taken back through it to the raw logits; d rows: the block's part of the gradient of
             the score program's float row values (one vector each; none without `grads`)."""
-            q_idx = kv_idx = pullback = None
-            if score_mod is not None or (masked and mask_mod is not None):  # positions the programs read
-                q_idx, kv_idx = q_start + iota(s.shape, 0), kv_step * block_kv + iota(s.shape, 1)
+            position = pullback = None
+            if score_mod is not None or (masked and mask_mod is not None):  # the positions the programs read
+                position = dict(
+                    batch=batch,
+                    head=head,
+                    q_idx=positions(q_start, block_q, row, interpreting=interpreting),
+                    kv_idx=positions(kv_step * block_kv, block_kv, column, interpreting=interpreting),
+                    q_axis=0,
+                    max_position=max_position,
+                )
             if cols_ref is not None:  # the block's values ride with K; every step waits (one wait per phase)
                 plgpu.barrier_wait(cols_ready.at[slot])
             cols = programs.values("col", lambda i: load_vector(cols_smem.at[slot, i], column), masked=masked)
             if score_mod is None:
                 p = jnp.exp2(s * c - lax.broadcast_in_dim(lse2, s.shape, [0]))
             else:
-                x, pullback = program_score(
-                    score_mod,
-                    s * scale,
-                    row_values.score,
-                    cols.score,
-                    batch=batch,
-                    head=head,
-                    q_idx=q_idx,
-                    kv_idx=kv_idx,
-                    q_axis=0,
-                    grad_side="row" if grads else None,
-                )
-                p = jnp.exp2(x * LOG2E - lax.broadcast_in_dim(lse2, s.shape, [0]))
+                logits2, pullback = program_score(
+                    score_mod, s, row_values.score, cols.score, scale=scale, grad_side="row" if grads else None,
+                    **position
+                )  # fmt: skip
+                p = jnp.exp2(logits2 - lax.broadcast_in_dim(lse2, s.shape, [0]))
             kv_seg = None
             if has_segments:  # the block's ids ride with K (released with it); every step waits (one wait
                 plgpu.barrier_wait(kv_ids_ready.at[slot])  # per phase), masked ones read them
@@ -221,19 +228,13 @@ def _dq_kernel(
                     q_axis=0,
                 )
                 if mask_mod is not None:
-                    seen = program_mask(
-                        mask_mod,
-                        row_values.mask,
-                        cols.mask,
-                        batch=batch,
-                        head=head,
-                        q_idx=q_idx,
-                        kv_idx=kv_idx,
-                        q_axis=0,
-                    )
+                    seen = program_mask(mask_mod, row_values.mask, cols.mask, **position)
                     visible = seen if visible is None else visible & seen
                 if visible is not None:  # None: traced for a loop that runs no iterations
                     p = jnp.where(visible, p, 0.0)
+            if dropout is not None:  # dO V^T is the gradient of the dropped, rescaled P
+                keep = dropout.keep(dropout_hash, kv_step * block_kv + iota(s.shape, 1), q_axis=0)
+                dp = jnp.where(keep, dp * dropout.scale, 0.0)
             ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))
             return (ds, ()) if pullback is None else pullback(ds)
 
@@ -388,12 +389,15 @@ def dq_pass(
     kv_len: int,
     config: HopperBwdConfig,
     programs: KernelMods = KernelMods(),
+    dropout: KernelDropout | None = None,
+    dropout_seed=None,
     interpret,
 ):
     """dq [batch, q_pad, heads, d]; with a score program whose float values need gradients (`needs_grad`), also
     (dq, d_rows): float32 [batch, heads, n, q_pad], the gradient of each of its float row values per query
     (summed over keys). mod_operands: the programs' packed row and column values and the mask program's
-    key blocks per query tile (`mask_block_ranges`), each None where absent."""
+    key blocks per query tile (`mask_block_ranges`), each None where absent; dropout_seed: `dropout`'s seed
+    table (`fwd.kernel_dropout`)."""
     batch, q_pad, heads, head_dim = q.shape
     block_q, block_kv, num_stages = config.block_q_dq, config.block_kv_dq, config.num_stages_dq
     num_q_tiles = q_pad // (NUM_CONSUMERS * block_q)
@@ -409,6 +413,7 @@ def dq_pass(
         inputs = [refs.pop(0) for _ in range(6)]
         segment_refs = [refs.pop(0) for _ in range(3)] if has_segments else [None] * 3
         mod_refs = [None if x is None else refs.pop(0) for x in mod_operands]
+        seed_ref = None if dropout is None else refs.pop(0)
         dq_ref, d_rows_ref = refs if num_d_rows else (*refs, None)
         # Row values per consumer, the column values' ring, their barriers; the float row gradients' staging.
         mod_scratch = (
@@ -436,6 +441,8 @@ def dq_pass(
             config=config,
             programs=programs,
             interpreting=interpret is not None,
+            dropout=dropout,
+            seed_ref=seed_ref,
         )
         pl.run_scoped(
             lambda *scoped: body(*inputs, *segment_refs, *mod_refs, dq_ref, d_rows_ref, scoped),
@@ -456,6 +463,8 @@ def dq_pass(
             segment_block_ranges(q_ids, kv_ids, rows_per_tile=NUM_CONSUMERS * block_q, cols_per_block=block_kv),
         )
     operands += tuple(x for x in mod_operands if x is not None)
+    if dropout is not None:
+        operands += (dropout_seed,)
     out_type = jax.ShapeDtypeStruct(q.shape, q.dtype)
     if num_d_rows:
         out_type = (out_type, jax.ShapeDtypeStruct((batch, heads, num_d_rows, q_pad), jnp.float32))

@@ -9,6 +9,7 @@ import functools
 import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -376,44 +377,90 @@ def coarsen_block_classes(anything, everything, rows: int, cols: int):
     return anything.reshape(split).any(axis=(-3, -1)), everything.reshape(split).all(axis=(-3, -1))
 
 
-def _tile_values(values, shape, axis: int):
-    """(ints, floats) vectors of a tile's queries or keys, each broadcast along the tile's other axis."""
-    return [[lax.broadcast_in_dim(v, shape, [axis]) for v in group] for group in values]
+def program_mask(mask, rows, cols, *, batch, head, q_idx, kv_idx, q_axis: int, max_position: int):
+    """A mask program (`mods.Staged`) on one tile: bool, True = visible. rows / cols: its (ints, floats) staged
+    vectors of the tile's queries / keys (`mod_values`); q_idx, kv_idx: int32 vectors of their positions; the
+    queries run along the tile's axis `q_axis`; every position is below `max_position`. Each operation runs on
+    vectors until they meet (`Staged.joint`'s vector form)."""
+    return mask.joint(None, batch, head, q_idx, kv_idx, *rows, *cols, q_axis=q_axis, max_position=max_position)
 
 
-def program_mask(mask, rows, cols, *, batch, head, q_idx, kv_idx, q_axis: int):
-    """A mask program (`mods.Staged`) on one tile: bool, True = visible. rows / cols: its (ints, floats)
-    staged vectors of the tile's queries / keys (`mod_values`); q_idx, kv_idx: int32 positions on the tile,
-    whose queries run along `q_axis`."""
-    shape = q_idx.shape
-    (ri, rf), (ci, cf) = _tile_values(rows, shape, q_axis), _tile_values(cols, shape, 1 - q_axis)
-    return mask.joint(None, batch, head, q_idx, kv_idx, ri, rf, ci, cf)
+def program_logits(score, s, rows, cols, *, scale: float, batch, head, q_idx, kv_idx, q_axis: int,
+                   max_position: int):  # fmt: skip
+    """A score program (`mods.Staged`) on one tile of raw logits `s` (float32; the program sees scale * s), for
+    a forward: (x, c) with the program's result in base-2 units c * x, c a Python float > 0, so that a kernel
+    takes a row maximum of x times c and folds c into exp2's multiply-add. rows, cols and positions as in
+    `program_mask`."""
+    x, c = score.joint(s, batch, head, q_idx, kv_idx, *rows, *cols, q_axis=q_axis, scale=scale,
+                       max_position=max_position, split=True)  # fmt: skip
+    if c < 0:
+        return x * np.float32(c * blocks.LOG2E), 1.0
+    return x, c * blocks.LOG2E
 
 
-def program_score(score, x, rows, cols, *, batch, head, q_idx, kv_idx, q_axis: int, grad_side=None):
-    """A score program (`mods.Staged`) on one tile of scaled logits `x` (float32): (score, pullback), where
+def program_score(score, s, rows, cols, *, scale: float, batch, head, q_idx, kv_idx, q_axis: int,
+                  max_position: int, grad_side=None):  # fmt: skip
+    """A score program (`mods.Staged`) on one tile of raw logits `s` (float32), for a backward: (logits2,
+    pullback). logits2: the program's result on x = scale * s in base-2 units (P = exp2(logits2 - lse2));
     pullback(d_score) = (d x, [d value]): d x = d_score * d score / d x elementwise, and with `grad_side`
-    ("row" or "col") the gradient of each of that side's float staged values, summed over the tile's other
-    axis (a vector like the value's own). rows, cols, q_idx, kv_idx, q_axis as in `program_mask`."""
-    shape = x.shape
-    (ri, rf), (ci, cf) = _tile_values(rows, shape, q_axis), _tile_values(cols, shape, 1 - q_axis)
-    axis = {"row": 1 - q_axis, "col": q_axis}.get(grad_side)
+    ("row" or "col") the gradient of each of that side's float staged values, a vector like the value (summed
+    over the tile's other axis). Where d score / d x is a constant (`Staged.score_derivative`: biases, ALiBi)
+    the program runs on s with its constants folded, d x is d_score times that constant (d_score itself at 1)
+    and only the values' gradients come from a vjp; otherwise from a vjp in x. rows, cols and positions as
+    in `program_mask`."""
+    (ri, rf), (ci, cf) = rows, cols
+    primals = list({"row": rf, "col": cf}.get(grad_side, []))
 
-    def apply(x, floats):
+    def evaluate(x, floats, *, x_scale: float, split: bool):
         row_floats, col_floats = (floats, cf) if grad_side == "row" else (rf, floats if grad_side else cf)
-        return score.joint(x, batch, head, q_idx, kv_idx, ri, row_floats, ci, col_floats)
+        return score.joint(x, batch, head, q_idx, kv_idx, ri, row_floats, ci, col_floats, q_axis=q_axis,
+                           scale=x_scale, max_position=max_position, split=split)  # fmt: skip
 
-    primals = (x, {"row": rf, "col": cf}.get(grad_side, []))
-    out, vjp = jax.vjp(apply, *primals)
-    residuals, vjp_tree = jax.tree.flatten(vjp)
+    slope = score.score_derivative
+    if slope is None and not primals:  # the derivative by forward mode: no chain of ops on d_score
+        factor = []
+
+        def folded_logits(s):  # the result is factor * folded_logits(s)
+            x, c = evaluate(s, [], x_scale=scale, split=True)
+            factor.append(c)
+            return x
+
+        jax.eval_shape(folded_logits, s)
+        c = factor[0]
+        # d score / d x = c / scale * d folded_logits / d s: a constant tangent, folded into the derivative's ops
+        x, derivative = jax.jvp(folded_logits, (s,), (jnp.full(s.shape, c / scale, jnp.float32),))
+        return x * np.float32(c * blocks.LOG2E), lambda d_score: (d_score * derivative, [])
+    if slope is None:
+        out, vjp = jax.vjp(lambda x, floats: evaluate(x, floats, x_scale=1.0, split=False), s * scale, primals)
+        return out * blocks.LOG2E, lambda d_score: _pull(vjp, d_score)
+    coef = []
+
+    def folded(floats):  # the result is coef * folded(floats)
+        x, c = evaluate(s, floats, x_scale=scale, split=True)
+        coef.append(c)
+        return x
+
+    x, vjp = jax.vjp(folded, primals) if primals else (folded(primals), None)
+    (c,) = coef
 
     def pullback(d_score):
-        transposed = jax.make_jaxpr(lambda res, d: jax.tree.unflatten(vjp_tree, res)(d))(residuals, d_score)
-        flat = _bind_without_add_any(transposed.jaxpr, transposed.consts, [*residuals, d_score])
-        d_x, d_floats = jax.tree.unflatten(jax.tree.structure(primals), flat)
-        return d_x, [d.sum(axis=axis) for d in d_floats]
+        d_x = d_score if slope == 1.0 else d_score * np.float32(slope)
+        if vjp is None:
+            return d_x, []
+        (d_floats,) = _pull(vjp, d_score)
+        return d_x, [d * np.float32(c) for d in d_floats]
 
-    return out, pullback
+    return x * np.float32(c * blocks.LOG2E), pullback
+
+
+def _pull(vjp, cotangent):
+    """`vjp(cotangent)` with its transposed equations bound one by one (`_bind_without_add_any`)."""
+    residuals, vjp_tree = jax.tree.flatten(vjp)
+    transposed, shapes = jax.make_jaxpr(lambda res, d: jax.tree.unflatten(vjp_tree, res)(d), return_shape=True)(
+        residuals, cotangent
+    )
+    flat = _bind_without_add_any(transposed.jaxpr, transposed.consts, [*residuals, cotangent])
+    return jax.tree.unflatten(jax.tree.structure(shapes), flat)
 
 
 def _bind_without_add_any(jaxpr, consts, args):

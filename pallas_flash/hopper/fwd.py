@@ -34,6 +34,10 @@ visited block, and exp2 then takes its result times log2(e); the mask program ru
 block ranges (`mask_ranges`, computed in XLA per query tile) narrow the visited key blocks and give the run of
 wholly visible blocks that skip the mask.
 
+Dropout (`KernelDropout`): a consumer hashes its rows once per tile and each step's keep bits from those and the
+key positions (`masks.dropout_keep_mask`'s bits); P V takes the kept probabilities, the row sum l all of them (the
+LSE is of the softmax before dropout), and the kept ones' 1 / (1 - rate) joins the epilogue's 1 / l.
+
 Ragged lengths are padded in the wrapper (queries to `2 * block_q`, keys to `block_kv`); the padded keys are
 masked in the last key block, the padded query rows sliced off. head_dim is padded to a multiple of 64 (the
 wgmma contraction tile with a 128-byte swizzle). GQA is an index map: query head h reads kv head
@@ -68,6 +72,8 @@ from pallas_flash.hopper.common import (
     pack_mod_stacks,
     pad_axis,
     padded_head_dim,
+    program_logits,
+    program_mask,
     query_tile_schedule,
     register_ops,
     round_up,
@@ -127,23 +133,67 @@ class KernelMods:
         return ModValues(score, mask)
 
 
+@dataclasses.dataclass(frozen=True)
+class KernelDropout:
+    """Dropout on a kernel's probabilities, with `masks.dropout_keep_mask`'s bits: each kept with probability
+    1 - rate, the kept ones scaled by `scale` = 1 / (1 - rate), which the kernels fold into a per-row or per-key
+    factor where they can (the forward's normalisation, dV's store). broadcast: one mask for every (batch,
+    head). The hash of (seed, batch, head, query) runs once per query of a tile (`row_hash`, whose first two
+    rounds are scalars), then one round per element (`keep`), so every tiling draws the same bits.
+
+    The kernels take the seed as a table, int32 [batch, 3]: per example (seed0, seed1, the batch index the hash
+    reads) (`kernel_dropout`), so that a kernel whose vmapped examples are folded into its batch (the one-pass
+    backward, `bwd._fold_vmap`) still hashes each example's own batch index, with its own seed."""
+
+    rate: float
+    broadcast: bool = False
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / (1.0 - self.rate)
+
+    def row_hash(self, seed_ref, batch, head, q_pos):
+        """uint32 hashes of the queries `q_pos` (a vector of a tile's query positions) of (batch, query head);
+        seed_ref: the seed table (`kernel_dropout`), read as scalars."""
+        head = 0 if self.broadcast else head  # the table's batch column is 0 then too
+        return masks.dropout_row_hash(seed_ref[batch, 0], seed_ref[batch, 1], seed_ref[batch, 2], head, q_pos)
+
+    def keep(self, row_hash, kv_pos, *, q_axis: int):
+        """bool tile (the shape of `kv_pos`, the key positions): which probabilities survive; `row_hash` (of
+        the tile's queries) is broadcast along its query axis `q_axis`."""
+        return masks.dropout_keep(lax.broadcast_in_dim(row_hash, kv_pos.shape, [q_axis]), kv_pos, self.rate)
+
+
+def positions(start, size: int, layout, *, interpreting: bool):
+    """int32 [size] positions start, start + 1, ... in a register `layout` (none in the interpreter, which has
+    no CPU rule for `plgpu.broadcasted_iota`)."""
+    if interpreting:
+        return start + lax.broadcasted_iota(jnp.int32, (size,), 0)
+    return start + plgpu.broadcasted_iota(jnp.int32, (size,), 0, layout=layout)
+
+
+def kernel_dropout(rate: float, broadcast: bool, seed, batch: int):
+    """(`KernelDropout`, its seed table int32 [batch, 3]) of a call, or (None, None) without dropout. seed:
+    uint32 [2] (`masks.dropout_seed`)."""
+    if not rate:
+        return None, None
+    if seed is None:
+        raise ValueError(f"dropout_rate={rate} needs dropout_seed (uint32 [2], `masks.dropout_seed`)")
+    seed = jnp.broadcast_to(lax.bitcast_convert_type(jnp.asarray(seed, jnp.uint32), jnp.int32), (batch, 2))
+    index = jnp.zeros((batch, 1), jnp.int32) if broadcast else jnp.arange(batch, dtype=jnp.int32)[:, None]
+    return KernelDropout(rate, broadcast), jnp.concatenate([seed, index], axis=1)
+
+
 class TileRows(typing.NamedTuple):
     """What a consumer knows of its query rows for the whole tile: (batch, head) indices, first row, segment
-    ids (or None) and the programs' row values."""
+    ids (or None), the programs' row values and, with dropout, the rows' hashes (`KernelDropout.row_hash`)."""
 
     batch: typing.Any
     head: typing.Any
     q_start: typing.Any
     q_seg: typing.Any
     values: ModValues
-
-
-def tile_values(shape, row_values, col_values):
-    """`Staged.joint`'s (rows_int, rows_float, cols_int, cols_float): a program's row values [block_q] and
-    column values [block_kv] broadcast to a tile of logits."""
-    rows = [[lax.broadcast_in_dim(x, shape, [0]) for x in xs] for xs in row_values]
-    cols = [[lax.broadcast_in_dim(x, shape, [1]) for x in xs] for xs in col_values]
-    return (*rows, *cols)
+    dropout_hash: typing.Any = None
 
 
 def _mod_scratch(rows, cols, config: HopperConfig):
@@ -194,6 +244,8 @@ def _kernel(
     group: int,
     programs: KernelMods,
     interpreting: bool,
+    dropout: KernelDropout | None = None,
+    seed_ref=None,
 ):
     """3 warpgroups ("wg"): 0 and 1 consume, 2 produces. Each CTA runs the query tiles `tiles_of_cta` gives it
     (one per CTA, or, persistent, a strided share of all of them); the K/V ring's slots, the barriers'
@@ -210,7 +262,8 @@ def _kernel(
     key blocks each query tile's ids may meet (`segment_block_ranges`), rows_ref/cols_ref None or the
     packed int32 values [Bd, Hd, n, q_pad] / [Bd, Hd, n, kv_pad] of `programs` (`pack_mod_stacks`),
     mask_ranges_ref None or the mask program's `mask_block_ranges` per query tile, out_ref like q_ref,
-    lse_ref [batch, heads, q_pad] (natural log)."""
+    lse_ref [batch, heads, q_pad] (natural log). `dropout`: None, or dropout on P before P V, with seed_ref
+    its seed table (`kernel_dropout`)."""
     (
         (q_smem2, o_smem2, k_smem, v_smem, lse_smem2),
         q_ready,
@@ -229,6 +282,7 @@ def _kernel(
     num_tiles, tile_of = tiles_of_cta
     num_tiles = num_tiles() if callable(num_tiles) else num_tiles
     separate_out = o_smem2 is not None
+    max_position = max(q_ref.shape[1], k_ref.shape[1])  # positions the programs see are below it
 
     def schedule(i):
         """(batch, head, first row, key blocks [lo, hi), unmasked run (same segment, wholly visible to the
@@ -321,7 +375,18 @@ def _kernel(
                 plgpu.copy_gmem_to_smem(source, rows_smem.at[wg], rows_ready.at[wg])
                 plgpu.barrier_wait(rows_ready.at[wg])
                 values = programs.values("row", lambda r: load(rows_smem.at[wg, r], row), masked=True)
-            return TileRows(batch, head, q_start, q_seg, values)
+            if dropout is None:
+                return TileRows(batch, head, q_start, q_seg, values)
+            q_pos = positions(q_start, block_q, row, interpreting=interpreting)
+            return TileRows(batch, head, q_start, q_seg, values, dropout.row_hash(seed_ref, batch, head, q_pos))
+
+        def dropped(p, rows, kv_step):
+            """P V's operand: p with the dropped probabilities zeroed (the kept ones' scale waits for the
+            epilogue's normalisation), in the input dtype."""
+            if dropout is not None:
+                keep = dropout.keep(rows.dropout_hash, kv_step * block_kv + iota(p.shape, 1), q_axis=0)
+                p = jnp.where(keep, p, 0.0)
+            return p.astype(dtype)
 
         def probabilities(s, m, *, masked, rows, cols, kv_step):
             """Block kv_step's logits s [block_q, block_kv] (masked where `masked`) and the running row maximum
@@ -330,12 +395,19 @@ def _kernel(
             the block's key segment ids and program values (`block_values`)."""
             kv_seg, col_values = cols
             c = scale * LOG2E  # logits in base-2 units: exp(scale * s) = exp2(c * s)
-            if masked or programs.active:
+            if masked:
                 q_pos, kv_pos = rows.q_start + iota(s.shape, 0), kv_step * block_kv + iota(s.shape, 1)
-            if score_mod is not None:  # the program sees the logit in natural units; exp2 then needs log2(e)
-                values = tile_values(s.shape, rows.values.score, col_values.score)
-                s = score_mod.joint(s * scale, rows.batch, rows.head, q_pos, kv_pos, *values)
-                c = LOG2E
+            if programs.active:  # the programs read the positions as vectors of the tile's queries and keys
+                program_args = dict(
+                    batch=rows.batch,
+                    head=rows.head,
+                    q_idx=positions(rows.q_start, block_q, row, interpreting=interpreting),
+                    kv_idx=positions(kv_step * block_kv, block_kv, column, interpreting=interpreting),
+                    q_axis=0,
+                    max_position=max_position,
+                )
+            if score_mod is not None:  # the program sees scale * s; exp2 takes its result times log2(e)
+                s, c = program_logits(score_mod, s, rows.values.score, col_values.score, scale=scale, **program_args)
             if masked:
                 visible = tile_visible(
                     q_pos,
@@ -348,8 +420,7 @@ def _kernel(
                     q_axis=0,
                 )
                 if mask_mod is not None:
-                    values = tile_values(s.shape, rows.values.mask, col_values.mask)
-                    seen = mask_mod.joint(None, rows.batch, rows.head, q_pos, kv_pos, *values)
+                    seen = program_mask(mask_mod, rows.values.mask, col_values.mask, **program_args)
                     visible = seen if visible is None else jnp.logical_and(visible, seen)
                 if visible is not None:  # None: traced for a loop that runs no iterations
                     s = jnp.where(visible, s, -jnp.inf)
@@ -444,9 +515,9 @@ def _kernel(
                 l = l * alpha + p.sum(axis=1)
                 plgpu.barrier_arrive(v_free.at[prev])
                 # O holds blocks < kv_step in the old scale: rescale it to the new maximum.
-                return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), m, l, p.astype(dtype)
+                return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), m, l, dropped(p, rows, kv_step)
 
-            carry = (acc, m, l, p.astype(dtype))
+            carry = (acc, m, l, dropped(p, rows, kv_lo))
             unmasked_lo, unmasked_hi = (jnp.maximum(edge, kv_lo + 1) for edge in unmasked)
             acc, m, l, p_last = masked_edge_loops(
                 step, carry, kv_lo + 1 if leading else None, unmasked_lo, unmasked_hi, kv_hi
@@ -502,7 +573,7 @@ def _kernel(
                 p, alpha, m_new = probabilities(s, m, masked=masked, rows=rows, cols=cols, kv_step=kv_step)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 l = l * alpha + p.sum(axis=1)
-                p16 = p.astype(dtype)
+                p16 = dropped(p, rows, kv_step)
                 acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
                 plgpu.barrier_arrive(turn)  # softmax done
                 plgpu.barrier_wait(v_ready.at[slot])
@@ -546,7 +617,7 @@ def _kernel(
             if separate_out:  # Q is spent: the next tile's loads while this one's output is stored
                 pl.when(i + 1 < num_tiles)(lambda: load_q(i + 1))
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store has read o_smem
-            inv_l = 1.0 / l
+            inv_l = (1.0 if dropout is None else dropout.scale) / l  # the kept probabilities' 1 / (1 - rate)
             log_l = m + jnp.log2(l)
             if rows_may_be_empty:  # rows that saw no key: zeros and lse = -inf, never NaN
                 inv_l = jnp.where(l == 0.0, 0.0, inv_l)
@@ -687,10 +758,13 @@ def _forward_padded(
     kv_len: int,
     config: HopperConfig,
     programs: KernelMods = KernelMods(),
+    dropout: KernelDropout | None = None,
+    dropout_seed=None,
     interpret,
 ):
     """`hopper_forward` on padded operands; mod_operands: the programs' packed row and column values and the
-    mask program's block ranges (`_mod_operands`), each None where absent."""
+    mask program's block ranges (`_mod_operands`), each None where absent; dropout_seed: `dropout`'s seed
+    table (`kernel_dropout`)."""
     batch, q_pad, heads, head_dim = q.shape
     kv_heads = k.shape[2]
     num_q_tiles = q_pad // (NUM_CONSUMERS * config.block_q)
@@ -715,6 +789,7 @@ def _forward_padded(
         refs = list(refs)
         segment_refs = [refs.pop(0) for _ in range(3)] if has_segments else [None] * 3
         mod_refs = [None if x is None else refs.pop(0) for x in mod_operands]
+        seed_ref = None if dropout is None else refs.pop(0)
         out_ref, lse_ref = refs
         smem = (
             q_tile,
@@ -741,6 +816,8 @@ def _forward_padded(
             config=config,
             programs=programs,
             interpreting=interpret is not None,
+            dropout=dropout,
+            seed_ref=seed_ref,
         )
         pl.run_scoped(
             lambda *scoped: body(q_ref, k_ref, v_ref, *segment_refs, *mod_refs, out_ref, lse_ref, scoped),
@@ -769,6 +846,8 @@ def _forward_padded(
             ),
         )
     operands += tuple(x for x in mod_operands if x is not None)
+    if dropout is not None:
+        operands += (dropout_seed,)
     return plgpu.kernel(
         flash_forward_sm90,
         out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, heads, q_pad), jnp.float32)),
@@ -824,7 +903,17 @@ def _mod_operands(score_mod, score_stacks, mask_mod, mask_stacks, ranges, *, q_p
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "is_causal", "local_window_size", "config", "score_mod", "mask_mod", "interpret"),
+    static_argnames=(
+        "scale",
+        "is_causal",
+        "local_window_size",
+        "config",
+        "score_mod",
+        "mask_mod",
+        "dropout_rate",
+        "broadcast_dropout",
+        "interpret",
+    ),
 )
 def hopper_forward(
     query,
@@ -842,6 +931,9 @@ def hopper_forward(
     mask_mod: mods.Staged | None = None,
     mask_stacks=(None,) * 4,
     mask_ranges=None,
+    dropout_rate: float = 0.0,
+    dropout_seed=None,
+    broadcast_dropout: bool = False,
     interpret=None,
 ):
     """Attention forward on Hopper. Shapes and results as `reference.attention_reference`:
@@ -855,6 +947,8 @@ def hopper_forward(
     rows_float, cols_int, cols_float) at (batch, heads, q_len, kv_len) as score_stacks / mask_stacks; a
     mask_mod also takes its `mask_ranges` (this module's, at the same config): the score_mod applies to the
     scaled logit on every visited block, the mask_mod hides keys on blocks it does not leave wholly visible.
+    dropout_rate, dropout_seed (uint32 [2], `masks.dropout_seed`), broadcast_dropout: dropout on the
+    probabilities with `masks.dropout_keep_mask` (the lse is of the softmax before it), as the reference's.
     `interpret`: None compiles for the GPU; an `InterpretGPUParams` (private in JAX 0.10-0.11:
     jax._src.pallas.mosaic_gpu.interpret.params) runs the kernel in the Mosaic GPU interpreter on CPU."""
     band = masks.Band.of(is_causal, local_window_size)
@@ -872,6 +966,7 @@ def hopper_forward(
     )
     if mask_ranges is not None and mask_ranges.shape[2:] != (q_pad // (NUM_CONSUMERS * config.block_q), 4):
         raise ValueError(f"mask_ranges {mask_ranges.shape} are not at this call's tiles ({config})")
+    dropout, seed = kernel_dropout(dropout_rate, broadcast_dropout, dropout_seed, query.shape[0])
     out, lse = _forward_padded(
         q,
         k,
@@ -884,6 +979,8 @@ def hopper_forward(
         kv_len=kv_len,
         config=config,
         programs=programs,
+        dropout=dropout,
+        dropout_seed=seed,
         interpret=interpret,
     )
     return out[:, :q_len, :, :head_dim], lse[:, :, :q_len]

@@ -116,8 +116,18 @@ def _attention_fwd(q, k, v, q_ids, kv_ids, score_stacks, mask_stacks, mask_range
         mask_mod=mask_mod,
         mask_stacks=mask_stacks,
         mask_ranges=mask_ranges,
+        **_dropout(mods, mod_arrays),
     )
     return (out, lse), (q, k, v, q_ids, kv_ids, score_stacks, mask_stacks, mask_ranges, mod_arrays, out, lse)
+
+
+def _dropout(mods: masks.ScoreMods, mod_arrays: masks.ModArrays) -> dict:
+    """The kernels' dropout arguments of a call (none without dropout)."""
+    if mods.dropout_rate == 0.0:
+        return {}
+    return dict(
+        dropout_rate=mods.dropout_rate, dropout_seed=mod_arrays.dropout_seed, broadcast_dropout=mods.broadcast_dropout
+    )
 
 
 def _backward_config(
@@ -173,6 +183,7 @@ def _attention_bwd(scale, band, config, deterministic, mods, residuals, cotangen
             score_stacks=score_stacks,
             mask_mod=mask_mod,
             mask_stacks=mask_stacks,
+            **_dropout(mods, mod_arrays),
         )
         # The score program's arrays get their gradient through the float stacks (XLA's autodiff of
         # `Staged.stacks`); the integer ones and the mask program's have none.
@@ -234,7 +245,8 @@ def flash_attention_hopper(
     in a free order where that is faster (`HopperBwdConfig.default`), unless config.hopper_bwd is set.
     `mods`: of the score modifiers, the kernels run a score_mod and a mask_mod (`unsupported_reason` says
     which ones they can stage), with their arrays in `mod_arrays` (score_consts, mask_consts; the score_mod's
-    float arrays get gradients)."""
+    float arrays get gradients), and dropout (dropout_rate, broadcast_dropout, with mod_arrays.dropout_seed:
+    the keep mask of every implementation, `masks.dropout_keep_mask`)."""
     staged = _staged(mods)
     if isinstance(staged, str):
         raise ValueError(f"the Mosaic GPU kernel cannot run this call's {staged}")

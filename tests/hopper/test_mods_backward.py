@@ -214,3 +214,68 @@ def test_grad_of_mosaic_attention_with_programs(head_dim):
     want = jax.jit(jax.grad(lambda *x: loss(ref, *x), argnums=(0, 1, 2, 3)))(q, k, v, slopes)
     for name, ours_grad, ref_grad in zip(("dq", "dk", "dv", "d_slopes"), grads, want):
         assert_close(ours_grad, ref_grad, jnp.bfloat16, table=GRADIENT, what=name)
+
+
+def _gain_times_bias(shape):
+    """-2 s + gain[q] * bias[b, k]: a constant d score / d s of -2, float row and column values."""
+    batch, q_len, kv_len = shape[:3]
+    gain = jnp.asarray(np.random.default_rng(8).uniform(0.5, 1.5, q_len), jnp.float32)
+    bias = jnp.asarray(np.random.default_rng(9).standard_normal((batch, kv_len)), jnp.float32)
+    return lambda s, b, h, q, k: -2.0 * s + gain[q] * bias[b, k]
+
+
+# name: a score_mod at a shape (batch, q_len, kv_len, heads): each `program_score` path (a constant d score / d s
+# with and without a vjp for the values' gradients, and a vjp in the logits).
+PULLBACK_PROGRAMS = {
+    "alibi": lambda shape: mods.alibi(jnp.linspace(0.1, 0.4, shape[3])),
+    "fixed_alibi": lambda shape: lambda s, b, h, q, k: s - 0.1 * jnp.abs(k - q).astype(jnp.float32),
+    "soft_cap_key_bias": lambda shape: (lambda score, arrays, _: score(*arrays))(*_capped_key_bias(shape)),
+    "gain_times_bias": _gain_times_bias,
+}
+
+
+@pytest.mark.parametrize("q_axis", [0, 1])
+@pytest.mark.parametrize("name", PULLBACK_PROGRAMS)
+def test_program_score_pullback_matches_autodiff(name, q_axis):
+    """`common.program_score` (the backward kernels' evaluation of a score program on vectors, its constants
+    folded, with a pullback that skips the vjp of the logits where d score / d s is a constant) against jax.vjp
+    of the program on full tiles: base-2 logits, d x, and the gradients of the float values on the side a pass
+    accumulates (queries in the dQ pass, keys in the dK/dV pass)."""
+    from pallas_flash.blocks import LOG2E
+    from pallas_flash.hopper.common import program_score
+
+    shape = (2, 24, 40, 3)
+    batch, q_len, kv_len, heads = shape
+    program, consts = mods.trace(PULLBACK_PROGRAMS[name](shape), "score")
+    staged, why = mods.stage(program)
+    assert why is None
+    stacks = staged.stacks(consts, batch, heads, q_len, kv_len)
+    scale, b, h = 0.3, 1, 2
+    s = jnp.asarray(np.random.default_rng(3).standard_normal((q_len, kv_len)) * 3, jnp.float32)
+    d_score = jnp.asarray(np.random.default_rng(4).standard_normal((q_len, kv_len)), jnp.float32)
+    s, d_score = (s, d_score) if q_axis == 0 else (s.T, d_score.T)
+    vectors = [[] if x is None else list(x[b if x.shape[0] > 1 else 0, h if x.shape[1] > 1 else 0]) for x in stacks]
+    q, k = jnp.arange(q_len, dtype=jnp.int32), jnp.arange(kv_len, dtype=jnp.int32)
+    assert staged.needs_grad == (name != "fixed_alibi")
+    grad_side = ("row" if q_axis == 0 else "col") if staged.needs_grad else None
+    logits2, pullback = program_score(
+        staged, s, vectors[:2], vectors[2:], scale=scale, batch=b, head=h, q_idx=q, kv_idx=k, q_axis=q_axis,
+        max_position=kv_len, grad_side=grad_side,
+    )  # fmt: skip
+    d_x, d_values = pullback(d_score)
+
+    tile = lambda x, side: jax.lax.broadcast_in_dim(x, s.shape, [q_axis if side == "row" else 1 - q_axis])  # noqa: E731
+    ri, rf, ci, cf = ([tile(x, side) for x in group] for group, side in zip(vectors, ["row"] * 2 + ["col"] * 2))
+    floats = {"row": rf, "col": cf}.get(grad_side, [])
+
+    def reference(x, floats):
+        row_floats, col_floats = (floats, cf) if grad_side == "row" else (rf, floats if grad_side else cf)
+        return staged.joint(x, b, h, tile(q, "row"), tile(k, "col"), ri, row_floats, ci, col_floats)
+
+    want, vjp = jax.vjp(reference, scale * s, floats)
+    want_d_x, want_d_floats = vjp(d_score)
+    np.testing.assert_allclose(logits2, want * LOG2E, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(d_x, want_d_x, rtol=1e-5, atol=1e-5)
+    assert len(d_values) == len(want_d_floats) == (0 if grad_side is None else len(floats))
+    for ours, ref in zip(d_values, want_d_floats):
+        np.testing.assert_allclose(ours, ref.sum(axis=1), rtol=1e-4, atol=1e-4)  # over the other side
