@@ -293,7 +293,7 @@ class Staged:
         return env
 
     def joint(self, score, batch, head, q_idx, kv_idx, rows_int=(), rows_float=(), cols_int=(), cols_float=(), *,
-              tile=None, q_axis=None, scale=1.0, max_position=None, split=False):  # fmt: skip
+              tile=None, q_axis=None, tile_shape=None, scale=1.0, max_position=None, split=False):  # fmt: skip
         """The program's result on one tile of logits (the score `scale * score`, float32; None for a mask_mod).
 
         Tiles (q_axis None): q_idx, kv_idx: int32 positions broadcast to the tile; rows_* / cols_*: the tile's
@@ -311,15 +311,21 @@ class Staged:
         `max_position` (every position is below it), int->float conversions of values made of positions and
         integer literals are moved onto the positions where float32 stays exact. Returns the modified score
         (float32) or the mask (bool), tile-shaped; with `split` (a score program), (x, c): the score is c * x,
-        c a Python float that a kernel folds into its own multiply-add."""
+        c a Python float that a kernel folds into its own multiply-add.
+
+        In the vector form q_idx and kv_idx may be functions that make the vectors (with `tile_shape`, the tile's
+        shape): they are called only if the joint part reads them, so a kernel creates no position it does not
+        use (an unused register value with a layout defeats Mosaic GPU's layout inference)."""
         kinds = (("row", "int", rows_int), ("row", "float", rows_float),
                  ("col", "int", cols_int), ("col", "float", cols_float))  # fmt: skip
         if q_axis is None:
             shape = (score if score is not None else q_idx).shape
             side_of = {"row": TILE, "col": TILE}
         else:
-            lengths = (q_idx.shape[0], kv_idx.shape[0])
-            shape = lengths if q_axis == 0 else lengths[::-1]
+            if tile_shape is None:
+                lengths = (q_idx.shape[0], kv_idx.shape[0])
+                tile_shape = lengths if q_axis == 0 else lengths[::-1]
+            shape = tuple(tile_shape)
             side_of = {"row": ROW, "col": COL}
         inputs = self.flat.inputs[self.program.num_consts :]
         has_score = self.program.kind == "score"
@@ -335,6 +341,9 @@ class Staged:
         vids = [*inputs, *(s.value for side, kind, _ in kinds for s in self.group(side, kind))]
         env = {}
         for vid, (x, side) in zip(vids, given):
+            if callable(x):
+                env[vid] = _Lazy(x, side)
+                continue
             x = jnp.asarray(x)
             env[vid] = _Value(x, SCALAR if x.ndim == 0 else side)
         if has_score:
@@ -459,6 +468,14 @@ class _Value:
     literal: typing.Any = None
 
 
+@dataclasses.dataclass(frozen=True)
+class _Lazy:
+    """An input made only when the joint part reads it."""
+
+    make: typing.Any
+    side: int
+
+
 class _TileEvaluator:
     """The joint part of a flat program on one tile, demand-driven from its output (`Staged.joint`): `env` maps
     the program's named inputs and staged values to `_Value`s; `positions` are the query and key positions'
@@ -494,7 +511,11 @@ class _TileEvaluator:
         if atom not in self.values:
             eqn = self.producer[atom]
             self.values.update(zip(eqn.outputs, self.apply(eqn)))
-        return self.values[atom]
+        value = self.values[atom]
+        if isinstance(value, _Lazy):  # made on first use
+            x = jnp.asarray(value.make())
+            value = self.values[atom] = _Value(x, SCALAR if x.ndim == 0 else value.side)
+        return value
 
     def apply(self, eqn) -> list:
         out_dtype = self.flat.dtypes[eqn.outputs[0]]

@@ -228,17 +228,15 @@ def test_bad_modifier_arguments_are_named(kwargs, error, words):
     [
         ("bias", dict(bias=jnp.zeros((32, 32)))),
         ("mask", dict(mask=jnp.ones((32, 32), bool))),
-        ("alibi_slopes", dict(alibi_slopes=jnp.ones((2,)))),
-        ("logits_soft_cap", dict(logits_soft_cap=5.0)),
-        ("dropout", dict(dropout_rate=0.1, dropout_rng=jax.random.key(0))),
         ("block_mask", dict(block_mask=pf.BlockMask(np.array([[True, False], [True, True]]), 16, 16))),
     ],
     ids=lambda x: x if isinstance(x, str) else "",
 )
 def test_hopper_kernel_refuses_modifiers(name, kwargs, monkeypatch):
-    """The Mosaic GPU forward has no modifiers and no block mask: forcing it raises and names each feature
-    the call uses (and None dispatches such calls to 'pallas'). The Hopper check is faked so that the
-    refusal is the features', not this machine's."""
+    """The Hopper kernels have no bias or mask over both queries and keys (a dense tile) and no block mask:
+    forcing them raises and names the feature (and None dispatches such calls to 'pallas'). Soft cap, ALiBi,
+    dropout and biases or masks over one axis they run (tests/test_api.py). The Hopper check is faked so that
+    the refusal is the features', not this machine's."""
     monkeypatch.setattr(device, "on_hopper_gpu", lambda: True)
     q = jnp.ones((1, 32, 2, 16), jnp.bfloat16)
     with pytest.raises(ValueError, match=f"implementation='mosaic' cannot serve.* no .*{name}"):

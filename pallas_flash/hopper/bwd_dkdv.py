@@ -250,9 +250,12 @@ def _dkdv_kernel(
                 position = dict(
                     batch=batch,
                     head=kv_head * group + g,
-                    q_idx=positions(q_block * block_q, block_q, column, interpreting=interpreting),
-                    kv_idx=positions(kv_start, block_kv, plgpu.Layout.WGMMA.reduce(1), interpreting=interpreting),
+                    q_idx=lambda: positions(q_block * block_q, block_q, column, interpreting=interpreting),
+                    kv_idx=lambda: positions(
+                        kv_start, block_kv, plgpu.Layout.WGMMA.reduce(1), interpreting=interpreting
+                    ),
                     q_axis=1,
+                    tile_shape=s.shape,
                     max_position=max_position,
                 )
             if rows_ref is not None:  # the block's values ride the Q ring; every step waits (one wait per phase)

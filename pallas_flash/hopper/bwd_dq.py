@@ -195,9 +195,10 @@ def _dq_kernel(
                 position = dict(
                     batch=batch,
                     head=head,
-                    q_idx=positions(q_start, block_q, row, interpreting=interpreting),
-                    kv_idx=positions(kv_step * block_kv, block_kv, column, interpreting=interpreting),
+                    q_idx=lambda: positions(q_start, block_q, row, interpreting=interpreting),
+                    kv_idx=lambda: positions(kv_step * block_kv, block_kv, column, interpreting=interpreting),
                     q_axis=0,
+                    tile_shape=s.shape,
                     max_position=max_position,
                 )
             if cols_ref is not None:  # the block's values ride with K; every step waits (one wait per phase)

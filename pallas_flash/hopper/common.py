@@ -377,29 +377,31 @@ def coarsen_block_classes(anything, everything, rows: int, cols: int):
     return anything.reshape(split).any(axis=(-3, -1)), everything.reshape(split).all(axis=(-3, -1))
 
 
-def program_mask(mask, rows, cols, *, batch, head, q_idx, kv_idx, q_axis: int, max_position: int):
+def program_mask(mask, rows, cols, *, batch, head, q_idx, kv_idx, q_axis: int, max_position: int,
+                 tile_shape=None):  # fmt: skip
     """A mask program (`mods.Staged`) on one tile: bool, True = visible. rows / cols: its (ints, floats) staged
     vectors of the tile's queries / keys (`mod_values`); q_idx, kv_idx: int32 vectors of their positions; the
     queries run along the tile's axis `q_axis`; every position is below `max_position`. Each operation runs on
     vectors until they meet (`Staged.joint`'s vector form)."""
-    return mask.joint(None, batch, head, q_idx, kv_idx, *rows, *cols, q_axis=q_axis, max_position=max_position)
+    return mask.joint(None, batch, head, q_idx, kv_idx, *rows, *cols, q_axis=q_axis, max_position=max_position,
+                      tile_shape=tile_shape)  # fmt: skip
 
 
 def program_logits(score, s, rows, cols, *, scale: float, batch, head, q_idx, kv_idx, q_axis: int,
-                   max_position: int):  # fmt: skip
+                   max_position: int, tile_shape=None):  # fmt: skip
     """A score program (`mods.Staged`) on one tile of raw logits `s` (float32; the program sees scale * s), for
     a forward: (x, c) with the program's result in base-2 units c * x, c a Python float > 0, so that a kernel
     takes a row maximum of x times c and folds c into exp2's multiply-add. rows, cols and positions as in
     `program_mask`."""
     x, c = score.joint(s, batch, head, q_idx, kv_idx, *rows, *cols, q_axis=q_axis, scale=scale,
-                       max_position=max_position, split=True)  # fmt: skip
+                       max_position=max_position, split=True, tile_shape=s.shape)  # fmt: skip
     if c < 0:
         return x * np.float32(c * blocks.LOG2E), 1.0
     return x, c * blocks.LOG2E
 
 
 def program_score(score, s, rows, cols, *, scale: float, batch, head, q_idx, kv_idx, q_axis: int,
-                  max_position: int, grad_side=None):  # fmt: skip
+                  max_position: int, grad_side=None, tile_shape=None):  # fmt: skip
     """A score program (`mods.Staged`) on one tile of raw logits `s` (float32), for a backward: (logits2,
     pullback). logits2: the program's result on x = scale * s in base-2 units (P = exp2(logits2 - lse2));
     pullback(d_score) = (d x, [d value]): d x = d_score * d score / d x elementwise, and with `grad_side`
@@ -414,7 +416,7 @@ def program_score(score, s, rows, cols, *, scale: float, batch, head, q_idx, kv_
     def evaluate(x, floats, *, x_scale: float, split: bool):
         row_floats, col_floats = (floats, cf) if grad_side == "row" else (rf, floats if grad_side else cf)
         return score.joint(x, batch, head, q_idx, kv_idx, ri, row_floats, ci, col_floats, q_axis=q_axis,
-                           scale=x_scale, max_position=max_position, split=split)  # fmt: skip
+                           tile_shape=s.shape, scale=x_scale, max_position=max_position, split=split)  # fmt: skip
 
     slope = score.score_derivative
     if slope is None and not primals:  # the derivative by forward mode: no chain of ops on d_score

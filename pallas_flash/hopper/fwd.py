@@ -401,9 +401,10 @@ def _kernel(
                 program_args = dict(
                     batch=rows.batch,
                     head=rows.head,
-                    q_idx=positions(rows.q_start, block_q, row, interpreting=interpreting),
-                    kv_idx=positions(kv_step * block_kv, block_kv, column, interpreting=interpreting),
+                    q_idx=lambda: positions(rows.q_start, block_q, row, interpreting=interpreting),
+                    kv_idx=lambda: positions(kv_step * block_kv, block_kv, column, interpreting=interpreting),
                     q_axis=0,
+                    tile_shape=s.shape,
                     max_position=max_position,
                 )
             if score_mod is not None:  # the program sees scale * s; exp2 takes its result times log2(e)
