@@ -363,7 +363,7 @@ def test_attention_backward_checks_its_residuals():
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("case", ["causal", "mask_mod_mask_soft_cap"])
+@pytest.mark.parametrize("case", [pytest.param("causal", marks=pytest.mark.slow), "mask_mod_mask_soft_cap"])
 def test_attention_backward_runs_the_hopper_backward(case, monkeypatch):
     """On sm90 (faked), attention_backward hands the Hopper custom_vjp's backward the residuals its forward would
     save (staged programs included); run in JAX's Mosaic GPU interpreter, it equals the portable backward on the

@@ -85,10 +85,10 @@ def test_causal_ring_equals_one_device(devices, layout):
 @pytest.mark.parametrize(
     "kwargs",
     [
-        dict(is_causal=False),
+        pytest.param(dict(is_causal=False), marks=pytest.mark.slow),
         dict(kv_heads=2, docs=True),
         dict(layout="zigzag", kv_heads=1, docs=True),
-        dict(is_causal=False, window=(5, 3)),
+        pytest.param(dict(is_causal=False, window=(5, 3)), marks=pytest.mark.slow),
         dict(window=(9, 0), layout="zigzag"),
     ],
     ids=["full", "gqa_docs", "zigzag_mqa_docs", "window", "zigzag_causal_window"],
@@ -97,6 +97,7 @@ def test_ring_features(kwargs):
     _check(4, **kwargs)
 
 
+@pytest.mark.slow
 def test_ring_on_the_portable_kernels():
     """The ring's steps and their residual backwards on the Pallas kernels (interpret mode): the zig-zag cases."""
     _check(2, layout="zigzag", implementation="pallas", docs=True, seq=32)
