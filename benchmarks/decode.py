@@ -362,7 +362,7 @@ def measure_generation(sizes, settings, emit) -> None:
     def sample(name):
         logits, cache = jax.block_until_ready(prefill(*prefill_args))
         start = time.perf_counter()
-        out, _ = jax.block_until_ready(loops[name](*loop_args(logits, cache)))
+        out, *_ = jax.block_until_ready(loops[name](*loop_args(logits, cache)))
         return time.perf_counter() - start, np.asarray(out[:, : sizes.new_tokens])
 
     sample("flash"), sample("dense")  # warm-up

@@ -19,6 +19,8 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
+from models import kv_cache
+
 MIN_PROMPT_BUCKET = 16
 # How many times each jitted function below was traced (each trace is a compilation): tests count recompiles.
 TRACES: collections.Counter = collections.Counter()
@@ -74,35 +76,71 @@ def sample(logits, rng, temperature, *, greedy: bool, top_k: int | None):
     return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "cache_len", "page_size"))
-def prefill(graphdef, state, tokens, lengths, *, cache_len: int, page_size: int | None):
-    """A fresh cache of `cache_len` tokens per sequence, filled with the prompts: (logits [batch, vocab] after
-    each prompt's last token, cache)."""
+@functools.partial(jax.jit, static_argnames=("graphdef", "cache_len", "page_size", "num_pages"))
+def prefill(
+    graphdef,
+    state,
+    tokens,
+    lengths,
+    block_table=None,
+    *,
+    cache_len: int,
+    page_size: int | None,
+    num_pages: int | None = None,
+):
+    """A fresh cache of `cache_len` tokens per sequence (paged with `page_size`: pages as `block_table` and
+    `num_pages` give them, by default cache_len's worth per sequence), filled with the prompts: (logits
+    [batch, vocab] after each prompt's last token, cache)."""
     TRACES["prefill"] += 1
     model = nnx.merge(graphdef, state)
-    cache = model.init_cache(tokens.shape[0], cache_len, page_size=page_size)
+    cache = model.init_cache(
+        tokens.shape[0], cache_len, page_size=page_size, block_table=block_table, num_pages=num_pages
+    )
     return model.prefill(tokens, lengths, cache)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "greedy", "top_k"), donate_argnames=("cache",))
-def decode(graphdef, state, cache, logits, max_new_tokens, temperature, rng, *, greedy: bool, top_k: int | None):
-    """The decode loop: samples a token from `logits`, feeds it back through `decode_step`, max_new_tokens
-    times (traced), in one `lax.while_loop` carrying the cache. Returns (tokens int32 [batch, capacity], whose
-    first max_new_tokens columns are the new tokens, and the cache)."""
+def decode(
+    graphdef,
+    state,
+    cache,
+    logits,
+    max_new_tokens,
+    temperature,
+    rng,
+    eos_token=-1,
+    *,
+    greedy: bool,
+    top_k: int | None,
+):
+    """The decode loop: samples a token from `logits`, feeds it back through `decode_step`, up to
+    max_new_tokens times (traced), in one `lax.while_loop` carrying the cache. A sequence that samples
+    `eos_token` (traced; -1: none) stops: its later tokens are eos_token, and the loop ends once every
+    sequence has stopped. Returns (tokens int32 [batch, capacity], whose first max_new_tokens columns are the
+    new tokens; lengths int32 [batch], the tokens each sequence generated, its eos_token included; the cache)."""
     TRACES["decode"] += 1
     model = nnx.merge(graphdef, state)
     pick = functools.partial(sample, temperature=temperature, greedy=greedy, top_k=top_k)
     token = pick(logits, jax.random.fold_in(rng, 0))
     out = jnp.zeros((logits.shape[0], cache.capacity), jnp.int32).at[:, 0].set(token)
+    lengths = jnp.ones_like(token)
+
+    def running(carry):
+        i, _, token, _, _ = carry
+        return jnp.logical_and(i < max_new_tokens, jnp.any(token != eos_token))
 
     def body(carry):
-        i, cache, token, out = carry
+        i, cache, token, out, lengths = carry
+        stopped = token == eos_token
         logits, cache = model.decode_step(token[:, None], cache)
-        token = pick(logits[:, 0], jax.random.fold_in(rng, i))
-        return i + 1, cache, token, lax.dynamic_update_slice(out, token[:, None], (0, i))
+        token = jnp.where(stopped, eos_token, pick(logits[:, 0], jax.random.fold_in(rng, i)))
+        lengths = lengths + jnp.logical_not(stopped)
+        return i + 1, cache, token, lax.dynamic_update_slice(out, token[:, None], (0, i)), lengths
 
-    _, cache, _, out = lax.while_loop(lambda carry: carry[0] < max_new_tokens, body, (jnp.int32(1), cache, token, out))
-    return out, cache
+    i, cache, _, out, lengths = lax.while_loop(running, body, (jnp.int32(1), cache, token, out, lengths))
+    # Columns the loop did not reach (every sequence had stopped) are padding too.
+    out = jnp.where(jnp.arange(out.shape[1])[None, :] < i, out, eos_token)
+    return out, lengths, cache
 
 
 def generate(
@@ -114,6 +152,7 @@ def generate(
     top_k: int | None = None,
     rng=None,
     page_size: int | None = None,
+    eos_token: int | None = None,
     stats: dict | None = None,
 ):
     """`GPT.generate`. With a `stats` dict, it also compiles ahead of time and fills in compile_s, prefill_s,
@@ -135,6 +174,12 @@ def generate(
         isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size < 1
     ):
         raise ValueError(f"page_size must be None or an int >= 1, got {page_size!r}")
+    if eos_token is not None and (
+        isinstance(eos_token, bool)
+        or not isinstance(eos_token, (int, np.integer))
+        or not 0 <= eos_token < cfg.vocab_size
+    ):
+        raise ValueError(f"eos_token must be None or an int in [0, vocab_size={cfg.vocab_size}), got {eos_token!r}")
     tokens, lengths, single = pad_prompts(prompt_tokens, cfg.vocab_size)
     longest = int(lengths.max())
     if longest + max_new_tokens > cfg.max_seq_len:
@@ -148,8 +193,12 @@ def generate(
     rng = jax.random.key(0) if rng is None else rng
     greedy = float(temperature) == 0.0
     graphdef, state = nnx.split(model)
-    prefill_args = (graphdef, state, jnp.asarray(tokens), jnp.asarray(lengths))
-    prefill_static = dict(cache_len=cache_len, page_size=page_size)
+    block_table, num_pages = None, None
+    if page_size is not None:  # each sequence's pages: its prompt and max_new_tokens (see models.kv_cache)
+        block_table, num_pages = kv_cache.allocate_pages(lengths + int(max_new_tokens), page_size, cache_len)
+        block_table = jnp.asarray(block_table)
+    prefill_args = (graphdef, state, jnp.asarray(tokens), jnp.asarray(lengths), block_table)
+    prefill_static = dict(cache_len=cache_len, page_size=page_size, num_pages=num_pages)
     decode_static = dict(greedy=greedy, top_k=None if top_k is None else int(top_k))
 
     def decode_args(logits, cache):
@@ -161,11 +210,12 @@ def generate(
             jnp.int32(max_new_tokens),
             jnp.float32(1.0 if greedy else temperature),
             rng,
+            jnp.int32(-1 if eos_token is None else eos_token),
         )
 
     if stats is None:
         logits, cache = prefill(*prefill_args, **prefill_static)
-        out, _ = decode(*decode_args(logits, cache), **decode_static)
+        out, generated, _ = decode(*decode_args(logits, cache), **decode_static)
     else:  # compile first, then time each phase to completion
         start = time.perf_counter()
         run_prefill = prefill.lower(*prefill_args, **prefill_static).compile()
@@ -176,8 +226,10 @@ def generate(
         logits, cache = jax.block_until_ready(run_prefill(*prefill_args[1:]))
         stats["prefill_s"] = time.perf_counter() - start
         start = time.perf_counter()
-        out, _ = jax.block_until_ready(run_decode(*decode_args(logits, cache)[1:]))
+        out, generated, _ = jax.block_until_ready(run_decode(*decode_args(logits, cache)[1:]))
         stats["decode_s"] = time.perf_counter() - start
-        stats["prompt_tokens"], stats["new_tokens"] = int(lengths.sum()), int(lengths.size * max_new_tokens)
-    out = np.asarray(out[:, :max_new_tokens])
-    return out[0] if single else out
+        stats["prompt_tokens"], stats["new_tokens"] = int(lengths.sum()), int(np.asarray(generated).sum())
+    out, generated = np.asarray(out[:, :max_new_tokens]), np.asarray(generated)
+    if eos_token is None:
+        return out[0] if single else out
+    return (out[0], generated[0]) if single else (out, generated)

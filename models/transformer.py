@@ -17,11 +17,12 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax import lax
 from jax.sharding import Mesh
 
 from models.kv_cache import CacheStep, LayerCache
 from pallas_flash.api import IMPLEMENTATIONS
-from pallas_flash.decode import flash_decode
+from pallas_flash.decode import MAX_QUERY_LEN, flash_decode
 from pallas_flash.flax import make_attention_fn
 from pallas_flash.parallel import context_parallel_attention
 
@@ -242,15 +243,34 @@ class Attention(nnx.Module):
     def cached(self, x: jax.Array, layer: LayerCache, step: CacheStep) -> tuple[jax.Array, LayerCache]:
         """Causal self-attention of x [batch, seq, embed_dim] (tokens at `step.positions`) with a KV cache:
         their keys and values are written into `layer`, then a prefill (tokens from position 0) attends
-        with the configured attention, a decode step (seq <= 16) with `flash_decode` over the cache."""
+        with the configured attention, a decode step or an appended chunk with `flash_decode` over the cache."""
         batch, seq, _ = x.shape
         q, k, v = self._project(x, step.positions)
         layer = layer.write(k, v, step)
         if step.prefill:
             out = self._attend(q, k, v, None)
         else:
-            out = flash_decode(q, layer.keys, layer.values, lengths=step.lengths, block_table=step.block_table)
+            out = _decode_in_pieces(q, layer, step)
         return self.out(out.reshape(batch, seq, self.cfg.num_heads * self.cfg.head_dim)), layer
+
+
+def _decode_in_pieces(q: jax.Array, layer: LayerCache, step: CacheStep) -> jax.Array:
+    """flash_decode of q [batch, seq, heads, head_dim] (at step.positions, their keys already in `layer`) in
+    pieces of at most MAX_QUERY_LEN queries, as many as divide seq (one piece for a decode step): piece i's
+    queries sit at the end of the first step.lengths - seq + (i + 1) * piece keys, so each sees its own
+    causal prefix even though the whole chunk's keys are already written."""
+    batch, seq, heads, dim = q.shape
+    if seq <= MAX_QUERY_LEN:
+        return flash_decode(q, layer.keys, layer.values, lengths=step.lengths, block_table=step.block_table)
+    piece = max(p for p in range(1, MAX_QUERY_LEN + 1) if seq % p == 0)
+    pieces = q.reshape(batch, seq // piece, piece, heads, dim).swapaxes(0, 1)
+    ends = step.lengths - seq + piece * jnp.arange(1, seq // piece + 1, dtype=jnp.int32)[:, None]
+
+    def attend(args):
+        part, lengths = args
+        return flash_decode(part, layer.keys, layer.values, lengths=lengths, block_table=step.block_table)
+
+    return lax.map(attend, (pieces, ends)).swapaxes(0, 1).reshape(batch, seq, heads, dim)
 
 
 class MLP(nnx.Module):

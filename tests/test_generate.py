@@ -1,6 +1,7 @@
 """GPT with a KV cache: prefill and decode steps give the logits of the full forward pass; greedy generation
-gives the tokens of recomputing full attention over the growing sequence; no recompilation within a bucket;
-the cache is donated; `python -m train.sample` on a 2-step run's checkpoint."""
+gives the tokens of recomputing full attention over the growing sequence, also after a prompt prefilled in
+chunks and with pages allocated per sequence; sequences stop at an eos token; no recompilation within a
+bucket; the cache is donated; `python -m train.sample` on a 2-step run's checkpoint."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models import generate
+from models import generate, kv_cache
 from models.gpt import GPT, PRESETS
 from tests.tolerances import OUTPUT, relative_error
 
@@ -84,6 +85,63 @@ def test_prefill_and_a_speculative_decode_step_give_the_full_forward_logits(mode
     assert relative_error(chunk_logits, want_chunk) <= OUTPUT[jnp.float32]
 
 
+@pytest.mark.parametrize("page_size", [None, 4])
+def test_generation_stops_at_the_eos_token(model, greedy_without_cache, page_size):
+    eos = int(greedy_without_cache[1, 4])
+    stops = [list(row).index(eos) + 1 if eos in row else STEPS for row in greedy_without_cache.tolist()]
+    out, lengths = model.generate(PROMPTS, STEPS, temperature=0.0, page_size=page_size, eos_token=eos)
+    np.testing.assert_array_equal(lengths, stops)
+    for b, stop in enumerate(stops):
+        np.testing.assert_array_equal(out[b, :stop], greedy_without_cache[b, :stop])
+        assert (out[b, stop:] == eos).all()  # the padding after a stop
+    single, length = model.generate(PROMPTS[1], STEPS, temperature=0.0, eos_token=eos)
+    assert length == stops[1] and (single == out[1]).all()
+
+
+@pytest.mark.parametrize("first, width, page_size", [(3, 8, None), (1, 32, 4)])  # 32: two flash_decode pieces
+def test_greedy_generation_after_a_chunked_prefill(model, greedy_without_cache, first, width, page_size):
+    """Each prompt's first `first` tokens are prefilled, the rest appended as one padded chunk of `width`."""
+    lengths = np.array([len(p) for p in PROMPTS])
+    head = np.zeros((2, 16), np.int32)
+    chunk = np.zeros((2, width), np.int32)
+    for b, prompt in enumerate(PROMPTS):
+        head[b, :first], chunk[b, : len(prompt) - first] = prompt[:first], prompt[first:]
+    graphdef, state = nnx.split(model)
+    _, cache = generate.prefill(
+        graphdef, state, jnp.asarray(head), jnp.full((2,), first), cache_len=64, page_size=page_size
+    )
+    extend = nnx.jit(lambda model, chunk, n, cache: model.extend(chunk, n, cache))
+    logits, cache = extend(model, jnp.asarray(chunk), jnp.asarray(lengths - first), cache)
+    np.testing.assert_array_equal(cache.lengths, lengths)
+    out, _, _ = generate.decode(
+        graphdef, state, cache, logits, jnp.int32(STEPS), jnp.float32(1.0), jax.random.key(0), greedy=True, top_k=None
+    )
+    np.testing.assert_array_equal(out[:, :STEPS], greedy_without_cache)
+
+
+def test_pages_are_allocated_per_sequence(model):
+    table, num_pages = kv_cache.allocate_pages([5, 11], 4, 32)
+    np.testing.assert_array_equal(table, [[0, 1] + [-1] * 6, [2, 3, 4] + [-1] * 5])
+    assert num_pages == 8  # 5 pages handed out, bucketed; a page per 4 of max_len tokens each would be 16
+    graphdef, state = nnx.split(model)
+    _, cache = generate.prefill(
+        graphdef,
+        state,
+        jnp.ones((2, 16), jnp.int32),
+        jnp.array([5, 11]),
+        jnp.asarray(table),
+        cache_len=32,
+        page_size=4,
+        num_pages=num_pages,
+    )
+    assert cache.layers[0].keys.shape[0] == num_pages
+    # The prompts' padding past each sequence's pages (positions 8..15 and 12..15) is dropped, not written into
+    # another page of the pool: only the 5 allocated pages (20 rows) hold keys.
+    held = np.abs(np.asarray(cache.layers[0].keys)).sum(axis=(2, 3)).reshape(-1) > 0
+    assert held[:20].all()
+    assert not held[20:].any()
+
+
 def test_no_recompilation_within_a_bucket(model):
     model.generate([[1, 2, 3, 4, 5]], 10, temperature=0.0)
     before = dict(generate.TRACES)
@@ -124,6 +182,7 @@ def test_the_decode_loop_takes_the_cache_donated(model):
         (dict(max_new_tokens=4, top_k=0), "top_k"),
         (dict(max_new_tokens=4, prompt_tokens=[[1, 2], []]), "prompt 1 must be a non-empty"),
         (dict(max_new_tokens=4, prompt_tokens=[1, 999]), "outside"),
+        (dict(max_new_tokens=4, eos_token=256), "eos_token"),
     ],
 )
 def test_bad_generate_arguments_are_named(model, kwargs, message):
@@ -178,6 +237,11 @@ def test_sample_from_a_trained_checkpoint(tmp_path, capsys):
     model, _, _ = sample.load_model(run)
     greedy = model.generate(list(b"def "), 12, temperature=0.0)
     assert captured.out == "def " + bytes(greedy.tolist()).decode("utf-8", errors="replace") + "\n"
+    eos = int(greedy[3])
+    stop = greedy.tolist().index(eos) + 1
+    greedy_args = ["--checkpoint", str(run), "--prompt", "def ", "--max-new-tokens", "12", "--temperature", "0"]
+    sample.main([*greedy_args, "--eos", str(eos)])
+    assert capsys.readouterr().out == "def " + bytes(greedy[:stop].tolist()).decode("utf-8", errors="replace") + "\n"
     with pytest.raises(SystemExit):
         sample.main(["--checkpoint", str(run), "--prompt", "def ", "--max-new-tokens", "40"])
     assert "at most 28" in capsys.readouterr().err

@@ -79,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--seed", type=int, default=0, help="sampling seed (default: 0)")
     add("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     add("--page-size", "--page_size", type=int, default=None, help="use a paged KV cache with pages of this size")
+    add("--eos", type=int, default=None, help="a byte that ends the text once generated, e.g. 10 (default: none)")
     return parser
 
 
@@ -110,10 +111,14 @@ def main(argv=None) -> None:
             top_k=args.top_k,
             rng=jax.random.key(args.seed),
             page_size=args.page_size,
+            eos_token=args.eos,
             stats=stats,
         )
     except ValueError as err:
         parser.error(str(err))
+    if args.eos is not None:  # the text ends with its eos byte
+        tokens, length = tokens
+        tokens = tokens[:length]
     print(args.prompt + bytes(tokens.tolist()).decode("utf-8", errors="replace"))
     prefill_rate = stats["prompt_tokens"] / stats["prefill_s"]
     decode_rate = stats["new_tokens"] / stats["decode_s"]
