@@ -74,8 +74,11 @@ def _check_inputs(query, key, value):
     if not (query.dtype == key.dtype == value.dtype):
         raise TypeError(f"query, key and value must share one dtype, got {query.dtype}, {key.dtype}, {value.dtype}")
     batch, q_len, heads, head_dim = query.shape
-    if key.shape != value.shape:
-        raise ValueError(f"key and value must have the same shape, got {tuple(key.shape)} and {tuple(value.shape)}")
+    if key.shape[:3] != value.shape[:3]:
+        raise ValueError(
+            f"key and value must have the same shape but for head_dim, got {tuple(key.shape)} and "
+            f"{tuple(value.shape)}"
+        )
     if key.shape[0] != batch:
         raise ValueError(f"key has batch {key.shape[0]}; query has batch {batch}")
     if key.shape[3] != head_dim:
@@ -86,8 +89,9 @@ def _check_inputs(query, key, value):
         raise ValueError(f"head counts must be >= 1, got query heads={heads}, key heads={key.shape[2]}")
     if heads % key.shape[2] != 0:
         raise ValueError(f"key has {key.shape[2]} heads; query's {heads} heads must be a multiple of it")
-    if not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"head_dim is {head_dim}; allowed: {MIN_HEAD_DIM} to {MAX_HEAD_DIM}")
+    for name, dim in (("head_dim", head_dim), ("value's head_dim", value.shape[3])):
+        if not MIN_HEAD_DIM <= dim <= MAX_HEAD_DIM:
+            raise ValueError(f"{name} is {dim}; allowed: {MIN_HEAD_DIM} to {MAX_HEAD_DIM}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +104,7 @@ class Call:
     config: KernelConfig
     features: tuple[str, ...]  # the score modifiers and block mask the call uses
     mods: masks.ScoreMods = masks.ScoreMods()
+    value: jax.ShapeDtypeStruct | None = None  # None: shaped like key (one head_dim for query, key and value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +125,13 @@ def _mosaic_cannot_serve(call: Call) -> str | None:
         if f not in _HOPPER_KERNEL_FEATURES and (f not in _HOPPER_PROGRAMS or not _foldable(f, call.mods))
     )
     return hopper.unsupported_reason(
-        call.query, call.key, band=call.band, unserved=unserved, config=call.config, mods=_hopper_programs(call.mods)
+        call.query,
+        call.key,
+        band=call.band,
+        unserved=unserved,
+        config=call.config,
+        mods=_hopper_programs(call.mods),
+        value=call.value,
     )
 
 
@@ -211,8 +222,20 @@ def _never(call: Call) -> None:
     return None
 
 
+def _value_head_dim_reason(call: Call, kernel: str) -> str | None:
+    """Why `kernel` (its name in a message) cannot serve a value head_dim that differs from query's, else None:
+    the kernels hold one head_dim for Q, K and V tiles."""
+    head_dim = call.query.shape[-1]
+    if call.value is None or call.value.shape[-1] == head_dim:
+        return None
+    return (
+        f"{kernel} needs value's head_dim equal to query's and key's: head_dims are {head_dim} (query, key) "
+        f"and {call.value.shape[-1]} (value)"
+    )
+
+
 def _portable_cannot_serve(call: Call) -> str | None:
-    return portable.unsupported_reason(call.mods)
+    return _value_head_dim_reason(call, "the Pallas kernel") or portable.unsupported_reason(call.mods)
 
 
 # In order of preference: the first entry that serves a call and does not defer it runs.
@@ -467,8 +490,10 @@ def flash_attention(
 
     Args:
       query: [batch, q_len, heads, head_dim].
-      key, value: [batch, kv_len, kv_heads, head_dim], heads % kv_heads == 0 (MHA, GQA, MQA): query head h
+      key: [batch, kv_len, kv_heads, head_dim], heads % kv_heads == 0 (MHA, GQA, MQA): query head h
         reads kv head h // (heads // kv_heads). q_len and kv_len may differ.
+      value: [batch, kv_len, kv_heads, head_dim_v]; head_dim_v may differ from head_dim (DeepSeek's MLA:
+        192 and 128), served by "xla_chunked" and "xla" only (`implementation=None` picks "xla_chunked").
       scale: softmax scale; default 1 / sqrt(head_dim). A Python float is compiled in; a JAX array (traced
         or learned) is folded into the query before the kernels (one extra rounding of the query to its
         dtype) and gets its gradient.
@@ -518,7 +543,7 @@ def flash_attention(
         <= 64 on the H100), so dQ varies in its last bits between runs. The other implementations are
         deterministic either way.
     Returns:
-      out [batch, q_len, heads, head_dim] in query's dtype, and lse if `return_lse`. A query that sees no
+      out [batch, q_len, heads, head_dim_v] in query's dtype, and lse if `return_lse`. A query that sees no
       key gets zeros and lse = -inf.
 
     Each call runs one compiled function per shape, dtype and set of options (`STATIC_ARGNAMES`), so eager
@@ -761,6 +786,7 @@ def _prepare(
         config,
         tuple(name for name, used in features if used),
         mods,
+        jax.ShapeDtypeStruct(value.shape, value.dtype),
     )
     impl = dispatch(implementation, call)
     return _Prepared(impl, query, scale, band, config, q_ids, kv_ids, block_mask, mods, mod_arrays)
@@ -893,7 +919,7 @@ def attention_backward(
 
     Args:
       query, key, value: as `flash_attention`.
-      out: [batch, q_len, heads, head_dim] in query's dtype; lse: float32 [batch, heads, q_len], natural log,
+      out: [batch, q_len, heads, head_dim_v] in query's dtype; lse: float32 [batch, heads, q_len], natural log,
         -inf for a query that sees no key.
       d_out: like out; d_lse: like lse, or None (zeros).
       scale: a Python float, or None for 1 / sqrt(head_dim).
@@ -904,9 +930,10 @@ def attention_backward(
     """
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         raise TypeError(f"attention_backward's scale must be a Python float or None, got {scale!r}")
+    out_shape = (*query.shape[:3], value.shape[3])
     for name, x, shape in (
-        ("out", out, query.shape),
-        ("d_out", d_out, query.shape),
+        ("out", out, out_shape),
+        ("d_out", d_out, out_shape),
         ("lse", lse, (query.shape[0], query.shape[2], query.shape[1])),
         ("d_lse", d_lse, (query.shape[0], query.shape[2], query.shape[1])),
     ):
@@ -1068,13 +1095,13 @@ def _portable_backward(call: _Prepared, key, value, out, lse, d_out, d_lse):
 
 def _chunked_backward(call: _Prepared, key, value, out, lse, d_out, d_lse):
     """The XLA chunked custom_vjp's backward, in its layout: queries grouped by K/V head, [batch, q_len,
-    kv_heads, group, head_dim], and (out, lse) [batch, kv_heads, group, q_len(, head_dim)] float32."""
+    kv_heads, group, head_dim], and (out, lse) [batch, kv_heads, group, q_len(, head_dim_v)] float32."""
     batch, q_len, heads, head_dim = call.query.shape
     kv_heads = key.shape[2]
     group = heads // kv_heads
 
-    def by_group(x):  # [batch, q_len, heads, head_dim] -> [batch, kv_heads, group, q_len, head_dim]
-        return jnp.moveaxis(x.astype(jnp.float32), 2, 1).reshape(batch, kv_heads, group, q_len, head_dim)
+    def by_group(x):  # [batch, q_len, heads, head_dim_v] -> [batch, kv_heads, group, q_len, head_dim_v]
+        return jnp.moveaxis(x.astype(jnp.float32), 2, 1).reshape(batch, kv_heads, group, q_len, x.shape[-1])
 
     def rows(x):  # [batch, heads, q_len] -> [batch, kv_heads, group, q_len]
         return x.reshape(batch, kv_heads, group, q_len)

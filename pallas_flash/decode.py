@@ -117,6 +117,7 @@ class DecodeCall:
     key_cache: jax.ShapeDtypeStruct
     page_size: int | None
     params: DecodeParams
+    value_cache: jax.ShapeDtypeStruct | None = None  # None: shaped like key_cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,14 +128,15 @@ class DecodeImplementation:
     run(query, key_cache, value_cache, lengths, block_table, params) -> (out, lse), the contract:
       query [B, Tq, H, D] (float32/bfloat16/float16; 1 <= Tq <= 16; H % Hkv == 0, head h reads kv head
         h // (H // Hkv)); key_cache, value_cache in query's dtype: [B, S, Hkv, D] when block_table is None,
-        else pages [num_pages, page_size, Hkv, D] with block_table int32 [B, max_pages] (sequence b's key at
-        position p lies in page block_table[b, p // page_size], row p % page_size); lengths int32 [B]: keys
+        else pages [num_pages, page_size, Hkv, D] with block_table int32 [B, max_pages] (value_cache's last
+        axis is Dv, which may differ from D; sequence b's key at position p lies in page
+        block_table[b, p // page_size], row p % page_size); lengths int32 [B]: keys
         held per sequence, its new queries included (traced; may be < Tq or out of range under jit: no
         error, and no out-of-bounds access: clamp page indices);
         params: `DecodeParams`. Query t of sequence b sits at position q = lengths[b] - Tq + t and sees key p
         iff p <= q and (window_left is None or p >= q - window_left). Logits: scale * q.k, then
         cap * tanh(x / cap) with a soft cap.
-      Returns out [B, Tq, H, D] in query's dtype and lse [B, H, Tq] float32 (natural log); a query that sees
+      Returns out [B, Tq, H, Dv] in query's dtype and lse [B, H, Tq] float32 (natural log); a query that sees
       no key gets zeros and -inf.
     """
 
@@ -197,7 +199,7 @@ def xla_default_num_splits(batch: int, heads: int, q_len: int, kv_len: int) -> i
 
 def _partial(q, k, v, q_pos, k_pos, lo, params: DecodeParams):
     """One split: q [B, Tq, Hkv, G, D]; k, v [B, C, Hkv, D] at positions k_pos [C] (keys before `lo` belong
-    to an earlier split and are hidden). Returns out [B, Hkv, G, Tq, D] float32, lse [B, Hkv, G, Tq]."""
+    to an earlier split and are hidden). Returns out [B, Hkv, G, Tq, Dv] float32, lse [B, Hkv, G, Tq]."""
     s = _einsum("bqhgd,bkhd->bhgqk", q, k) * params.scale
     if params.logits_soft_cap is not None:
         s = masks.soft_cap(s, params.logits_soft_cap)
@@ -217,7 +219,7 @@ def decode_xla(query, key_cache, value_cache, lengths, block_table, params: Deco
     """Split-KV decode attention in plain JAX (the "xla" implementation); contract of
     `DecodeImplementation.run`. Splits of a paged cache are whole pages; `num_splits` is an upper bound."""
     batch, q_len, heads, dim = query.shape
-    kv_heads = key_cache.shape[2]
+    kv_heads, dim_v = key_cache.shape[2], value_cache.shape[3]
     paged = block_table is not None
     page = key_cache.shape[1] if paged else 1
     units = block_table.shape[1] if paged else key_cache.shape[1]  # pages, or keys
@@ -248,7 +250,7 @@ def decode_xla(query, key_cache, value_cache, lengths, block_table, params: Deco
 
     def skipped(i):
         shape = (batch, kv_heads, heads // kv_heads, q_len)
-        return jnp.zeros((*shape, dim), jnp.float32), jnp.full(shape, -jnp.inf, jnp.float32)
+        return jnp.zeros((*shape, dim_v), jnp.float32), jnp.full(shape, -jnp.inf, jnp.float32)
 
     def run_split(i):
         lo = i * chunk
@@ -260,13 +262,20 @@ def decode_xla(query, key_cache, value_cache, lengths, block_table, params: Deco
     else:
         outs, lses = lax.map(run_split, jnp.arange(splits, dtype=jnp.int32))
         out, lse = merge_attention_states(outs, lses)
-    out = jnp.moveaxis(out.reshape(batch, heads, q_len, dim), 1, 2).astype(query.dtype)
+    out = jnp.moveaxis(out.reshape(batch, heads, q_len, dim_v), 1, 2).astype(query.dtype)
     return out, lse.reshape(batch, heads, q_len)
 
 
 def _hopper_cannot_serve(call: DecodeCall) -> str | None:
     if not device.on_hopper_gpu():
         return "no Hopper (sm90) GPU: the Mosaic GPU decode kernel uses its TMA and wgmma"
+    head_dim = call.query.shape[3]
+    head_dim_v = head_dim if call.value_cache is None else call.value_cache.shape[3]
+    if head_dim_v != head_dim:  # the kernel holds one head_dim for its K and V tiles
+        return (
+            "the Mosaic GPU decode kernel needs value_cache's head_dim equal to query's and key_cache's: "
+            f"head_dims are {head_dim} (query, key_cache) and {head_dim_v} (value_cache)"
+        )
     return hopper_decode.unsupported_reason(call.query.dtype, call.query.shape[3], call.page_size)
 
 
@@ -340,10 +349,10 @@ def _check_shapes(query, key_cache, value_cache, lengths, block_table):
             f"query has q_len {q_len} (axis 1); flash_decode serves 1 to {MAX_QUERY_LEN} queries per "
             "sequence: use flash_attention for longer (prefill) chunks"
         )
-    if key_cache.shape != value_cache.shape:
+    if key_cache.shape[:3] != value_cache.shape[:3]:
         raise ValueError(
-            f"key_cache and value_cache must have the same shape, got {tuple(key_cache.shape)} and "
-            f"{tuple(value_cache.shape)}"
+            f"key_cache and value_cache must have the same shape but for head_dim, got {tuple(key_cache.shape)} "
+            f"and {tuple(value_cache.shape)}"
         )
     kv_heads = key_cache.shape[2]
     if key_cache.shape[3] != dim:
@@ -455,7 +464,8 @@ def flash_decode(
         each sequence (one decoded token, or a speculative / chunked-prefill tail), whose keys and values are
         already in the cache.
       key_cache, value_cache: in query's dtype; contiguous [batch, max_len, kv_heads, head_dim], or paged
-        [num_pages, page_size, kv_heads, head_dim] with `block_table`. heads % kv_heads == 0 (MHA, GQA, MQA):
+        [num_pages, page_size, kv_heads, head_dim] with `block_table`; value_cache's head_dim (head_dim_v) may
+        differ (DeepSeek's MLA: 192 and 128; served by "xla" and "reference"). heads % kv_heads == 0 (MHA, GQA, MQA):
         query head h reads kv head h // (heads // kv_heads).
       lengths: int [batch]: keys held per sequence, its Tq new ones included. Query t of sequence b sits at
         position lengths[b] - Tq + t and sees keys 0 .. that position (causal, aligned to the end). Concrete
@@ -480,7 +490,7 @@ def flash_decode(
       implementation: None (the first of `DECODE_IMPLEMENTATIONS` that serves the call), "mosaic" (the Hopper
         kernel: bfloat16/float16, head_dim 64 or 128, on an sm90 GPU), "xla" or "reference" (dense float32).
     Returns:
-      out [batch, Tq, heads, head_dim] in query's dtype (a query that sees no key gets zeros), and lse if
+      out [batch, Tq, heads, head_dim_v] in query's dtype (a query that sees no key gets zeros), and lse if
       `return_lse`. The "xla" and "reference" paths differentiate by JAX autodiff (no custom backward); the
       "mosaic" kernel has no gradient (it serves inference).
 
@@ -522,6 +532,7 @@ def flash_decode(
         jax.ShapeDtypeStruct(key_cache.shape, key_cache.dtype),
         page_size,
         params,
+        jax.ShapeDtypeStruct(value_cache.shape, value_cache.dtype),
     )
     impl = choose(DECODE_REGISTRY, implementation, call, what="flash_decode ")
     out, lse = _decode(

@@ -40,8 +40,9 @@ def attention_reference(
 
     Args:
       query: [batch, q_len, heads, head_dim].
-      key, value: [batch, kv_len, kv_heads, head_dim]; heads % kv_heads == 0 (query head h reads kv head
+      key: [batch, kv_len, kv_heads, head_dim]; heads % kv_heads == 0 (query head h reads kv head
         h // (heads // kv_heads), as in `jax.nn.dot_product_attention`).
+      value: [batch, kv_len, kv_heads, head_dim_v] (head_dim_v may differ from head_dim).
       is_causal / band: the visible band (`masks.Band`); `band` overrides `is_causal` when given.
       q_segment_ids, kv_segment_ids: optional int32 [batch, q_len] / [batch, kv_len]; a query sees only
         keys of its own segment.
@@ -55,7 +56,7 @@ def attention_reference(
       sinks: float [heads] or None: a logit per head that joins every row's softmax denominator and attends
         to nothing (gpt-oss's attention sinks).
     Returns:
-      (out [batch, q_len, heads, head_dim] in query's dtype, lse [batch, heads, q_len] float32, natural log).
+      (out [batch, q_len, heads, head_dim_v] in query's dtype, lse [batch, heads, q_len] float32, natural log).
       A query that sees no key gets out = 0 and lse = -inf.
     """
     batch, q_len, heads, head_dim = query.shape
@@ -124,5 +125,5 @@ def attention_reference(
     out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v, precision=hp)
     # log(0) = -inf for fully masked rows, taken through a safe log so the gradient stays finite.
     lse = jnp.where(denom == 0.0, -jnp.inf, jnp.log(jnp.where(denom == 0.0, 1.0, denom)) + row_max)[..., 0]
-    out = out.reshape(batch, q_len, heads, head_dim).astype(query.dtype)
+    out = out.reshape(batch, q_len, heads, v.shape[-1]).astype(query.dtype)
     return out, lse.reshape(batch, heads, q_len)

@@ -169,8 +169,8 @@ def _visit(
 
 
 def _forward(q, k, v, q_segment_ids, kv_segment_ids, mod_arrays, scale, band, block_kv, mods, block_mask):
-    batch, q_len, kv_heads, group, dim = q.shape
-    kv_len = k.shape[1]
+    batch, q_len, kv_heads, group, _ = q.shape
+    kv_len, dim = k.shape[1], v.shape[-1]
     block_kv = min(block_kv, kv_len)
     xs, bias_const, mask_const = _scan_inputs(k, v, kv_segment_ids, mods, mod_arrays, kv_heads, block_kv)
     visit = functools.partial(
@@ -211,7 +211,7 @@ def _forward(q, k, v, q_segment_ids, kv_segment_ids, mod_arrays, scale, band, bl
     empty = l == 0.0
     out = acc / jnp.where(empty, 1.0, l)[..., None]
     lse = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, l))) / LOG2E)
-    return out, lse  # out [b, h, g, q, d] float32, lse [b, h, g, q]
+    return out, lse  # out [b, h, g, q, d_v] float32, lse [b, h, g, q]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
@@ -332,7 +332,8 @@ def attention_chunked(
     mods: masks.ScoreMods = masks.ScoreMods(),
     mod_arrays: masks.ModArrays = masks.ModArrays(),
 ):
-    """Blocked online-softmax attention. Shapes and results as `reference.attention_reference`; the score
+    """Blocked online-softmax attention. Shapes and results as `reference.attention_reference` (value's head_dim
+    may differ from query's and key's); the score
     modifiers as checked by `api.flash_attention` (`masks.ScoreMods` and its `masks.ModArrays`). A
     `block_mask` is applied as a token mask per key chunk (no block is skipped: XLA's scan has a fixed
     trip count)."""
@@ -342,5 +343,5 @@ def attention_chunked(
     out, lse = _chunked(
         q, key, value, q_segment_ids, kv_segment_ids, mod_arrays, scale, band, block_kv, mods, block_mask
     )
-    out = jnp.moveaxis(out.reshape(batch, heads, q_len, dim), 1, 2).astype(query.dtype)
+    out = jnp.moveaxis(out.reshape(batch, heads, q_len, value.shape[-1]), 1, 2).astype(query.dtype)
     return out, lse.reshape(batch, heads, q_len)

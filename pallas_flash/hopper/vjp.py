@@ -61,11 +61,24 @@ def _staged(mods: masks.ScoreMods):
 
 
 def unsupported_reason(
-    query, key, *, band: masks.Band, unserved=(), config: KernelConfig, mods: masks.ScoreMods = masks.ScoreMods()
+    query,
+    key,
+    *,
+    band: masks.Band,
+    unserved=(),
+    config: KernelConfig,
+    mods: masks.ScoreMods = masks.ScoreMods(),
+    value=None,
 ) -> str | None:
     """None if the Hopper kernel serves this call on this machine, else why not (for the dispatcher).
     `unserved`: names of the call's features the Hopper kernel does not have; `mods`: its score modifiers,
-    of which the kernel runs the score_mod and mask_mod where they can be staged."""
+    of which the kernel runs the score_mod and mask_mod where they can be staged; `value`: its shape (None:
+    key's), whose head_dim must be query's (the kernels hold one head_dim for Q, K and V tiles)."""
+    if value is not None and value.shape[-1] != query.shape[-1]:
+        return (
+            "the Mosaic GPU kernel needs value's head_dim equal to query's and key's: head_dims are "
+            f"{query.shape[-1]} (query, key) and {value.shape[-1]} (value)"
+        )
     if not device.on_hopper_gpu():
         return (
             "the Mosaic GPU kernel needs an sm90 (Hopper) GPU (on CPU, JAX's Mosaic GPU interpreter runs its "
