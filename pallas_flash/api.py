@@ -76,8 +76,7 @@ def _check_inputs(query, key, value):
     batch, q_len, heads, head_dim = query.shape
     if key.shape[:3] != value.shape[:3]:
         raise ValueError(
-            f"key and value must have the same shape but for head_dim, got {tuple(key.shape)} and "
-            f"{tuple(value.shape)}"
+            f"key and value must have the same shape but for head_dim, got {tuple(key.shape)} and {tuple(value.shape)}"
         )
     if key.shape[0] != batch:
         raise ValueError(f"key has batch {key.shape[0]}; query has batch {batch}")
