@@ -1051,24 +1051,24 @@ def _attention_backward(
 
 
 def _hopper_backward(call: _Prepared, key, value, out, lse, d_out, d_lse, deterministic):
-    """The Hopper custom_vjp's backward on the residuals its forward saves, with these out and lse; the staged
-    values of the folded programs (`_hopper_programs`) are recomputed as `hopper.flash_attention_hopper` computes
-    them (O(seq) work in XLA)."""
     hopper_mods, arrays = _hopper_programs(call.mods, call.mod_arrays)
-    score_mod, mask_mod = hopper._staged(hopper_mods)
-    batch, q_len, heads, _ = call.query.shape
-    lengths = (batch, heads, q_len, key.shape[1])
-    score_stacks = mask_stacks = (None,) * 4
-    if score_mod is not None:
-        score_stacks = score_mod.stacks(arrays.score_consts, *lengths)
-    if mask_mod is not None:
-        mask_stacks = mask_mod.stacks(tuple(jax.lax.stop_gradient(c) for c in arrays.mask_consts), *lengths)
-    # The mask's block ranges (None here) steer only the forward; the backward returns their integer cotangent.
-    residuals = (call.query, key, value, call.q_ids, call.kv_ids, score_stacks, mask_stacks, None, arrays, out, lse)
-    grads = hopper._attention_bwd(
-        call.scale, call.band, call.config, deterministic, hopper_mods, residuals, (d_out, d_lse)
+    return hopper.backward(
+        call.query,
+        key,
+        value,
+        out,
+        lse,
+        d_out,
+        d_lse,
+        scale=call.scale,
+        band=call.band,
+        config=call.config,
+        q_segment_ids=call.q_ids,
+        kv_segment_ids=call.kv_ids,
+        deterministic=deterministic,
+        mods=hopper_mods,
+        mod_arrays=arrays,
     )
-    return grads[:3]
 
 
 def _portable_backward(call: _Prepared, key, value, out, lse, d_out, d_lse):

@@ -238,6 +238,37 @@ def _attention_bwd(scale, band, config, deterministic, mods, residuals, cotangen
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
+def _program_inputs(query, key, mods, mod_arrays, *, config, band, with_ranges: bool):
+    """(score_stacks, mask_stacks, mask_ranges) of a call's programs, computed in XLA: each program's staged values
+    (`mods.Staged.stacks`; the score's are differentiable in its closed-over arrays) and, `with_ranges`, the
+    mask's block ranges at the forward's tiles (only the forward reads them; else None)."""
+    staged = _staged(mods)
+    if isinstance(staged, str):
+        raise ValueError(f"the Mosaic GPU kernel cannot run this call's {staged}")
+    score_mod, mask_mod = staged
+    batch, q_len, heads, head_dim = query.shape
+    kv_len = key.shape[1]
+    score_stacks = mask_stacks = (None,) * 4
+    mask_ranges = None
+    if score_mod is not None:
+        score_stacks = score_mod.stacks(mod_arrays.score_consts, batch, heads, q_len, kv_len)
+    if mask_mod is not None:
+        # Neither the mask's values nor its block ranges have a gradient (a bool result).
+        consts = tuple(jax.lax.stop_gradient(c) for c in mod_arrays.mask_consts)
+        mask_stacks = mask_mod.stacks(consts, batch, heads, q_len, kv_len)
+        if with_ranges:
+            mask_ranges = hopper_fwd.mask_ranges(
+                mask_mod,
+                consts,
+                batch=batch,
+                heads=heads,
+                q_len=q_len,
+                kv_len=kv_len,
+                config=_hopper_config(config, head_dim, kv_len, band),
+            )
+    return score_stacks, mask_stacks, mask_ranges
+
+
 def flash_attention_hopper(
     query,
     key,
@@ -260,29 +291,9 @@ def flash_attention_hopper(
     which ones they can stage), with their arrays in `mod_arrays` (score_consts, mask_consts; the score_mod's
     float arrays get gradients), and dropout (dropout_rate, broadcast_dropout, with mod_arrays.dropout_seed:
     the keep mask of every implementation, `masks.dropout_keep_mask`)."""
-    staged = _staged(mods)
-    if isinstance(staged, str):
-        raise ValueError(f"the Mosaic GPU kernel cannot run this call's {staged}")
-    score_mod, mask_mod = staged
-    batch, q_len, heads, head_dim = query.shape
-    kv_len = key.shape[1]
-    score_stacks = mask_stacks = (None,) * 4
-    mask_ranges = None
-    if score_mod is not None:
-        score_stacks = score_mod.stacks(mod_arrays.score_consts, batch, heads, q_len, kv_len)
-    if mask_mod is not None:
-        # Neither the mask's values nor its block ranges have a gradient (a bool result).
-        consts = tuple(jax.lax.stop_gradient(c) for c in mod_arrays.mask_consts)
-        mask_stacks = mask_mod.stacks(consts, batch, heads, q_len, kv_len)
-        mask_ranges = hopper_fwd.mask_ranges(
-            mask_mod,
-            consts,
-            batch=batch,
-            heads=heads,
-            q_len=q_len,
-            kv_len=kv_len,
-            config=_hopper_config(config, head_dim, kv_len, band),
-        )
+    score_stacks, mask_stacks, mask_ranges = _program_inputs(
+        query, key, mods, mod_arrays, config=config, band=band, with_ranges=True
+    )
     return _attention(
         query,
         key,
@@ -299,3 +310,32 @@ def flash_attention_hopper(
         deterministic,
         mods,
     )
+
+
+def backward(
+    query,
+    key,
+    value,
+    out,
+    lse,
+    d_out,
+    d_lse,
+    *,
+    scale: float,
+    band: masks.Band,
+    config: KernelConfig,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    deterministic: bool = True,
+    mods: masks.ScoreMods = masks.ScoreMods(),
+    mod_arrays: masks.ModArrays = masks.ModArrays(),
+):
+    """`flash_attention_hopper`'s backward on given residuals (out [batch, q_len, heads, head_dim], lse [batch,
+    heads, q_len]) and cotangents: (dq, dk, dv). Arguments as `flash_attention_hopper`'s."""
+    score_stacks, mask_stacks, _ = _program_inputs(
+        query, key, mods, mod_arrays, config=config, band=band, with_ranges=False
+    )
+    # The mask's block ranges (None here) steer only the forward; the backward returns their integer cotangent.
+    residuals = (query, key, value, q_segment_ids, kv_segment_ids, score_stacks, mask_stacks, None, mod_arrays, out,
+                 lse)  # fmt: skip
+    return _attention_bwd(scale, band, config, deterministic, mods, residuals, (d_out, d_lse))[:3]
