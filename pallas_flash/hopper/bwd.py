@@ -63,7 +63,6 @@ from pallas_flash.hopper.common import (
     pad_axis,
     padded_head_dim,
     round_up,
-    staged_block_classes,
 )
 from pallas_flash.hopper.config import H100_SHARED_MEMORY, NUM_CONSUMERS, HopperBwdConfig
 from pallas_flash.hopper.fwd import KernelMods, kernel_dropout
@@ -147,8 +146,8 @@ def _mask_ranges(mask_mod, mask_stacks, config: HopperBwdConfig, *, batch, heads
     block_q, block_kv = math.gcd(dq_rows, dkdv_cols), math.gcd(dq_cols, dkdv_rows)
     q_pad = round_up(q_len, math.lcm(dq_rows, dkdv_cols))
     kv_pad = round_up(kv_len, math.lcm(dq_cols, dkdv_rows))
-    anything, everything = staged_block_classes(
-        mask_mod, mask_stacks, batch=batch, heads=heads, q_len=q_len, kv_len=kv_len, block_q=block_q, block_kv=block_kv
+    anything, everything = mask_mod.block_classes(
+        mask_stacks, batch=batch, heads=heads, q_len=q_len, kv_len=kv_len, block_q=block_q, block_kv=block_kv
     )
     pad = ((0, 0), (0, 0), (0, q_pad // block_q - anything.shape[2]), (0, kv_pad // block_kv - anything.shape[3]))
     anything, everything = jnp.pad(anything, pad), jnp.pad(everything, pad, constant_values=True)

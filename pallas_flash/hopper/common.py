@@ -362,14 +362,6 @@ def narrow_to_mask_ranges(lo, hi, same, ranges, *, batch, head, tile, num_kv_blo
     return lo, hi, same
 
 
-def staged_block_classes(mask, stacks, *, batch: int, heads: int, q_len: int, kv_len: int, block_q: int,
-                         block_kv: int):  # fmt: skip
-    """`mods.block_classes` of a staged mask program (`mods.Staged`) from its stacks (`Staged.stacks`), as the
-    kernels evaluate it: (any, every), bool [Bd, Hd, num_q_blocks, num_kv_blocks]."""
-    return mask.block_classes(stacks, batch=batch, heads=heads, q_len=q_len, kv_len=kv_len, block_q=block_q,
-                              block_kv=block_kv)  # fmt: skip
-
-
 def coarsen_block_classes(anything, everything, rows: int, cols: int):
     """Block classes ([..., num_row_blocks, num_col_blocks]) of blocks `rows` x `cols` times as large."""
     *lead, n, m = anything.shape
