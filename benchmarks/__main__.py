@@ -271,15 +271,27 @@ def run_bar(args, argv: list[str], parser) -> str:
     )
 
 
+def _passes(args, parser, suite: str, allowed) -> list[str]:
+    """--passes as a list (default: every pass `allowed`), or a usage error naming the suite's passes."""
+    passes = _csv(args.passes) or list(allowed)
+    if set(passes) - set(allowed):
+        parser.error(f"{suite} takes the passes {' and '.join(allowed)}, got {args.passes!r}")
+    return passes
+
+
+def _cases(args, parser, known) -> list[str] | None:
+    """--cases as a list (None: all), or a usage error listing the `known` cases."""
+    names = _csv(args.cases)
+    if names and set(names) - set(known):
+        parser.error(f"unknown case in {args.cases!r}; choose from {', '.join(known)}")
+    return names
+
+
 def run_flex(args, argv: list[str], parser) -> str:
     from benchmarks import flex
 
-    passes = _csv(args.passes) or ["fwd", "fwdbwd"]
-    if set(passes) - {"fwd", "fwdbwd"}:
-        parser.error(f"flex takes the passes fwd and fwdbwd, got {args.passes!r}")
-    names = _csv(args.cases)
-    if names and set(names) - set(flex.case_names()):
-        parser.error(f"unknown case in {args.cases!r}; choose from {', '.join(flex.case_names())}")
+    passes = _passes(args, parser, "flex", ("fwd", "fwdbwd"))
+    names = _cases(args, parser, flex.case_names())
     if not args.smoke:
         flex.share_the_gpu_with_torch()
     return _run_own_suite(
@@ -304,9 +316,7 @@ def run_flex(args, argv: list[str], parser) -> str:
 def run_ring(args, argv: list[str], parser) -> str:
     from benchmarks import ring
 
-    passes = _csv(args.passes) or list(ring.PASSES)
-    if set(passes) - set(ring.PASSES):
-        parser.error(f"ring takes the passes fwd and fwdbwd, got {args.passes!r}")
+    passes = _passes(args, parser, "ring", ring.PASSES)
     try:
         seqs = _csv(args.seqs_per_gpu, int)
     except ValueError:
@@ -331,9 +341,7 @@ def run_ring(args, argv: list[str], parser) -> str:
 def run_decode(args, argv: list[str], parser) -> str:
     from benchmarks import decode
 
-    names = _csv(args.cases)
-    if names and set(names) - set(decode.case_names()):
-        parser.error(f"unknown case in {args.cases!r}; choose from {', '.join(decode.case_names())}")
+    names = _cases(args, parser, decode.case_names())
     return _run_own_suite(
         "decode",
         args,
