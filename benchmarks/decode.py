@@ -15,11 +15,13 @@ Every other variant is timed in interleaved pairs with default (`benchmarks.timi
 ms / default ms with its ~95% interval; the default row carries cuDNN's as `ratio_to_cudnn` (cuDNN ms / ours).
 Bandwidth: the keys and values the queries see (sum of lengths x kv_heads x head_dim x 2 x bytes) over the time,
 in TB/s and as a fraction of the device's HBM peak (3.35 TB/s on the H100 SXM; none for other devices).
-Last, generation: `GPT.generate`'s decode loop (`models.generate.decode`, attention by `flash_decode` over the
-cache) on the small preset at an 8k context (B=8, a 7k prompt, 1k new tokens, greedy), against the same loop
-with the attention over the cache replaced by Flax's decode-cache attention: dense `nnx.dot_product_attention`
-over the cache's whole capacity, keys beyond each sequence's length masked (`masked_dense_decode`). Both from
-the same prefill, timed to completion in interleaved runs; `ratio_to_dense` = dense s / flash s (target >= 3).
+Last, generation: `GPT.generate`'s decode loop (`models.generate.decode`, attention by `flash_decode` over its
+cache of the prompt's bucket plus the new tokens) on the small preset at an 8k context (B=32, greedy), against
+the same loop with Flax's decode cache: a cache of the whole context, attended by dense
+`nnx.dot_product_attention` with the keys beyond each sequence's length masked (`masked_dense_decode`). Two
+scenarios: `generate`, a 1k prompt and 1k new tokens (what a decode cache of the whole context wastes), and
+`generate_full`, a 7k prompt and 1k new tokens (the caches alike: only the attention kernels differ). Each loop
+from its own prefill, timed to completion in interleaved runs; `ratio_to_dense` = dense s / flash s (target >= 3).
 With `--smoke` (CPU): tiny float32 shapes, the xla path, the tiny preset.
 """
 
@@ -53,13 +55,27 @@ from tests import tolerances
 # HBM peaks (datasheets) by device kind: the H100 SXM's HBM3, the H200's HBM3e.
 HBM_PEAK_TBS = {"H100 80GB HBM3": 3.35, "H200": 4.8}
 GENERATION_TARGET = 3.0  # GPT.generate's tokens/s over the dense masked-cache loop's
-GENERATION = "generate"  # the generation rows' case
+GENERATION = "generate"  # the generation rows' case: a prompt and its new tokens well inside the context
+GENERATION_FULL = "generate_full"  # a prompt and new tokens that fill the context
+
+
+class Generation(NamedTuple):
+    """A generation scenario: its case name, the prompt's tokens and the new tokens."""
+
+    name: str
+    prompt: int
+    new_tokens: int
+
+
+def generations(sizes) -> list[Generation]:
+    return [Generation(name, *pair) for name, pair in zip((GENERATION, GENERATION_FULL), sizes.generations)]
 
 
 @dataclasses.dataclass(frozen=True)
 class Sizes:
     """A run's shapes: the attention points' heads, head_dim, dtype, batch x keys of the 8k and long points and
-    page sizes; the generation's preset, context (max_seq_len), prompt, new tokens, batch and model dtype."""
+    page sizes; the generation's preset, context (max_seq_len), (prompt, new tokens) of its two scenarios, batch
+    and model dtype."""
 
     heads: int = 32
     kv_heads: int = 8
@@ -72,9 +88,8 @@ class Sizes:
     page_sizes: tuple = (64, 256)
     preset: str = "small"
     context: int = 8192
-    prompt: int = 7168
-    new_tokens: int = 1024
-    generate_batch: int = 8
+    generations: tuple = ((1024, 1024), (7168, 1024))
+    generate_batch: int = 32
     model_dtype: str = "bfloat16"
 
 
@@ -90,8 +105,7 @@ SMOKE = Sizes(
     page_sizes=(16, 64),
     preset="tiny",
     context=64,
-    prompt=40,
-    new_tokens=8,
+    generations=((8, 8), (40, 8)),
     generate_batch=2,
     model_dtype="float32",
 )
@@ -135,7 +149,7 @@ def cases(sizes: Sizes) -> list[Case]:
 
 
 def case_names(sizes: Sizes = SMOKE) -> list[str]:
-    return [case.name for case in cases(sizes)] + [GENERATION]
+    return [case.name for case in cases(sizes)] + [g.name for g in generations(sizes)]
 
 
 def peak_tbs(device_kind: str) -> float | None:
@@ -325,45 +339,40 @@ def compiled_loop(graphdef, loop_args, *, dense: bool):
     return compiled
 
 
-def measure_generation(sizes, settings, emit) -> None:
-    """GPT.generate's decode loop against the dense masked-cache loop, from the same prefill, interleaved."""
+def measure_generation(sizes, settings, scenario: Generation, emit) -> None:
+    """GPT.generate's decode loop over its own cache (the prompt bucket plus the new tokens) against the dense
+    loop over a cache of the model's whole context, as Flax's decode cache is; each from its own prefill of the
+    same prompts, timed to completion in interleaved runs."""
     config = dataclasses.replace(PRESETS[sizes.preset], max_seq_len=sizes.context, dtype=sizes.model_dtype)
     model = GPT(config, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)
-    batch = sizes.generate_batch
-    prompt_len = generate.bucket(sizes.prompt, config.max_seq_len, generate.MIN_PROMPT_BUCKET)
-    cache_len = generate.bucket(prompt_len + sizes.new_tokens, config.max_seq_len)
+    batch, prompt, new_tokens = sizes.generate_batch, scenario.prompt, scenario.new_tokens
+    prompt_len = generate.bucket(prompt, config.max_seq_len, generate.MIN_PROMPT_BUCKET)
+    cache_lens = dict(flash=generate.bucket(prompt_len + new_tokens, config.max_seq_len), dense=config.max_seq_len)
     tokens = np.zeros((batch, prompt_len), np.int32)
-    tokens[:, : sizes.prompt] = np.random.default_rng(0).integers(0, config.vocab_size, (batch, sizes.prompt))
-    prefill_args = (state, jnp.asarray(tokens), jnp.full((batch,), sizes.prompt, jnp.int32))
-    static = dict(cache_len=cache_len, page_size=None)
-    common = dict(
-        batch=batch,
-        preset=sizes.preset,
-        context=cache_len,
-        prompt=sizes.prompt,
-        new_tokens=sizes.new_tokens,
-        target=GENERATION_TARGET,
-    )
+    tokens[:, :prompt] = np.random.default_rng(0).integers(0, config.vocab_size, (batch, prompt))
+    prefill_args = (state, jnp.asarray(tokens), jnp.full((batch,), prompt, jnp.int32))
+    common = dict(batch=batch, preset=sizes.preset, prompt=prompt, new_tokens=new_tokens, target=GENERATION_TARGET)
 
     def loop_args(logits, cache):
-        return (state, cache, logits, jnp.int32(sizes.new_tokens), jnp.float32(1.0), jax.random.key(0))
+        return (state, cache, logits, jnp.int32(new_tokens), jnp.float32(1.0), jax.random.key(0))
 
+    prefills, loops = {}, {}
     try:
-        prefill = generate.prefill.lower(graphdef, *prefill_args, **static).compile()
-        abstract = jax.eval_shape(lambda *a: generate.prefill(graphdef, *a, **static), *prefill_args)
-        loops = {
-            name: compiled_loop(graphdef, loop_args(*abstract), dense=name == "dense") for name in ("flash", "dense")
-        }
+        for name, cache_len in cache_lens.items():
+            static = dict(cache_len=cache_len, page_size=None)
+            prefills[name] = generate.prefill.lower(graphdef, *prefill_args, **static).compile()
+            abstract = jax.eval_shape(lambda *a, static=static: generate.prefill(graphdef, *a, **static), *prefill_args)
+            loops[name] = compiled_loop(graphdef, loop_args(*abstract), dense=name == "dense")
     except Exception as e:  # noqa: BLE001 - e.g. out of memory: no generation rows
-        emit("flash", **common, **_failure(e))
+        emit("flash", **common, context=cache_lens["flash"], **_failure(e))
         return
 
     def sample(name):
-        logits, cache = jax.block_until_ready(prefill(*prefill_args))
+        logits, cache = jax.block_until_ready(prefills[name](*prefill_args))
         start = time.perf_counter()
         out, *_ = jax.block_until_ready(loops[name](*loop_args(logits, cache)))
-        return time.perf_counter() - start, np.asarray(out[:, : sizes.new_tokens])
+        return time.perf_counter() - start, np.asarray(out[:, :new_tokens])
 
     sample("flash"), sample("dense")  # warm-up
     seconds, ratios, outs = {"flash": [], "dense": []}, [], {}
@@ -382,8 +391,9 @@ def measure_generation(sizes, settings, emit) -> None:
             name,
             impl="GPT.generate" if name == "flash" else "dense masked cache",
             **common,
+            context=cache_lens[name],
             ms=s * 1e3,
-            tokens_per_s=batch * sizes.new_tokens / s,
+            tokens_per_s=batch * new_tokens / s,
             tokens_agree=agree,
             **fields,
         )
@@ -471,6 +481,7 @@ def run(
             measure_case(case, sizes, settings, partners, emit)
         except Exception as e:  # noqa: BLE001 - the cache itself does not fit: an OOM row, not a crash
             emit("default", **_failure(e))
-    if GENERATION in names:
-        measure_generation(sizes, settings, emitter(GENERATION, dict(dtype=sizes.model_dtype)))
+    for scenario in generations(sizes):
+        if scenario.name in names:
+            measure_generation(sizes, settings, scenario, emitter(scenario.name, dict(dtype=sizes.model_dtype)))
     return records

@@ -747,9 +747,12 @@ def _plot_decode(plt, rows, suite):
         ax.grid(alpha=0.3)
     if generation:
         ax = axes[0][-1]
-        ax.bar([r["variant"] for r in generation], [r["tokens_per_s"] for r in generation])
+        labels = [f"{r['prompt']}+{r['new_tokens']}\n{r['variant']} ({r['context']})" for r in generation]
+        ax.bar(range(len(generation)), [r["tokens_per_s"] for r in generation])
+        ax.set_xticks(range(len(generation)))
+        ax.set_xticklabels(labels, fontsize=7)
         r0 = generation[0]
-        ax.set_title(f"{r0['preset']} GPT, B={r0['batch']}, {r0['prompt']} + {r0['new_tokens']} tokens", fontsize=9)
+        ax.set_title(f"{r0['preset']} GPT, B={r0['batch']}: prompt + new tokens, loop (cache)", fontsize=9)
         ax.set_ylabel("generated tokens/s")
         ax.grid(alpha=0.3)
     fig.suptitle(f"{rows[0]['device']}: decoding", fontsize=10)

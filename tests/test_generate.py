@@ -10,7 +10,9 @@ import pytest
 from flax import nnx
 
 from models import generate, kv_cache
-from models.gpt import GPT, PRESETS
+from models.gpt import GPT, PRESETS, GPTConfig
+from pallas_flash import decode
+from pallas_flash.api import choose
 from tests.tolerances import OUTPUT, relative_error
 
 
@@ -245,3 +247,39 @@ def test_sample_from_a_trained_checkpoint(tmp_path, capsys):
     with pytest.raises(SystemExit):
         sample.main(["--checkpoint", str(run), "--prompt", "def ", "--max-new-tokens", "40"])
     assert "at most 28" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [None, 64])
+def test_cached_logits_on_the_gpu_kernels(page_size):
+    """bfloat16 with head_dim 64, as the GPU kernels serve it: a prefill, a chunk appended by `extend` and a
+    speculative decode step (Tq = 3) over the cache (`flash_decode`'s "mosaic" kernel) give the full forward
+    pass's logits."""
+    config = GPTConfig(num_layers=2, num_heads=8, num_kv_heads=2, embed_dim=512, mlp_dim=512, dtype="bfloat16")
+    model = GPT(config, rngs=nnx.Rngs(0))
+    tokens = np.random.default_rng(0).integers(0, config.vocab_size, (2, 700)).astype(np.int32)
+    full = np.asarray(_full_forward(model)[0](nnx.split(model)[1], jnp.asarray(tokens)), np.float32)
+    lengths, first = np.array([450, 517]), 400  # each prompt: `first` tokens prefilled, the rest extended
+    prompts = np.where(np.arange(512)[None] < first, tokens[:, :512], 0)
+    chunk = np.zeros((2, 128), np.int32)
+    for b, n in enumerate(lengths):
+        chunk[b, : n - first] = tokens[b, first:n]
+
+    @nnx.jit
+    def run(model, prompts, chunk, spec):
+        cache = model.init_cache(2, 1024, page_size=page_size)
+        _, cache = model.prefill(prompts, jnp.full((2,), first), cache)
+        extend_logits, cache = model.extend(chunk, jnp.asarray(lengths - first), cache)
+        spec_logits, cache = model.decode_step(spec, cache)
+        return extend_logits, spec_logits, cache.lengths
+
+    spec = np.stack([tokens[b, n : n + 3] for b, n in enumerate(lengths)])
+    extend_logits, spec_logits, new_lengths = run(model, jnp.asarray(prompts), jnp.asarray(chunk), jnp.asarray(spec))
+    np.testing.assert_array_equal(new_lengths, lengths + 3)
+    q = jax.ShapeDtypeStruct((2, 3, config.num_heads, config.head_dim), jnp.bfloat16)
+    call = decode.DecodeCall(q, q, page_size, decode.DecodeParams(scale=config.head_dim**-0.5))
+    assert choose(decode.DECODE_REGISTRY, None, call, what="flash_decode ").name == "mosaic"
+    want_last = np.stack([full[b, n - 1] for b, n in enumerate(lengths)])
+    want_spec = np.stack([full[b, n : n + 3] for b, n in enumerate(lengths)])
+    assert relative_error(np.asarray(extend_logits, np.float32), want_last) <= OUTPUT[jnp.bfloat16]
+    assert relative_error(np.asarray(spec_logits, np.float32), want_spec) <= OUTPUT[jnp.bfloat16]

@@ -8,9 +8,11 @@ cores. The kernel is built to keep HBM busy:
     of them. Tiles of more than 64 rows are cut into row tiles of 64 (adjacent CTAs, which read the same
     blocks, mostly from L2).
   * split-KV: the key blocks some query of sequence b can see, [first, last) from its length (and the
-    window), are cut into `num_splits` equal runs of whole blocks, one per CTA; the grid is (tiles =
-    splits * row tiles, kv_heads, batch). With few sequences and kv heads the splits fill the SMs
-    (`default_num_splits`); no CTA reads a block past its sequence's length.
+    window), are cut into runs of a fixed number of whole blocks (the most any sequence can see over
+    `num_splits`), one per CTA; the grid is (tiles = splits * row tiles, kv_heads, batch). With few
+    sequences and kv heads the splits fill the SMs (`default_num_splits`); in a ragged batch a short
+    sequence's later splits have nothing to read, so no CTA holds many more blocks than another; no CTA
+    reads a block past its sequence's length.
   * two warpgroups: a producer streams K and V blocks by TMA into a `num_stages`-deep shared-memory ring
     (each slot guarded by a "ready" barrier the TMA completes and a "free" barrier the consumer arrives on),
     so several blocks are in flight per CTA; a consumer computes S = Q K^T and O += P V with wgmma and the
@@ -87,16 +89,16 @@ class DecodeConfig:
             raise ValueError(f"DecodeConfig.num_stages must be an int >= 2, got {self.num_stages!r}")
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
-        """The Q tile, the K/V ring, the float32 output and LSE staging, and the barriers."""
+        """The Q tile, the K/V ring (which the float32 output staging reuses), the LSE staging, the barriers."""
         ring = 2 * self.num_stages * self.block_kv * head_dim * itemsize
-        return ROWS * head_dim * itemsize + ring + ROWS * (head_dim + 1) * 4 + _SMEM_SLACK
+        return ROWS * head_dim * itemsize + max(ring, ROWS * head_dim * 4) + ROWS * 4 + _SMEM_SLACK
 
     @classmethod
     def default(cls, head_dim: int) -> DecodeConfig:
-        """32 KiB of K and V per block and a 4-deep ring: 96 KiB in flight per CTA, about what an H100 SM
-        needs to stream at full HBM bandwidth (~22 GB/s per SM times ~2 us of loaded latency, doubled), in
-        the 227 KiB of one CTA per SM. A design choice, not yet measured against others."""
-        return cls(block_kv=64 if head_dim > 64 else 128, num_stages=4)
+        """32 KiB of K and V per block; a 2-deep ring at head_dim 128, 4-deep at 64, the fastest of 2 to 5
+        slots and 64 to 256 keys per block on the H100 (B=32 x 8k and 1 x 64k, GQA 32/8; B=32 x 8k, 8
+        heads at head_dim 64), by a few percent."""
+        return cls(block_kv=64, num_stages=2) if head_dim > 64 else cls(block_kv=128, num_stages=4)
 
 
 def unsupported_reason(dtype, head_dim: int, page_size: int | None, config: DecodeConfig | None = None):
@@ -116,9 +118,10 @@ def unsupported_reason(dtype, head_dim: int, page_size: int | None, config: Deco
 
 def default_num_splits(ctas: int, num_blocks: int, *, num_sms: int, ctas_per_sm: int = 1) -> int:
     """Splits of each sequence's keys when none are asked for: `ctas` CTAs per split (batch * kv_heads * row
-    tiles), `num_blocks` key blocks in the cache. The fewest splits whose waves of CTAs keep the SMs busy
-    (waves / ceil(waves) within WAVE_EFFICIENCY of the best count's), each of at least MIN_BLOCKS_PER_SPLIT
-    blocks, at most MAX_SPLITS: many sequences get one split, one long sequence one per SM or so."""
+    tiles), `num_blocks` the most key blocks a sequence can see. The fewest splits whose waves of CTAs keep
+    the SMs busy (waves / ceil(waves) within WAVE_EFFICIENCY of the best count's), each of at least
+    MIN_BLOCKS_PER_SPLIT blocks, at most MAX_SPLITS: many sequences get one split, one long sequence one per
+    SM or so."""
     most = max(1, min(MAX_SPLITS, num_blocks // MIN_BLOCKS_PER_SPLIT))
     slots = num_sms * ctas_per_sm
 
@@ -130,20 +133,34 @@ def default_num_splits(ctas: int, num_blocks: int, *, num_sms: int, ctas_per_sm:
     return next(s for s in range(1, most + 1) if efficiency(s) >= WAVE_EFFICIENCY * best)
 
 
+def max_visible_blocks(*, q_len: int, window_left, block_kv: int, capacity: int) -> int:
+    """The most key blocks one sequence's q_len queries can see: the cache's blocks, or fewer under a window
+    (its left reach plus the queries' span, starting anywhere in a block)."""
+    blocks = -(-capacity // block_kv)
+    if window_left is None:
+        return blocks
+    return min(blocks, -(-(window_left + q_len) // block_kv) + 1)
+
+
 def split_block_range(length, split, *, q_len: int, window_left, block_kv: int, capacity: int, num_splits: int):
     """This split's key blocks [lo, hi) (hi >= lo; may be empty) of a sequence holding `length` keys: the
-    blocks some of its q_len queries may see, [first, last), cut into num_splits runs of equal length. The
-    earliest query (position length - q_len) has the window's leftmost key."""
+    blocks some of its q_len queries may see, [first, last), in runs of a fixed number of blocks (the most
+    any sequence can see, `max_visible_blocks`, over num_splits), split i taking the i-th run. A fixed run
+    rather than each sequence's own span cut evenly: in a ragged batch every CTA then reads at most one
+    run, and a short sequence's later splits read nothing, so the SMs' last wave is not held up by the
+    longest sequences' splits. The earliest query (position length - q_len) has the window's leftmost key."""
     end = jnp.clip(length, 0, capacity)
     start = 0 if window_left is None else jnp.clip(length - q_len - window_left, 0, end)
     first, last = lax.div(start, block_kv), lax.div(end + block_kv - 1, block_kv)
-    per_split = lax.div(last - first + num_splits - 1, num_splits)
-    lo = first + split * per_split
-    return lo, jnp.maximum(jnp.minimum(lo + per_split, last), lo)
+    most = max_visible_blocks(q_len=q_len, window_left=window_left, block_kv=block_kv, capacity=capacity)
+    per_split = -(-most // num_splits)
+    lo = jnp.minimum(first + split * per_split, last)
+    return lo, jnp.minimum(lo + per_split, last)
 
 
 def _kernel(
     lengths_ref,
+    order_ref,
     table_ref,
     q_ref,
     k_ref,
@@ -170,15 +187,18 @@ def _kernel(
     transposed shared-memory ref or a register operand: there Q K^T and P V are plain dots on the same
     shared-memory tiles and layouts are left out; the producer drains the ring at the end (`drain_ring`).
 
-    lengths_ref int32 [batch]; table_ref None or int32 [batch, max_pages]; q_ref [batch, kv_heads, rows, d]
+    lengths_ref int32 [batch]; order_ref int32 [batch]: the sequence of each CTA batch index (longest first
+    where the grid takes more than one wave of CTAs, so that the last wave holds the shortest); table_ref
+    None or int32 [batch, max_pages]; q_ref [batch, kv_heads, rows, d]
     (row t * group + g: query t of head kv_head * group + g); k_ref/v_ref [batch, max_len, kv_heads, d] or
     pages [num_pages, page_size, kv_heads, d]; out_ref float32 [splits, batch, kv_heads, q_len * group, d]
     (the real rows); lse_ref float32 [splits, batch, kv_heads, rows] (natural log)."""
-    (q_smem, k_smem, v_smem, o_smem, lse_smem), q_ready, (k_ready, v_ready), (k_free, v_free) = scoped
+    (q_smem, shared, lse_smem), q_ready, (k_ready, v_ready), (k_free, v_free) = scoped
+    (k_smem, v_smem), o_smem = shared  # the K/V ring and the output's staging share their memory
     block_kv, num_stages = config.block_kv, config.num_stages
     paged = table_ref is not None
     capacity = table_ref.shape[1] * page_size if paged else k_ref.shape[1]
-    tile, kv_head, batch = lax.axis_index("tiles"), lax.axis_index("kv_heads"), lax.axis_index("batch")
+    tile, kv_head, batch = lax.axis_index("tiles"), lax.axis_index("kv_heads"), order_ref[lax.axis_index("batch")]
     split, row_tile = lax.div(tile, row_tiles), lax.rem(tile, row_tiles)
     length = lengths_ref[batch]
     lo, hi = split_block_range(
@@ -324,7 +344,9 @@ def _kernel(
             drain_ring((k_free, v_free), num_stages=num_stages, steps=steps)
 
 
-def _partials(q, key_cache, value_cache, lengths, block_table, *, kernel_args, splits, row_tiles, config, interpret):
+def _partials(
+    q, key_cache, value_cache, lengths, order, block_table, *, kernel_args, splits, row_tiles, config, interpret
+):
     """The kernel on packed queries q [batch, kv_heads, row_tiles * ROWS, d]: (out, lse) per split."""
     batch, kv_heads, rows, head_dim = q.shape
     real_rows = kernel_args["q_len"] * kernel_args["group"]
@@ -335,9 +357,13 @@ def _partials(q, key_cache, value_cache, lengths, block_table, *, kernel_args, s
 
     # Named for profiles and traces (Mosaic GPU calls the kernel `<name>_mosaic_gpu_kernel`).
     def flash_decode_sm90(*refs):
-        lengths_ref, table_ref = refs[0], (refs[1] if paged else None)
-        q_ref, k_ref, v_ref, out_ref, lse_ref = refs[1 + paged :]
+        lengths_ref, order_ref, table_ref = refs[0], refs[1], (refs[2] if paged else None)
+        q_ref, k_ref, v_ref, out_ref, lse_ref = refs[2 + paged :]
         ring = plgpu.SMEM((config.num_stages, config.block_kv, head_dim), dtype, transforms=transforms)
+        # The output is staged after the last block is consumed, when no load is in flight: in the ring's
+        # memory (`RefUnion`): with a 2-deep ring a CTA then needs ~80 KiB, and two CTAs share an SM.
+        # The interpreter gets separate buffers (JAX 0.10's has no rule for a union).
+        shared = ((ring, ring), plgpu.SMEM((ROWS, head_dim), jnp.float32))
         body = functools.partial(
             _kernel,
             **kernel_args,
@@ -347,12 +373,10 @@ def _partials(q, key_cache, value_cache, lengths, block_table, *, kernel_args, s
             interpreting=interpret is not None,
         )
         pl.run_scoped(
-            lambda *scoped: body(lengths_ref, table_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, scoped),
+            lambda *scoped: body(lengths_ref, order_ref, table_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, scoped),
             (
                 plgpu.SMEM((ROWS, head_dim), dtype, transforms=transforms),
-                ring,
-                ring,
-                plgpu.SMEM((ROWS, head_dim), jnp.float32),
+                shared if interpret is not None else plgpu.RefUnion(*shared),
                 plgpu.SMEM((ROWS,), jnp.float32),
             ),
             plgpu.Barrier(),
@@ -361,7 +385,7 @@ def _partials(q, key_cache, value_cache, lengths, block_table, *, kernel_args, s
             collective_axes="wg",
         )
 
-    operands = (lengths,) + ((block_table,) if paged else ()) + (q, key_cache, value_cache)
+    operands = (lengths, order) + ((block_table,) if paged else ()) + (q, key_cache, value_cache)
     return plgpu.kernel(
         flash_decode_sm90,
         out_type=(
@@ -420,15 +444,17 @@ def hopper_decode_partials(
     capacity = block_table.shape[1] * page_size if paged else key_cache.shape[1]
     rows = round_up(q_len * group, ROWS)
     row_tiles = rows // ROWS
+    most = max_visible_blocks(q_len=q_len, window_left=window_left, block_kv=config.block_kv, capacity=capacity)
+    num_sms = H100_SMS if interpret is not None else getattr(jax.devices()[0], "core_count", H100_SMS)
+    slots = num_sms * max(1, H100_SHARED_MEMORY // config.smem_bytes(head_dim, query.dtype.itemsize))
     if num_splits is None:
-        num_sms = H100_SMS if interpret is not None else getattr(jax.devices()[0], "core_count", H100_SMS)
-        num_splits = default_num_splits(
-            batch * kv_heads * row_tiles,
-            -(-capacity // config.block_kv),
-            num_sms=num_sms,
-            ctas_per_sm=max(1, H100_SHARED_MEMORY // config.smem_bytes(head_dim, query.dtype.itemsize)),
-        )
-    splits = max(1, min(num_splits, -(-capacity // config.block_kv)))
+        num_splits = default_num_splits(batch * kv_heads * row_tiles, most, num_sms=slots)
+    splits = max(1, min(num_splits, most))
+    lengths = lengths.astype(jnp.int32)
+    # More CTAs than fit at once: the longest sequences' first (a stable sort), so that the last wave
+    # holds short ones, not a long sequence that keeps the GPU waiting after the others are done.
+    waves = batch > 1 and splits * row_tiles * kv_heads * batch > slots
+    order = jnp.argsort(-lengths, stable=True).astype(jnp.int32) if waves else jnp.arange(batch, dtype=jnp.int32)
     # [batch, Tq, kv_heads * group, d] -> [batch, kv_heads, Tq * group (padded), d]: a kv head's tile.
     q = query.reshape(batch, q_len, kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
     q = pad_axis(q.reshape(batch, kv_heads, q_len * group, head_dim), 2, rows)
@@ -436,7 +462,8 @@ def hopper_decode_partials(
         q,
         key_cache,
         value_cache,
-        lengths.astype(jnp.int32),
+        lengths,
+        order,
         None if block_table is None else block_table.astype(jnp.int32),
         kernel_args=dict(
             scale=scale,

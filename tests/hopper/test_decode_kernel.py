@@ -94,6 +94,18 @@ def test_kernel_in_mosaic_gpu_interpreter(case):
 
 
 @pytest.mark.interpreter
+def test_ragged_batch_in_more_than_one_wave(monkeypatch):
+    """On a GPU of one SM every CTA past the first few waits for a slot: the kernel visits the sequences
+    longest first (`order_ref`), and each still writes its own output."""
+    monkeypatch.setattr(hopper_decode, "H100_SMS", 1)  # the interpreter's SM count
+    lengths = (100, 1, 256, 37)
+    q, k, v = _inputs(len(lengths), 1, 256, 4, 1, 64, jnp.bfloat16, seed=11)
+    params = decode.DecodeParams(scale=0.125, num_splits=2)
+    out, lse = run_interpreted(q, k, v, lengths, None, params)
+    _check(out, lse, *_reference(q, k, v, lengths, None, params), jnp.bfloat16)
+
+
+@pytest.mark.interpreter
 def test_lse_of_two_halves_merges_into_the_whole():
     """The kernel over the second half of each cache, merged through its LSE with dense attention over the
     first half (which every query sees whole), equals the kernel over the whole cache."""
