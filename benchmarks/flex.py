@@ -2,8 +2,9 @@
 
 Cases (bf16, B*N = 16k tokens, H=16, D=128, N=8k by default): causal + soft cap 30 (`mods.soft_cap`); ALiBi
 (`mods.alibi`), non-causal and causal; sinks (causal); a per-head, per-key bias table closed over in a score_mod;
-`mods.relative_position_bias` (indexed by both positions: not for the Hopper kernels); a document mask of 8 equal
-documents (`mods.document`); a causal sliding window of 1k keys (`mods.sliding_window`) at N = 2 x 8k, batch 1.
+`mods.relative_position_bias` (indexed by both positions: not for the Hopper kernels); a dense bias `bias=` [1, 1, N,
+N] bf16 (with its gradient); a document mask of 8 equal documents (`mods.document`), and the same as a dense `mask=`
+[B, 1, N, N]; a causal sliding window of 1k keys (`mods.sliding_window`) at N = 2 x 8k, batch 1.
 Each case and pass has one row per variant, every one timed in interleaved pairs with `mod` (`benchmarks.timing`):
   mod         flash_attention with the modifier, by the first of mosaic, pallas, xla_chunked that takes it (the
               refusals before it in the note): `impl` is what ran;
@@ -60,7 +61,7 @@ BLOCK_CLASSES_TARGET_MS = 1.0
 BLOCK_CLASSES = "block_classes"  # the block-mask construction's rows
 # The cases each peer can say (jax.nn has no soft cap or sinks, and a relative-position bias would be N x N).
 PEER_CASES = {
-    "cudnn": ("alibi", "alibi_causal", "bias_table", "document", "sliding_window"),
+    "cudnn": ("alibi", "alibi_causal", "bias_table", "dense_bias", "document", "dense_mask", "sliding_window"),
     "torch_flex": ("soft_cap_causal", "alibi", "alibi_causal", "document", "sliding_window"),
 }
 
@@ -84,7 +85,8 @@ SMOKE_SEQ = 128
 class Case:
     """One modifier. `mod(arrays)`: flash_attention's keyword arguments with it, from the arrays it closes over
     (`arrays(point)` makes them, numpy; `mod` sees them on the device, or traced). `band` and `documents`: the
-    logits it keeps; `partners`: ours without it ("plain", "band"); `seq_factor`: N is this times the suite's."""
+    logits it keeps; `partners`: ours without it ("plain", "band"); `seq_factor`: N is this times the suite's;
+    `query_rows`: the [batch, heads, q_len, kv_len] arrays (cut to the reference's batch and rows)."""
 
     name: str
     mod: Callable[[dict], dict]
@@ -93,6 +95,7 @@ class Case:
     documents: int = 1
     partners: tuple = ("plain",)
     seq_factor: int = 1
+    query_rows: tuple = ()
 
     @property
     def causal(self) -> bool:
@@ -126,6 +129,12 @@ def alibi_slopes(heads: int) -> np.ndarray:
 def document_ids(batch: int, seq: int) -> np.ndarray:
     """int32 [batch, seq]: DOCUMENTS equal documents in each row."""
     return np.broadcast_to(np.repeat(np.arange(DOCUMENTS, dtype=np.int32), seq // DOCUMENTS), (batch, seq)).copy()
+
+
+def document_mask(batch: int, seq: int) -> np.ndarray:
+    """bool [batch, 1, seq, seq]: the document mask of `document_ids` as an explicit array."""
+    ids = document_ids(batch, seq)
+    return ids[:, None, :, None] == ids[:, None, None, :]
 
 
 def _normal(*shape):
@@ -164,6 +173,19 @@ def cases(window: int) -> list[Case]:
             documents=DOCUMENTS,
         ),
         Case(
+            "dense_bias",
+            lambda a: dict(bias=a["bias"]),
+            lambda p: {"bias": _normal(1, 1, p.seq_q, p.seq_k).astype(jnp.bfloat16)},
+            query_rows=("bias",),
+        ),
+        Case(
+            "dense_mask",
+            lambda a: dict(mask=a["mask"]),
+            lambda p: {"mask": document_mask(p.batch, p.seq_q)},
+            documents=DOCUMENTS,
+            query_rows=("mask",),
+        ),
+        Case(
             "sliding_window",
             lambda a: dict(mask_mod=mods.sliding_window(window, 0)),
             band=(window, 0),
@@ -185,6 +207,8 @@ def cudnn_kwargs(case: Case, a: dict, point: Point) -> dict:
         return dict(bias=a["table"][None, :, None, :].astype(dtype))
     if case.name == "document":
         return dict(mask=a["ids"][:, None, :, None] == a["ids"][:, None, None, :])
+    if case.name in ("dense_bias", "dense_mask"):
+        return {name: a[name] for name in case.query_rows}
     if case.name == "sliding_window":
         return dict(is_causal=True, local_window_size=case.band)
     raise ValueError(f"jax.nn cannot say the {case.name} case")
@@ -324,7 +348,7 @@ def reference(case, point, inputs, arrays_np, rows):
     """The modifier's output for batch 0 and the first `rows` queries: float32, dense, on the host."""
     cpu = jax.devices("cpu")[0]
     q, k, v = (jax.device_put(np.asarray(x[:1], np.float32), cpu) for x in inputs[:3])
-    a = {name: jax.device_put(x, cpu) for name, x in arrays_np.items()}
+    a = {name: jax.device_put(x[:1, :, :rows] if name in case.query_rows else x, cpu) for name, x in arrays_np.items()}
     with jax.default_device(cpu):  # what flash_attention makes outside its jit stays on the host too
         return np.asarray(pf.flash_attention(q[:, :rows], k, v, scale=point.scale, implementation="xla", **case.mod(a)))
 

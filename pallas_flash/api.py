@@ -118,11 +118,7 @@ class Implementation:
 
 
 def _mosaic_cannot_serve(call: Call) -> str | None:
-    unserved = tuple(
-        f
-        for f in call.features
-        if f not in _HOPPER_KERNEL_FEATURES and (f not in _HOPPER_PROGRAMS or not _foldable(f, call.mods))
-    )
+    unserved = tuple(f for f in call.features if f not in _HOPPER_KERNEL_FEATURES + _HOPPER_PROGRAMS)
     return hopper.unsupported_reason(
         call.query,
         call.key,
@@ -134,32 +130,28 @@ def _mosaic_cannot_serve(call: Call) -> str | None:
     )
 
 
-# Modifiers the Hopper kernels take as programs (`_hopper_programs`), and those they run themselves.
+# Modifiers the Hopper kernels take as programs or dense tiles (`_hopper_programs`), and those they run themselves.
 _HOPPER_PROGRAMS = ("logits_soft_cap", "alibi_slopes", "bias", "mask", "score_mod", "mask_mod")
 _HOPPER_KERNEL_FEATURES = ("dropout",)
 
 
 def _spans_both(dims) -> bool:
+    """Whether a bias or mask spans both queries and keys: a gather by both positions, which no program can
+    carry; the Hopper kernels stream it tile by tile instead."""
     return dims is not None and dims[2] and dims[3]
-
-
-def _foldable(feature: str, mods: masks.ScoreMods) -> bool:
-    """A bias or mask over both queries and keys is a gather by both positions: no program can carry it."""
-    if feature == "bias":
-        return mods.bias_dims is not None and not _spans_both(mods.bias_dims)
-    if feature == "mask":
-        return mods.mask_dims is not None and not _spans_both(mods.mask_dims)
-    return True
 
 
 def _hopper_programs(mods: masks.ScoreMods, mod_arrays: masks.ModArrays | None = None):
     """The score modifiers as the Hopper kernels take them: soft cap, a bias over queries or keys (not both),
     ALiBi and the score_mod folded into one score program (in the order `masks` defines), a mask over queries or
-    keys ANDed into the mask program. Returns ScoreMods, and with `mod_arrays` also the ModArrays carrying the
-    folded programs' closed-over arrays (without it, stand-ins of the arrays trace the same structure)."""
+    keys ANDed into the mask program. A bias or mask over both stays (the kernels read it tile by tile), and with
+    such a bias so does the soft cap, which the kernels then apply before adding it (the score program holds
+    what follows the bias). Returns ScoreMods, and with `mod_arrays` also the ModArrays carrying the folded
+    programs' closed-over arrays (without it, stand-ins of the arrays trace the same structure)."""
     bias_dims = mods.bias_dims if not _spans_both(mods.bias_dims) else None
     mask_dims = mods.mask_dims if not _spans_both(mods.mask_dims) else None
-    folds_score = mods.soft_cap is not None or mods.alibi or bias_dims is not None
+    cap = None if _spans_both(mods.bias_dims) else mods.soft_cap  # folded into the score program
+    folds_score = cap is not None or mods.alibi or bias_dims is not None
     if not folds_score and mask_dims is None:
         return mods if mod_arrays is None else (mods, mod_arrays)
 
@@ -182,7 +174,7 @@ def _hopper_programs(mods: masks.ScoreMods, mod_arrays: masks.ModArrays | None =
 
     folded, new_arrays = mods, arrays
     if folds_score:
-        cap, user, bias, slopes = mods.soft_cap, mods.score_mod, arrays.bias, arrays.alibi_slopes
+        user, bias, slopes = mods.score_mod, arrays.bias, arrays.alibi_slopes
 
         def score_mod(s, b, h, q, k):
             if cap is not None:  # a multiply, not a divide: the kernels' division is a precise (slow) one
@@ -196,7 +188,7 @@ def _hopper_programs(mods: masks.ScoreMods, mod_arrays: masks.ModArrays | None =
         program, consts = mods_lib.trace(score_mod, "score")
         folded = dataclasses.replace(
             folded,
-            soft_cap=None,
+            soft_cap=None if cap is not None else mods.soft_cap,
             alibi=False,
             score_mod=program,
             bias_dims=None if bias_dims is not None else mods.bias_dims,
@@ -534,8 +526,10 @@ def flash_attention(
         bias, ALiBi, score_mod and masks, with the sink's term; of the softmax before dropout).
       implementation: None (best available: on a Hopper GPU "mosaic" where it serves the call, else
         "pallas" on an NVIDIA GPU, else "xla_chunked"), or force "mosaic" (Hopper only: bf16/fp16, causal,
-        window, segment ids and lengths, no score modifiers or block mask; raises where it cannot serve the
-        call), "pallas" (interpret mode without a GPU), "xla_chunked" or "xla" (dense reference).
+        window, segment ids and lengths, score modifiers (a bias or mask over both queries and keys read tile
+        by tile, where its tiles fit shared memory) and stageable score_mod/mask_mod, no block mask; raises
+        where it cannot serve the call), "pallas" (interpret mode without a GPU), "xla_chunked" or "xla"
+        (dense reference).
       config: a `KernelConfig`; default `KernelConfig.default(head_dim)`.
       deterministic: True (default): gradients are bitwise the same from run to run. False lets the Hopper
         backward add dQ's float32 partial sums in whatever order they arrive where that is faster (head_dim

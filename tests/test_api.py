@@ -211,14 +211,16 @@ def _call(dtype=jnp.bfloat16, head_dim=64, features=(), mods=masks.ScoreMods()):
     [
         (("logits_soft_cap", "alibi_slopes"), dict(soft_cap=30.0, alibi=True), True),
         (("bias", "mask"), dict(bias_dims=(True, False, False, True), mask_dims=(False, True, True, False)), True),
-        (("bias",), dict(bias_dims=(False, True, True, True)), False),  # over queries and keys: a dense tile
+        (("bias",), dict(bias_dims=(False, True, True, True)), True),  # over queries and keys: a dense tile
+        (("bias", "mask", "logits_soft_cap"), dict(bias_dims=(True,) * 4, mask_dims=(True,) * 4, soft_cap=5.0), True),
         (("score_mod",), "relative_position_bias", False),
         (("mask_mod", "score_mod"), "document_alibi", True),
     ],
 )
 def test_hopper_takes_modifiers_it_can_stage(features, mods_kwargs, serves, monkeypatch):
     """On sm90 (faked): soft cap, ALiBi, a bias or mask over queries or keys, and stageable programs run in the
-    Hopper kernels (as programs); a dense bias or a program indexing by both positions does not, and says why."""
+    Hopper kernels (as programs), a dense bias and mask as tiles; a program indexing by both positions does not,
+    and says why."""
     monkeypatch.setattr(device, "on_hopper_gpu", lambda: True)
     if mods_kwargs == "relative_position_bias":
         score = pf_mods.trace(pf_mods.relative_position_bias(jnp.zeros((2, 9))), "score")[0]
@@ -233,6 +235,17 @@ def test_hopper_takes_modifiers_it_can_stage(features, mods_kwargs, serves, monk
     assert (reason is None) == serves, reason
     if not serves:
         assert "bias" in reason or "score_mod: " in reason
+
+
+def test_hopper_refuses_dense_tiles_it_cannot_fit(monkeypatch):
+    """On sm90 (faked), at head_dim 256 no forward tiles hold a dense bias tile beside K and V: "mosaic" is passed
+    over with a reason that names the tiles; a dense mask alone (1 byte per logit) still fits."""
+    monkeypatch.setattr(device, "on_hopper_gpu", lambda: True)
+    bias = _call(head_dim=256, features=("bias",), mods=masks.ScoreMods(bias_dims=(False, False, True, True)))
+    assert "dense bias/mask tiles" in api._mosaic_cannot_serve(bias)
+    assert api.dispatch(None, bias) != "mosaic"
+    mask = _call(head_dim=256, features=("mask",), mods=masks.ScoreMods(mask_dims=(False, False, True, True)))
+    assert api._mosaic_cannot_serve(mask) is None
 
 
 def test_registry_lists_the_implementations_in_order_of_preference():
@@ -267,7 +280,7 @@ def test_dispatch_where_the_hopper_kernel_serves(monkeypatch, caplog):
         assert api.dispatch(None, _call()) == "mosaic"
         for call, words in (
             (_call(dtype=jnp.float32), "bfloat16 or float16"),
-            (_call(features=("bias", "block_mask")), "no bias or block_mask"),
+            (_call(features=("bias", "block_mask")), "no block_mask"),
             (_call(head_dim=512), "head_dim <= 256"),
         ):
             assert api.dispatch(None, call) != "mosaic"

@@ -34,6 +34,11 @@ scaled logits (x = scale * S; P = exp2(score(x) * log2(e) - lse2)) and takes dS 
 float per-query values is summed over keys in the dQ pass, of its per-key values over queries in the dK/dV
 pass. The mask program is evaluated in masked steps only; its block classes (evaluated once in XLA from its
 stacks) narrow each tile's visited blocks and unmasked run further.
+A dense bias and mask (two passes only): their tiles ride the K ring of the dQ pass and, key-major (transposed in
+XLA), the Q ring of the dK/dV pass; both recompute P from soft_cap(scale * S) + bias with the mask applied on
+every visited block. The dQ pass writes dS (the gradient of the biased logit) of every tile to a float32
+[batch, heads, q_pad, kv_pad] buffer (zeros in blocks it does not visit), summed over the bias's broadcast dims
+in XLA into dbias.
 Dropout: every variant regenerates the forward's keep bits (the dK/dV tiles hash their queries along the
 columns): dV += (P^T keep) dO, scaled by 1 / (1 - rate) at the store, and dP = Z (dO V^T) with Z = keep / (1 - rate)
 before delta is subtracted (so not in the dP accumulator: no delta_in_dp).
@@ -57,7 +62,9 @@ from pallas_flash.hopper.bwd_dkdv import dkdv_pass
 from pallas_flash.hopper.bwd_dq import dq_pass
 from pallas_flash.hopper.bwd_ordered import dq_split
 from pallas_flash.hopper.common import (
+    DenseMods,
     coarsen_block_classes,
+    dense_operands,
     mask_block_ranges,
     pack_mod_stacks,
     pad_axis,
@@ -65,7 +72,7 @@ from pallas_flash.hopper.common import (
     round_up,
 )
 from pallas_flash.hopper.config import H100_SHARED_MEMORY, NUM_CONSUMERS, HopperBwdConfig
-from pallas_flash.hopper.fwd import KernelMods, kernel_dropout
+from pallas_flash.hopper.fwd import KernelMods, dense_tile_bytes, kernel_dropout
 
 MAX_HEAD_DIM = 128  # at 256, K and V of a 128-key CTA alone take 128 KiB of shared memory
 
@@ -105,17 +112,20 @@ def _one_pass_with_seed(q, k, v, d_out, lse2, delta, q_ids, kv_ids, dropout_seed
     return dkdv_pass(q, k, v, d_out, lse2, delta, q_ids, kv_ids, dropout_seed=dropout_seed, **kwargs)
 
 
-def check_config(config: HopperBwdConfig, head_dim: int, itemsize: int = 2) -> None:
-    """Raises ValueError if the tiles do not fit an H100's shared memory at this (padded) head_dim, or if the
-    one-pass kernel cannot split dQ between its consumers (`dq_split`)."""
+def check_config(
+    config: HopperBwdConfig, head_dim: int, itemsize: int = 2, tile_bytes: int = 0, dbias: bool = False
+) -> None:
+    """Raises ValueError if the tiles do not fit an H100's shared memory at this (padded) head_dim (with dense
+    tiles of `tile_bytes` per logit and, `dbias`, the dQ kernel's dS staging), or if the one-pass kernel cannot
+    split dQ between its consumers (`dq_split`)."""
     if config.dq_atomic and dq_split(head_dim, config.block_q_dkv) is None:
         raise ValueError(
             f"{config}: the one-pass dq_atomic backward at head_dim {head_dim} needs block_q_dkv >= 128 "
             f"(each consumer computes dQ for half of a query block), got {config.block_q_dkv}"
         )
     for name, needed in (
-        ("dK/dV", config.smem_bytes_dkv(head_dim, itemsize)),
-        ("dQ", config.smem_bytes_dq(head_dim, itemsize)),
+        ("dK/dV", config.smem_bytes_dkv(head_dim, itemsize, tile_bytes)),
+        ("dQ", config.smem_bytes_dq(head_dim, itemsize, tile_bytes, dbias)),
     ):
         if needed > H100_SHARED_MEMORY:
             raise ValueError(
@@ -125,12 +135,22 @@ def check_config(config: HopperBwdConfig, head_dim: int, itemsize: int = 2) -> N
 
 
 def default_config(
-    head_dim: int, kv_len: int, band: masks.Band, deterministic: bool, programs: bool = False
-) -> HopperBwdConfig:
+    head_dim: int,
+    kv_len: int,
+    band: masks.Band,
+    deterministic: bool,
+    programs: bool = False,
+    tile_bytes: int = 0,
+    dbias: bool = False,
+) -> HopperBwdConfig | None:
     """`HopperBwdConfig.default` for a call with this (padded) head_dim, key length and band; with a score or
     mask program (`programs`) the two passes, as the one pass takes none (its dQ has no per-query pass to
-    sum a score program's row gradients in, and its ordered adds no per-head block ranges)."""
+    sum a score program's row gradients in, and its ordered adds no per-head block ranges). With dense tiles
+    (`tile_bytes` per logit, `fwd.dense_tile_bytes`; `dbias`: with a bias's gradient) the two passes too (the
+    dQ pass writes dbias), shrunk until they fit (`HopperBwdConfig.fit_dense_tiles`): None where none do."""
     config = HopperBwdConfig.default(head_dim, deterministic, kv_len=kv_len, is_causal=band.is_causal)
+    if tile_bytes:
+        return config.fit_dense_tiles(head_dim, 2, tile_bytes, dbias)
     if programs and config.dq_atomic:
         return dataclasses.replace(config, dq_atomic=False, dq_ordered=False)
     return config
@@ -169,6 +189,14 @@ def _stack_cotangent(d, stack, length: int):
     return jnp.sum(d, axis=tuple(i for i in (0, 1) if stack.shape[i] == 1), keepdims=True).astype(stack.dtype)
 
 
+def _bias_cotangent(dbias, bias):
+    """The bias's cotangent (its shape and dtype) from the dQ pass's float32 dS per (batch, query head) and padded
+    position: summed over the batch or heads the bias is broadcast over."""
+    dbias = dbias[:, :, : bias.shape[2], : bias.shape[3]]
+    broadcast = tuple(i for i in (0, 1) if bias.shape[i] == 1 and dbias.shape[i] > 1)
+    return jnp.sum(dbias, axis=broadcast, keepdims=True).astype(bias.dtype)
+
+
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -180,6 +208,7 @@ def _stack_cotangent(d, stack, length: int):
         "mask_mod",
         "dropout_rate",
         "broadcast_dropout",
+        "logits_soft_cap",
         "interpret",
     ),
 )
@@ -205,6 +234,9 @@ def hopper_backward(
     dropout_rate: float = 0.0,
     dropout_seed=None,
     broadcast_dropout: bool = False,
+    bias=None,
+    mask=None,
+    logits_soft_cap: float | None = None,
     interpret=None,
 ):
     """Gradients of attention on Hopper from the forward's residuals.
@@ -218,6 +250,9 @@ def hopper_backward(
     Returns (dq, dk, dv, d_rows_float, d_cols_float): dq, dk, dv shaped and typed like (q, k, v), dk/dv
     summed over each kv head's group; d_rows_float / d_cols_float the cotangents of score_stacks[1] /
     score_stacks[3] (None where that stack is None; zeros unless `score_mod.needs_grad`).
+    bias, mask, logits_soft_cap: the forward's dense bias and mask and soft cap (`hopper_fwd.hopper_forward`;
+    two passes only: the default config takes them, shrunk to fit); with a bias a sixth result, dbias: the
+    gradient of the bias in its own shape and dtype (dS summed over the dims it broadcasts over).
     `interpret`: None compiles for the GPU; an `InterpretGPUParams` runs the two-pass kernels in the Mosaic
     GPU interpreter on CPU (as `hopper_forward`'s; not config.dq_atomic)."""
     band = masks.Band.of(is_causal, local_window_size)
@@ -229,12 +264,17 @@ def hopper_backward(
     if padded_dim > MAX_HEAD_DIM:
         raise ValueError(f"the Hopper backward takes head_dim <= {MAX_HEAD_DIM}, got {head_dim}")
     has_programs = score_mod is not None or mask_mod is not None
-    config = config or default_config(padded_dim, kv_len, band, deterministic=True, programs=has_programs)
-    check_config(config, padded_dim, q.dtype.itemsize)
-    if has_programs and config.dq_atomic:
+    dense = DenseMods(bias is not None, mask is not None, logits_soft_cap)
+    tile_bytes = dense_tile_bytes(None if bias is None else bias.dtype, mask is not None)
+    fit = dict(tile_bytes=tile_bytes, dbias=dense.bias)
+    config = config or default_config(padded_dim, kv_len, band, deterministic=True, programs=has_programs, **fit)
+    if config is None:
+        raise ValueError(f"no backward tiles fit shared memory with dense tiles of {tile_bytes} bytes per logit")
+    check_config(config, padded_dim, q.dtype.itemsize, **fit)
+    if (has_programs or dense.forms_logits or dense.active) and config.dq_atomic:
         raise ValueError(
-            f"{config}: the one-pass dq_atomic backward takes no score_mod or mask_mod; use dq_atomic=False "
-            "(`default_config(..., programs=True)`)"
+            f"{config}: the one-pass dq_atomic backward takes no score_mod, mask_mod, soft cap or dense bias or "
+            "mask; use dq_atomic=False (`default_config(..., programs=True)`)"
         )
     for name, program, stacks in (("score", score_mod, score_stacks), ("mask", mask_mod, mask_stacks)):
         if len(stacks) != 4 or (program is None and any(x is not None for x in stacks)):
@@ -274,10 +314,11 @@ def hopper_backward(
             one_pass, seeds = _one_pass_with_seed, (common.pop("dropout_seed"),)
         dk, dv, dq = _fold_vmap(functools.partial(one_pass, **common))(qp, kp, vp, dop, lse2, delta, *ids, *seeds)
         dq = (dq * scale).astype(q.dtype)
-    elif not has_programs:
+    elif not has_programs and not dense.active and not dense.forms_logits:
         dk, dv = dkdv_pass(qp, kp, vp, dop, lse2, delta, *ids, **common)
         dq = dq_pass(qp, kp, vp, dop, lse2, delta, *ids, **common)
     else:
+        common.update(dense=dense)
         rows, row_offsets = pack_mod_stacks((*score_stacks[:2], *mask_stacks[:2]), q_pad)
         cols, col_offsets = pack_mod_stacks((*score_stacks[2:], *mask_stacks[2:]), kv_pad)
         programs = KernelMods(score_mod, mask_mod, row_offsets, col_offsets)
@@ -288,19 +329,45 @@ def hopper_backward(
             )
         grads = score_mod is not None and score_mod.needs_grad
         dk, dv, *d_cols = dkdv_pass(
-            qp, kp, vp, dop, lse2, delta, *ids, (rows, cols, dkdv_ranges), programs=programs, **common
+            qp,
+            kp,
+            vp,
+            dop,
+            lse2,
+            delta,
+            *ids,
+            (rows, cols, dkdv_ranges),
+            programs=programs,
+            dense_arrays=dense_operands(bias, mask, q_pad, kv_pad, transpose=True),
+            **common,
         )
-        dq = dq_pass(qp, kp, vp, dop, lse2, delta, *ids, (rows, cols, dq_ranges), programs=programs, **common)
-        dq, *d_rows = dq if isinstance(dq, tuple) else (dq,)
+        dq = dq_pass(
+            qp,
+            kp,
+            vp,
+            dop,
+            lse2,
+            delta,
+            *ids,
+            (rows, cols, dq_ranges),
+            programs=programs,
+            dense_arrays=dense_operands(bias, mask, q_pad, kv_pad),
+            **common,
+        )
+        dq, d_rows, dbias = dq if isinstance(dq, tuple) else (dq, None, None)
         d_rows_float, d_cols_float = (
-            None if stack is None else _stack_cotangent(d[0], stack, length) if grads else jnp.zeros_like(stack)
-            for stack, d, length in ((score_stacks[1], d_rows, q_len), (score_stacks[3], d_cols, kv_len))
+            None if stack is None else _stack_cotangent(d, stack, length) if grads else jnp.zeros_like(stack)
+            for stack, d, length in (
+                (score_stacks[1], d_rows, q_len),
+                (score_stacks[3], d_cols[0] if d_cols else None, kv_len),
+            )
         )
-        return (
+        results = (
             dq[:, :q_len, :, :head_dim],
             dk[:, :kv_len, :, :head_dim],
             dv[:, :kv_len, :, :head_dim],
             d_rows_float,
             d_cols_float,
         )
+        return results if bias is None else (*results, _bias_cotangent(dbias, bias))
     return dq[:, :q_len, :, :head_dim], dk[:, :kv_len, :, :head_dim], dv[:, :kv_len, :, :head_dim], None, None

@@ -31,6 +31,10 @@ from pallas_flash.hopper.bwd_ordered import (
 )
 from pallas_flash.hopper.common import (
     REGISTERS,
+    DenseMods,
+    biased_logits,
+    dense_ring,
+    dense_tiles,
     dot_t,
     drain_ring,
     fill_ring,
@@ -73,6 +77,8 @@ def _dkdv_kernel(
     rows_ref,
     cols_ref,
     mask_ranges_ref,
+    bias_ref,
+    mask_ref,
     dq_acc_ref,
     dk_ref,
     dv_ref,
@@ -89,6 +95,7 @@ def _dkdv_kernel(
     dq_order=None,
     dropout: KernelDropout | None = None,
     seed_ref=None,
+    dense: DenseMods = DenseMods(),
 ):
     """Grid (batch, kv_heads, kv_tiles) (with config.dq_ordered `ordered_launch`'s), 3 warpgroups ("wg"):
     0 and 1 consume, 2 produces (with config.dq_ordered its first warp loads, its second stores dQ).
@@ -111,7 +118,9 @@ def _dkdv_kernel(
     d_cols_ref None or float32 [batch, heads, n, kv_pad]: the gradient of the score program's float column
     values per key (summed over queries).
     `dropout`: None, or the forward's dropout, seed_ref its seed table (`fwd.kernel_dropout`): dV += (P^T keep)
-    dO (the 1 / (1 - rate) applied once, to dV), dP^T = Z (V dO^T) with Z = keep / (1 - rate)."""
+    dO (the 1 / (1 - rate) applied once, to dV), dP^T = Z (V dO^T) with Z = keep / (1 - rate).
+    bias_ref/mask_ref (two passes only): None or `dense`'s arrays key-major, [Bd, Hd, kv_pad, q_pad]
+    (`dense_operands(..., transpose=True)`), whose [2 block_kv, block_q] tiles ride the Q ring."""
     (
         (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, *dq_staging),
         (k_ready, v_ready),
@@ -119,6 +128,7 @@ def _dkdv_kernel(
         free,
         segments,
         (rows_smem, rows_ready, cols_smem, cols_ready, d_cols_smem),
+        ring,
         *ds_barriers,
     ) = scoped
     score_mod, mask_mod = programs.score, programs.mask
@@ -261,13 +271,26 @@ def _dkdv_kernel(
             if rows_ref is not None:  # the block's values ride the Q ring; every step waits (one wait per phase)
                 plgpu.barrier_wait(rows_ready.at[slot])
             rows = programs.values("row", lambda i: load_vector(rows_smem.at[slot, i], column), masked=masked)
+            bias, dense_visible = dense_tiles(ring, slot, wg=wg, rows=block_kv, load=load_vector)
+            logit_scale, logit_c, cap_grad = scale, c, None
+            if dense.forms_logits:  # the soft cap and the bias act on scale * S^T: natural units from here on
+                s, cap_grad = biased_logits(s, bias, scale=scale, soft_cap=dense.soft_cap)
+                logit_scale, logit_c = 1.0, LOG2E
             if score_mod is None:
-                p = jnp.exp2(s * c - lax.broadcast_in_dim(lse2, s.shape, [1]))
+                p = jnp.exp2(s * logit_c - lax.broadcast_in_dim(lse2, s.shape, [1]))
             else:
                 logits2, pullback = program_score(
-                    score_mod, s, rows.score, cols.score, scale=scale, grad_side="col" if grads else None, **position
-                )
+                    score_mod, s, rows.score, cols.score, scale=logit_scale, grad_side="col" if grads else None,
+                    **position
+                )  # fmt: skip
                 p = jnp.exp2(logits2 - lax.broadcast_in_dim(lse2, s.shape, [1]))
+            if cap_grad is not None:  # dS^T goes back through the program, then the soft cap
+                program_pullback = pullback
+
+                def pullback(ds):
+                    ds, d_cols = (ds, ()) if program_pullback is None else program_pullback(ds)
+                    return cap_grad(ds), d_cols
+
             q_seg = None
             if has_segments:  # every step waits (one wait per phase); masked ones read the ids
                 plgpu.barrier_wait(q_ids_ready.at[slot])
@@ -289,6 +312,8 @@ def _dkdv_kernel(
                     visible = seen if visible is None else visible & seen
                 if visible is not None:  # None: traced for a loop that runs no iterations
                     p = jnp.where(visible, p, 0.0)
+            if dense_visible is not None:
+                p = jnp.where(dense_visible, p, 0.0)
             return p, pullback
 
         def through_program(ds, pullback, acc):
@@ -485,7 +510,7 @@ def _dkdv_kernel(
             def _():
                 plgpu.barrier_arrive(free.at[prev])
 
-            if score_mod is not None:  # p holds dS^T already
+            if score_mod is not None or dense.soft_cap is not None:  # p holds dS^T already (a pullback ran)
                 return dk, dv, p.astype(dtype), acc
             ds = p * dp if delta_in_dp else p * (dp - delta_columns(slot, p.shape))
             return dk, dv, ds.astype(dtype), acc
@@ -591,6 +616,11 @@ def _dkdv_kernel(
                 if rows_ref is not None:  # the programs' values of the block's queries
                     b, h = stack_index(rows_ref, batch, head)
                     plgpu.copy_gmem_to_smem(rows_ref.at[b, h, :, queries], rows_smem.at[slot], rows_ready.at[slot])
+                for ref, slots in zip((bias_ref, mask_ref), ring or ()):  # the dense tiles of the CTA's keys
+                    if ref is not None:
+                        b, h = stack_index(ref, batch, head)
+                        keys = pl.ds(tile_start, NUM_CONSUMERS * block_kv)
+                        plgpu.copy_gmem_to_smem(ref.at[b, h, keys, queries], slots[0].at[slot], slots[1].at[slot])
             if "lse2" in copies:
                 plgpu.copy_gmem_to_smem(lse2_ref.at[batch, head, queries], lse_smem.at[slot], lse_ready.at[slot])
             if "do" in copies:
@@ -650,6 +680,8 @@ def dkdv_pass(
     programs: KernelMods = KernelMods(),
     dropout: KernelDropout | None = None,
     dropout_seed=None,
+    dense_arrays=(None, None),
+    dense: DenseMods = DenseMods(),
     interpret,
 ):
     """(dk, dv), and with config.dq_atomic also dq (float32, unscaled, [batch, q_pad, heads, d]). With a score
@@ -657,7 +689,8 @@ def dkdv_pass(
     [batch, heads, n, kv_pad], the gradient of each of its float column values per key and query head
     (summed over queries). mod_operands: the programs' packed row and column values and the mask program's
     query blocks per (batch, kv head, key tile) (`mask_block_ranges`), each None where absent; dropout_seed:
-    `dropout`'s seed table (`fwd.kernel_dropout`)."""
+    `dropout`'s seed table (`fwd.kernel_dropout`); dense_arrays: `dense`'s (bias, mask) key-major
+    (`common.dense_operands(..., transpose=True)`), each None where absent (two passes only)."""
     batch, kv_pad, kv_heads, head_dim = k.shape
     block_q, block_kv, num_stages = config.block_q_dkv, config.block_kv_dkv, config.num_stages_dkv
     has_segments = q_ids is not None
@@ -720,6 +753,7 @@ def dkdv_pass(
         programs=programs,
         interpreting=interpret is not None,
         dropout=dropout,
+        dense=dense,
     )
 
     num_q_blocks = q.shape[1] // block_q
@@ -732,6 +766,7 @@ def dkdv_pass(
         segment_refs, rest = (rest[:3], rest[3:]) if has_segments else ((None, None, None), rest)
         rest = list(rest)
         mod_refs = [None if x is None else rest.pop(0) for x in mod_operands]
+        mod_refs += [None if x is None else rest.pop(0) for x in dense_arrays]
         seed_ref = None if dropout is None else rest.pop(0)
         if num_d_cols:
             *rest, d_cols_ref = rest
@@ -771,6 +806,7 @@ def dkdv_pass(
             plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=num_stages),
             segment_scratch(has_segments, (num_stages, block_q), (NUM_CONSUMERS, block_kv)),
             mod_scratch,
+            dense_ring(dense_arrays, num_stages, NUM_CONSUMERS * block_kv, block_q),
             *extra_barriers,
             collective_axes="wg",
         )
@@ -781,6 +817,7 @@ def dkdv_pass(
         q_ranges = segment_block_ranges(kv_ids, q_ids, rows_per_tile=NUM_CONSUMERS * block_kv, cols_per_block=block_q)
         operands += (q_ids, kv_ids, q_ranges)
     operands += tuple(x for x in mod_operands if x is not None)
+    operands += tuple(x for x in dense_arrays if x is not None)
     if dropout is not None:
         operands += (dropout_seed,)
     out_type = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))

@@ -16,6 +16,11 @@ from pallas_flash import blocks, masks
 from pallas_flash.blocks import LOG2E
 from pallas_flash.hopper.common import (
     REGISTERS,
+    DenseMods,
+    biased_logits,
+    dense_riders,
+    dense_ring,
+    dense_tiles,
     dot_t,
     drain_ring,
     load_own_ids,
@@ -51,8 +56,11 @@ def _dq_kernel(
     rows_ref,
     cols_ref,
     mask_ranges_ref,
+    bias_ref,
+    mask_ref,
     dq_ref,
     d_rows_ref,
+    dbias_ref,
     scoped,
     *,
     scale: float,
@@ -65,6 +73,7 @@ def _dq_kernel(
     interpreting: bool,
     dropout: KernelDropout | None = None,
     seed_ref=None,
+    dense: DenseMods = DenseMods(),
 ):
     """Grid (batch, heads, q_tiles), 3 warpgroups ("wg"): 0 and 1 consume, 2 produces.
 
@@ -72,7 +81,10 @@ def _dq_kernel(
     programs with rows_ref (resident per consumer) and cols_ref (riding the K ring) their packed values,
     mask_ranges_ref the mask program's key blocks per query tile (`mask_block_ranges`), and d_rows_ref None
     or float32 [batch, heads, n, q_pad]: the gradient of the score program's float row values. `dropout`:
-    None, or the forward's dropout (dP = Z (dO V^T), Z = keep / (1 - rate)), seed_ref its seed table."""
+    None, or the forward's dropout (dP = Z (dO V^T), Z = keep / (1 - rate)), seed_ref its seed table.
+    bias_ref/mask_ref: None or `dense`'s arrays [Bd, Hd, q_pad, kv_pad] (tiles riding the K ring); dbias_ref:
+    with a bias, float32 [batch, heads, q_pad, kv_pad]: dS (the gradient of the biased logit) of every tile,
+    zeros where the CTA visits no block."""
     (
         (q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem),
         resident_ready,
@@ -80,6 +92,8 @@ def _dq_kernel(
         (k_free, v_free),
         segments,
         mod_scratch,
+        ring,
+        dbias_smem,
     ) = scoped
     score_mod, mask_mod = programs.score, programs.mask
     has_segments = q_ids_ref is not None
@@ -204,12 +218,17 @@ def _dq_kernel(
             if cols_ref is not None:  # the block's values ride with K; every step waits (one wait per phase)
                 plgpu.barrier_wait(cols_ready.at[slot])
             cols = programs.values("col", lambda i: load_vector(cols_smem.at[slot, i], column), masked=masked)
+            bias, dense_visible = dense_tiles(ring, slot, wg=wg, rows=block_q, load=load_vector)
+            logit_scale, logit_c, cap_grad = scale, c, None
+            if dense.forms_logits:  # the soft cap and the bias act on scale * s: natural units from here on
+                s, cap_grad = biased_logits(s, bias, scale=scale, soft_cap=dense.soft_cap)
+                logit_scale, logit_c = 1.0, LOG2E
             if score_mod is None:
-                p = jnp.exp2(s * c - lax.broadcast_in_dim(lse2, s.shape, [0]))
+                p = jnp.exp2(s * logit_c - lax.broadcast_in_dim(lse2, s.shape, [0]))
             else:
                 logits2, pullback = program_score(
-                    score_mod, s, row_values.score, cols.score, scale=scale, grad_side="row" if grads else None,
-                    **position
+                    score_mod, s, row_values.score, cols.score, scale=logit_scale,
+                    grad_side="row" if grads else None, **position
                 )  # fmt: skip
                 p = jnp.exp2(logits2 - lax.broadcast_in_dim(lse2, s.shape, [0]))
             kv_seg = None
@@ -233,11 +252,26 @@ def _dq_kernel(
                     visible = seen if visible is None else visible & seen
                 if visible is not None:  # None: traced for a loop that runs no iterations
                     p = jnp.where(visible, p, 0.0)
+            if dense_visible is not None:
+                p = jnp.where(dense_visible, p, 0.0)
             if dropout is not None:  # dO V^T is the gradient of the dropped, rescaled P
                 keep = dropout.keep(dropout_hash, kv_step * block_kv + iota(s.shape, 1), q_axis=0)
                 dp = jnp.where(keep, dp * dropout.scale, 0.0)
             ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))
-            return (ds, ()) if pullback is None else pullback(ds)
+            ds, d_rows = (ds, ()) if pullback is None else pullback(ds)
+            if dbias_ref is not None:  # the gradient of the biased logit, before the soft cap's derivative
+                store_dbias(ds, kv_step)
+            return (ds, d_rows) if cap_grad is None else (cap_grad(ds), d_rows)
+
+        def store_dbias(tile, kv_step):
+            """This warpgroup's float32 [block_q, block_kv] `tile` of dbias_ref at key block kv_step, through its
+            staging tile (once the previous store has read it)."""
+            staging = dbias_smem.at[wg]
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            staging[...] = tile
+            plgpu.commit_smem()
+            keys = pl.ds(kv_step * block_kv, block_kv)
+            plgpu.copy_smem_to_gmem(staging, dbias_ref.at[batch, head, pl.ds(q_start, block_q), keys])
 
         def add_rows(acc, d_rows):
             return tuple(a + d for a, d in zip(acc, d_rows))
@@ -338,6 +372,10 @@ def _dq_kernel(
             plgpu.barrier_arrive(k_free.at[last])
         else:
             dq, acc = masked_edge_loops(step, (dq, acc), kv_lo if leading else None, unmasked_lo, unmasked_hi, kv_hi)
+        if dbias_ref is not None:  # dS is 0 in the key blocks this tile does not visit
+            zero_tile = zeros((block_q, block_kv))
+            pl.loop(0, kv_lo)(lambda kv_step: store_dbias(zero_tile, kv_step))
+            pl.loop(kv_hi, num_kv_blocks)(lambda kv_step: store_dbias(zero_tile, kv_step))
         if acc:  # the score program's float row gradients (the d_rows_ref rows of this warpgroup's queries)
             for i, d_row in enumerate(acc):
                 d_rows_smem.at[wg, i][...] = d_row
@@ -356,6 +394,9 @@ def _dq_kernel(
         if cols_ref is not None:
             b, h = stack_index(cols_ref, batch, head)
             riders = ((lambda keys: cols_ref.at[b, h, :, keys], mod_scratch[2], mod_scratch[3]),)
+        riders += dense_riders(
+            (bias_ref, mask_ref), ring, batch=batch, head=head, rows=pl.ds(tile_start, NUM_CONSUMERS * block_q)
+        )
         stream_kv_blocks(
             (k_ref, v_ref),
             (k_smem, v_smem),
@@ -392,13 +433,18 @@ def dq_pass(
     programs: KernelMods = KernelMods(),
     dropout: KernelDropout | None = None,
     dropout_seed=None,
+    dense_arrays=(None, None),
+    dense: DenseMods = DenseMods(),
     interpret,
 ):
-    """dq [batch, q_pad, heads, d]; with a score program whose float values need gradients (`needs_grad`), also
-    (dq, d_rows): float32 [batch, heads, n, q_pad], the gradient of each of its float row values per query
-    (summed over keys). mod_operands: the programs' packed row and column values and the mask program's
-    key blocks per query tile (`mask_block_ranges`), each None where absent; dropout_seed: `dropout`'s seed
-    table (`fwd.kernel_dropout`)."""
+    """dq [batch, q_pad, heads, d]; with a score program whose float values need gradients (`needs_grad`) or a
+    dense bias, (dq, d_rows, dbias), each None where absent: d_rows float32 [batch, heads, n, q_pad], the
+    gradient of each of the program's float row values per query (summed over keys); dbias float32 [batch,
+    heads, q_pad, kv_pad], dS per query head (to be summed over the bias's broadcast dims). mod_operands: the
+    programs' packed row and column values and the mask program's key blocks per query tile
+    (`mask_block_ranges`), each None where absent; dropout_seed: `dropout`'s seed table
+    (`fwd.kernel_dropout`); dense_arrays: `dense`'s (bias, mask) (`common.dense_operands`), each None where
+    absent."""
     batch, q_pad, heads, head_dim = q.shape
     block_q, block_kv, num_stages = config.block_q_dq, config.block_kv_dq, config.num_stages_dq
     num_q_tiles = q_pad // (NUM_CONSUMERS * block_q)
@@ -414,8 +460,11 @@ def dq_pass(
         inputs = [refs.pop(0) for _ in range(6)]
         segment_refs = [refs.pop(0) for _ in range(3)] if has_segments else [None] * 3
         mod_refs = [None if x is None else refs.pop(0) for x in mod_operands]
+        dense_refs = [None if x is None else refs.pop(0) for x in dense_arrays]
         seed_ref = None if dropout is None else refs.pop(0)
-        dq_ref, d_rows_ref = refs if num_d_rows else (*refs, None)
+        dq_ref = refs.pop(0)
+        d_rows_ref = refs.pop(0) if num_d_rows else None
+        dbias_ref = refs.pop(0) if dense.bias else None
         # Row values per consumer, the column values' ring, their barriers; the float row gradients' staging.
         mod_scratch = (
             None if rows is None else plgpu.SMEM((NUM_CONSUMERS, rows.shape[2], block_q), jnp.int32),
@@ -444,15 +493,25 @@ def dq_pass(
             interpreting=interpret is not None,
             dropout=dropout,
             seed_ref=seed_ref,
+            dense=dense,
         )
         pl.run_scoped(
-            lambda *scoped: body(*inputs, *segment_refs, *mod_refs, dq_ref, d_rows_ref, scoped),
+            lambda *scoped: body(*inputs, *segment_refs, *mod_refs, *dense_refs, dq_ref, d_rows_ref, dbias_ref, scoped),
             smem,
             (plgpu.Barrier(num_barriers=NUM_CONSUMERS),) * 4,
             (plgpu.Barrier(num_barriers=num_stages),) * 2,
             (plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=num_stages),) * 2,
             segment_scratch(has_segments, (NUM_CONSUMERS, block_q), (num_stages, block_kv)),
             mod_scratch,
+            dense_ring(dense_arrays, num_stages, NUM_CONSUMERS * block_q, block_kv),
+            # each consumer's dS tile on its way to dbias (float32, 128-byte swizzle over (8, 32)-element tiles)
+            plgpu.SMEM(
+                (NUM_CONSUMERS, block_q, block_kv),
+                jnp.float32,
+                transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)),
+            )
+            if dense.bias
+            else None,
             collective_axes="wg",
         )
 
@@ -464,12 +523,18 @@ def dq_pass(
             segment_block_ranges(q_ids, kv_ids, rows_per_tile=NUM_CONSUMERS * block_q, cols_per_block=block_kv),
         )
     operands += tuple(x for x in mod_operands if x is not None)
+    operands += tuple(x for x in dense_arrays if x is not None)
     if dropout is not None:
         operands += (dropout_seed,)
+    extras = (
+        jax.ShapeDtypeStruct((batch, heads, num_d_rows, q_pad), jnp.float32) if num_d_rows else None,
+        jax.ShapeDtypeStruct((batch, heads, q_pad, k.shape[1]), jnp.float32) if dense.bias else None,
+    )
     out_type = jax.ShapeDtypeStruct(q.shape, q.dtype)
-    if num_d_rows:
-        out_type = (out_type, jax.ShapeDtypeStruct((batch, heads, num_d_rows, q_pad), jnp.float32))
-    return plgpu.kernel(
+    has_extras = any(x is not None for x in extras)
+    if has_extras:
+        out_type = (out_type, *(x for x in extras if x is not None))
+    results = plgpu.kernel(
         flash_backward_dq_sm90,
         out_type=out_type,
         grid=(batch, heads, num_q_tiles),
@@ -479,3 +544,7 @@ def dq_pass(
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **({} if interpret is None else dict(interpret=interpret)),
     )(*operands)
+    if not has_extras:
+        return results
+    dq, *rest = results
+    return (dq, *(None if x is None else rest.pop(0) for x in extras))

@@ -4,6 +4,7 @@ consumers drain, and the per-tile block ranges that let a kernel skip invisible 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -289,6 +290,125 @@ def wgmma_operand(ref):
     # wgmma reads via the async proxy; JAX 0.12's interpreter orders a TMA refill after a generic read only if committed
     plgpu.commit_smem()
     return value
+
+
+# ---- a dense bias and mask (arrays over both queries and keys) in the kernels ---------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseMods:
+    """A kernel's dense bias and mask: arrays [Bd, Hd, rows, cols] (Bd batch or 1, Hd query heads or 1: broadcast
+    dims are read at index 0) whose tiles ride a ring beside the streamed blocks and are read on every visited
+    block (none is skipped for them). bias: one is added to the logits in float32, natural-log units, after the
+    soft cap; mask: one (int8, 0 hides the key) is applied with the other masks; soft_cap: the logit soft cap,
+    applied by the kernel itself since it precedes the bias (without a bias the API folds it into the score
+    program instead)."""
+
+    bias: bool = False
+    mask: bool = False
+    soft_cap: float | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.bias or self.mask
+
+    @property
+    def forms_logits(self) -> bool:
+        """Whether the kernel forms the logits (`biased_logits`) before any score program: the program then sees
+        them at scale 1."""
+        return self.bias or self.soft_cap is not None
+
+    @property
+    def count(self) -> int:
+        """How many dense arrays ride the ring."""
+        return int(self.bias) + int(self.mask)
+
+
+def dense_operands(bias, mask, rows: int, cols: int, *, transpose: bool = False):
+    """The kernels' dense arrays from a call's (bias float [Bd, Hd, q_len, kv_len] in its own dtype, mask bool
+    like it; each None where absent), padded in XLA to [Bd, Hd, rows, cols] (the mask as int8, padding hidden),
+    with `transpose` as [Bd, Hd, cols, rows] (the dK/dV kernel's key-major tiles)."""
+
+    def prepare(x, dtype):
+        if x is None:
+            return None
+        x = pad_axis(pad_axis(x.astype(dtype), 2, rows), 3, cols)
+        return jnp.swapaxes(x, 2, 3) if transpose else x
+
+    return prepare(bias, None if bias is None else bias.dtype), prepare(mask, jnp.int8)
+
+
+def dense_ring(arrays, num_stages: int, rows: int, cols: int):
+    """Shared memory for the dense tiles of `arrays` (each None or a [Bd, Hd, ..] array, `dense_operands`): None
+    without any, else per array None or (its ring [num_stages, rows, cols], a "ready" barrier per slot). A tile
+    sits in 8-row tiles with the widest swizzle its rows fill (<= 128 bytes): the layout that a load into the
+    WGMMA register layout reads without bank conflicts (JAX 0.10 finds no such load for an unswizzled tile)."""
+    if all(x is None for x in arrays):
+        return None
+
+    def ring(x):
+        if x is None:
+            return None
+        swizzle = min(128, cols * x.dtype.itemsize)
+        transforms = (plgpu.TilingTransform((8, swizzle // x.dtype.itemsize)), plgpu.SwizzleTransform(swizzle))
+        return plgpu.SMEM((num_stages, rows, cols), x.dtype, transforms=transforms), plgpu.Barrier(
+            num_barriers=num_stages
+        )
+
+    return tuple(ring(x) for x in arrays)
+
+
+def dense_riders(refs, ring, *, batch, head, rows):
+    """`stream_kv_blocks` riders of the dense arrays `refs` (gmem refs or None) into `ring` (`dense_ring`): the
+    tile of query rows `rows` (a `pl.ds`) and each streamed block's keys, of (batch, head)."""
+    if ring is None:
+        return ()
+    riders = []
+    for ref, slots in zip(refs, ring):
+        if ref is not None:
+            b, h = stack_index(ref, batch, head)
+            riders.append(((lambda keys, ref=ref, b=b, h=h: ref.at[b, h, rows, keys]), *slots))
+    return tuple(riders)
+
+
+def dense_tiles(ring, slot, *, wg, rows: int, load):
+    """(bias tile or None, bool visibility tile or None): consumer `wg`'s `rows` rows of ring slot `slot`
+    (`dense_ring`), waited for (every step waits: one wait per phase) and read into the WGMMA register layout by
+    `load(ref, layout)`; the bias in its own dtype."""
+    if ring is None:
+        return None, None
+    rows = pl.ds(wg * rows, rows)
+    tiles = []
+    for slots in ring:
+        if slots is None:
+            tiles.append(None)
+            continue
+        smem, ready = slots
+        plgpu.barrier_wait(ready.at[slot])
+        tiles.append(load(smem.at[slot, rows], plgpu.Layout.WGMMA))
+    # The slot's next TMA (async proxy) overwrites what these generic reads read: fence them before the slot is
+    # released (JAX 0.12's interpreter flags the refill as a race without it).
+    plgpu.commit_smem()
+    bias, mask = tiles
+    return bias, None if mask is None else mask != 0
+
+
+def biased_logits(s, bias, *, scale: float, soft_cap: float | None):
+    """Raw logits s (a float32 tile) -> (x, cap_grad): x = scale * s, soft-capped (`masks.soft_cap`, the divide
+    as a multiply: the kernels' division is a precise, slow one), plus the bias tile (None: no bias), in
+    natural-log units; cap_grad(d) takes a cotangent of x back to one of scale * s (None without a soft cap)."""
+    x = s * scale
+    cap_grad = None
+    if soft_cap is not None:
+        t = jnp.tanh(x * np.float32(1.0 / soft_cap))
+        x = t * np.float32(soft_cap)
+
+        def cap_grad(d):
+            return d * (1.0 - t * t)
+
+    if bias is not None:
+        x = x + bias.astype(jnp.float32)
+    return x, cap_grad
 
 
 # ---- score_mod and mask_mod programs (`mods.Staged`) in the kernels --------------------------------------------

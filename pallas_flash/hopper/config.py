@@ -42,24 +42,44 @@ class HopperConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"HopperConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
-    def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
-        out_tile = self._q_tile_bytes(head_dim, itemsize) if self.separate_out(head_dim, itemsize) else 0
-        return self._smem_bytes_sharing_q(head_dim, itemsize) + out_tile
+    def smem_bytes(self, head_dim: int, itemsize: int = 2, tile_bytes: int = 0) -> int:
+        """Shared memory of the forward at this (padded) head_dim and input itemsize; `tile_bytes`: bytes per
+        logit of the dense bias and mask tiles that ride the K/V ring (`dense_ring_bytes`), 0 without them."""
+        out_tile = self._q_tile_bytes(head_dim, itemsize) if self.separate_out(head_dim, itemsize, tile_bytes) else 0
+        return self._smem_bytes_sharing_q(head_dim, itemsize, tile_bytes) + out_tile
 
-    def separate_out(self, head_dim: int, itemsize: int = 2) -> bool:
+    def separate_out(self, head_dim: int, itemsize: int = 2, tile_bytes: int = 0) -> bool:
         """Whether the output tile gets its own shared memory (else it reuses Q's): a persistent CTA then
         loads the next tile's Q while it stores this one's output. Only where it fits (not at head_dim 256)."""
-        with_out_tile = self._smem_bytes_sharing_q(head_dim, itemsize) + self._q_tile_bytes(head_dim, itemsize)
+        with_out_tile = self._smem_bytes_sharing_q(head_dim, itemsize, tile_bytes) + self._q_tile_bytes(
+            head_dim, itemsize
+        )
         return self.persistent and with_out_tile <= H100_SHARED_MEMORY
+
+    def fit_dense_tiles(self, head_dim: int, itemsize: int, tile_bytes: int) -> HopperConfig | None:
+        """This config, or where its ring cannot also hold a dense bias/mask tile per stage (`tile_bytes` per
+        logit) the first of: fewer stages (down to 2), then halved key blocks (down to 64), that fits; None
+        where none does. The query tile and the schedule flags stay."""
+        config = self
+        while config.smem_bytes(head_dim, itemsize, tile_bytes) > H100_SHARED_MEMORY:
+            if config.num_stages > 2:
+                config = dataclasses.replace(config, num_stages=config.num_stages - 1)
+            elif config.block_kv > 64:
+                config = dataclasses.replace(config, block_kv=max(64, config.block_kv // 2 // 64 * 64))
+            else:
+                return None
+        return config
 
     def _q_tile_bytes(self, head_dim: int, itemsize: int) -> int:
         return NUM_CONSUMERS * self.block_q * head_dim * itemsize
 
-    def _smem_bytes_sharing_q(self, head_dim: int, itemsize: int) -> int:
-        """Q (and the output in its place), the K/V ring, the lse staging and the barriers."""
+    def _smem_bytes_sharing_q(self, head_dim: int, itemsize: int, tile_bytes: int = 0) -> int:
+        """Q (and the output in its place), the K/V ring with any dense tiles, the lse staging and the
+        barriers."""
         kv_ring = 2 * self.num_stages * self.block_kv * head_dim * itemsize
+        dense = dense_ring_bytes(self.num_stages, NUM_CONSUMERS * self.block_q, self.block_kv, tile_bytes)
         lse = NUM_CONSUMERS * self.block_q * 4
-        return self._q_tile_bytes(head_dim, itemsize) + kv_ring + lse + _SMEM_SLACK
+        return self._q_tile_bytes(head_dim, itemsize) + kv_ring + dense + lse + _SMEM_SLACK
 
     @classmethod
     def default(cls, head_dim: int, kv_len: int | None = None, is_causal: bool = False) -> HopperConfig:
@@ -84,6 +104,14 @@ class HopperConfig:
                 return cls(block_q=64, block_kv=128, num_stages=2, persistent=not is_causal)
             return cls(block_q=64, block_kv=128, num_stages=2, persistent=False, overlap=True)
         return cls(block_q=64, block_kv=64, num_stages=2)
+
+
+def dense_ring_bytes(num_stages: int, rows: int, cols: int, tile_bytes: int) -> int:
+    """Shared memory of a ring of dense bias/mask tiles ([rows, cols] per stage, `tile_bytes` per element
+    over the arrays it carries) and their "ready" barriers (8 bytes per stage and array, at most 2 arrays)."""
+    if not tile_bytes:
+        return 0
+    return num_stages * (rows * cols * tile_bytes + 2 * 8)
 
 
 _BWD_FLAGS = ("dq_atomic", "dq_ordered", "delta_in_dp", "dq_overlap", "dkv_overlap", "portable")  # the bool fields
@@ -157,7 +185,10 @@ class HopperBwdConfig:
             if field.name.startswith("num_stages") and value < 2:
                 raise ValueError(f"HopperBwdConfig.{field.name} must be >= 2, got {value}")
 
-    def smem_bytes_dkv(self, head_dim: int, itemsize: int = 2) -> int:
+    def smem_bytes_dkv(self, head_dim: int, itemsize: int = 2, tile_bytes: int = 0) -> int:
+        """Shared memory of the dK/dV kernel; `tile_bytes`: bytes per logit of the dense bias and mask tiles
+        that ride its Q/dO ring (0 without them)."""
+        dense = dense_ring_bytes(self.num_stages_dkv, NUM_CONSUMERS * self.block_kv_dkv, self.block_q_dkv, tile_bytes)
         k_and_v = 2 * NUM_CONSUMERS * self.block_kv_dkv * head_dim * itemsize
         ring = self.num_stages_dkv * (2 * self.block_q_dkv * head_dim * itemsize + 2 * self.block_q_dkv * 4)
         staging = 0
@@ -165,12 +196,46 @@ class HopperBwdConfig:
             staging = (
                 NUM_CONSUMERS * self.block_kv_dkv * self.block_q_dkv * itemsize + 2 * self.block_q_dkv * head_dim * 4
             )
-        return k_and_v + ring + staging + _SMEM_SLACK
+        return k_and_v + ring + staging + dense + _SMEM_SLACK
 
-    def smem_bytes_dq(self, head_dim: int, itemsize: int = 2) -> int:
+    def smem_bytes_dq(self, head_dim: int, itemsize: int = 2, tile_bytes: int = 0, dbias: bool = False) -> int:
+        """Shared memory of the dQ kernel; `tile_bytes`: bytes per logit of the dense bias and mask tiles that
+        ride its K/V ring (0 without them); `dbias`: with each consumer's float32 dS tile staged for dbias."""
         q_and_do = 2 * NUM_CONSUMERS * self.block_q_dq * head_dim * itemsize + 2 * NUM_CONSUMERS * self.block_q_dq * 4
         ring = self.num_stages_dq * 2 * self.block_kv_dq * head_dim * itemsize
-        return q_and_do + ring + _SMEM_SLACK
+        dense = dense_ring_bytes(self.num_stages_dq, NUM_CONSUMERS * self.block_q_dq, self.block_kv_dq, tile_bytes)
+        staging = NUM_CONSUMERS * self.block_q_dq * self.block_kv_dq * 4 if dbias else 0
+        return q_and_do + ring + dense + staging + _SMEM_SLACK
+
+    def fit_dense_tiles(self, head_dim: int, itemsize: int, tile_bytes: int, dbias: bool) -> HopperBwdConfig | None:
+        """The two passes at these tiles (the one pass takes no dense tiles), each pass whose ring cannot also hold
+        a dense bias/mask tile per stage (`tile_bytes` per logit; `dbias`: the dQ kernel stages dS for dbias)
+        shrunk: to 2 stages (without its overlap, which wants 3), then halved streamed blocks (down to 64);
+        None where that does not fit."""
+        config = dataclasses.replace(self, dq_atomic=False, dq_ordered=False)
+        passes = (
+            (lambda c: c.smem_bytes_dkv(head_dim, itemsize, tile_bytes), "dkv", "num_stages_dkv", "block_q_dkv"),
+            (lambda c: c.smem_bytes_dq(head_dim, itemsize, tile_bytes, dbias), "dq", "num_stages_dq", "block_kv_dq"),
+        )
+        for needed, name, stages, block in passes:
+            if needed(config) <= H100_SHARED_MEMORY:
+                continue
+            config = dataclasses.replace(config, **{stages: 2, f"{name}_overlap": False})
+            while needed(config) > H100_SHARED_MEMORY:
+                if getattr(config, block) == 64:
+                    return None
+                config = dataclasses.replace(config, **{block: max(64, getattr(config, block) // 2 // 64 * 64)})
+        return config
+        config = dataclasses.replace(config, num_stages_dkv=2, num_stages_dq=2, dq_overlap=False, dkv_overlap=False)
+        while not config.fits(head_dim, itemsize, tile_bytes, dbias):
+            if config.block_kv_dq == config.block_q_dkv == 64:
+                return None
+            config = dataclasses.replace(
+                config,
+                block_kv_dq=max(64, config.block_kv_dq // 2 // 64 * 64),
+                block_q_dkv=max(64, config.block_q_dkv // 2 // 64 * 64),
+            )
+        return config
 
     @classmethod
     def default(

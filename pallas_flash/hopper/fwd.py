@@ -34,6 +34,13 @@ visited block, and exp2 then takes its result times log2(e); the mask program ru
 block ranges (`mask_ranges`, computed in XLA per query tile) narrow the visited key blocks and give the run of
 wholly visible blocks that skip the mask.
 
+A dense bias and mask (`DenseMods`: arrays over both queries and keys, padded in XLA, the mask as int8): the
+producer streams each (query tile, key block) tile of them by TMA into swizzled shared memory beside K (riders of
+the K ring, each with its own "ready" barrier, released with K); a consumer reads its rows into the WGMMA register
+layout on every visited block, after S and before K's slot is freed: logits = soft_cap(scale * s) + bias in
+natural units (the score program, if any, then sees them at scale 1), and a 0 in the mask hides the key. The
+ring holds them at a cost in stages or key block size (`HopperConfig.fit_dense_tiles`).
+
 Dropout (`KernelDropout`): a consumer hashes its rows once per tile and each step's keep bits from those and the
 key positions (`masks.dropout_keep_mask`'s bits); P V takes the kept probabilities, the row sum l all of them (the
 LSE is of the softmax before dropout), and the kept ones' 1 / (1 - rate) joins the epilogue's 1 / l.
@@ -62,6 +69,12 @@ from pallas_flash import blocks, masks, mods
 from pallas_flash.blocks import LOG2E
 from pallas_flash.hopper.common import (
     HEAD_DIM_TILE,
+    DenseMods,
+    biased_logits,
+    dense_operands,
+    dense_riders,
+    dense_ring,
+    dense_tiles,
     dot_t,
     drain_ring,
     load_own_ids,
@@ -84,7 +97,7 @@ from pallas_flash.hopper.common import (
     unmasked_blocks,
     wgmma_operand,
 )
-from pallas_flash.hopper.config import NUM_CONSUMERS, HopperConfig
+from pallas_flash.hopper.config import H100_SHARED_MEMORY, NUM_CONSUMERS, HopperConfig
 
 # A persistent forward's CTAs take the (batch, head) pairs in chunks whose keys and values together fit in
 # this much of the H100's 50 MB L2, so that the CTAs running at once re-read them from L2, not HBM.
@@ -232,6 +245,8 @@ def _kernel(
     rows_ref,
     cols_ref,
     mask_ranges_ref,
+    bias_ref,
+    mask_ref,
     out_ref,
     lse_ref,
     scoped,
@@ -246,6 +261,7 @@ def _kernel(
     interpreting: bool,
     dropout: KernelDropout | None = None,
     seed_ref=None,
+    dense: DenseMods = DenseMods(),
 ):
     """3 warpgroups ("wg"): 0 and 1 consume, 2 produces. Each CTA runs the query tiles `tiles_of_cta` gives it
     (one per CTA, or, persistent, a strided share of all of them); the K/V ring's slots, the barriers'
@@ -261,9 +277,10 @@ def _kernel(
     int32 [batch, q_pad] / [batch, kv_pad] (padding ids never match), kv_ranges_ref None or with them the
     key blocks each query tile's ids may meet (`segment_block_ranges`), rows_ref/cols_ref None or the
     packed int32 values [Bd, Hd, n, q_pad] / [Bd, Hd, n, kv_pad] of `programs` (`pack_mod_stacks`),
-    mask_ranges_ref None or the mask program's `mask_block_ranges` per query tile, out_ref like q_ref,
-    lse_ref [batch, heads, q_pad] (natural log). `dropout`: None, or dropout on P before P V, with seed_ref
-    its seed table (`kernel_dropout`)."""
+    mask_ranges_ref None or the mask program's `mask_block_ranges` per query tile, bias_ref/mask_ref None or
+    `dense`'s arrays [Bd, Hd, q_pad, kv_pad] (`dense_operands`; their tiles ride the K ring), out_ref like
+    q_ref, lse_ref [batch, heads, q_pad] (natural log). `dropout`: None, or dropout on P before P V, with
+    seed_ref its seed table (`kernel_dropout`)."""
     (
         (q_smem2, o_smem2, k_smem, v_smem, lse_smem2),
         q_ready,
@@ -271,6 +288,7 @@ def _kernel(
         (k_free, v_free),
         turn,
         segments,
+        ring,
         *mod_scratch,
     ) = scoped
     has_segments = q_ids_ref is not None
@@ -312,9 +330,9 @@ def _kernel(
             )
         return batch, head, tile_start, kv_lo, kv_hi, same
 
-    # A row may see no key at all (segments, a window's left edge past the keys, a mask program, or a score
-    # program's -inf): keep its m = -inf safe.
-    rows_may_be_empty = has_segments or band.left is not None or programs.active
+    # A row may see no key at all (segments, a window's left edge past the keys, a mask program or a dense mask,
+    # or a score program's or a bias's -inf): keep its m = -inf safe.
+    rows_may_be_empty = has_segments or band.left is not None or programs.active or dense.active
     # Blocks before the first unmasked one may need the mask: a band's left edge, segments, a mask program.
     leading = band.left is not None or has_segments or mask_mod is not None
     wg = lax.axis_index("wg")
@@ -388,13 +406,19 @@ def _kernel(
                 p = jnp.where(keep, p, 0.0)
             return p.astype(dtype)
 
-        def probabilities(s, m, *, masked, rows, cols, kv_step):
+        def probabilities(s, m, *, masked, rows, cols, kv_step, tiles=(None, None)):
             """Block kv_step's logits s [block_q, block_kv] (masked where `masked`) and the running row maximum
             m (base-2 units) -> (p, alpha, m_new): the block's unnormalised probabilities, the factor that
             rescales what was accumulated before, and the new maximum. `rows`: the tile's `TileRows`; `cols`:
-            the block's key segment ids and program values (`block_values`)."""
+            the block's key segment ids and program values (`block_values`); `tiles`: its dense bias and
+            visibility tiles (`dense_tiles`), applied on every step."""
             kv_seg, col_values = cols
+            bias, dense_visible = tiles
             c = scale * LOG2E  # logits in base-2 units: exp(scale * s) = exp2(c * s)
+            logit_scale = scale
+            if dense.forms_logits:  # the soft cap and the bias act on scale * s: natural units from here on
+                s, _ = biased_logits(s, bias, scale=scale, soft_cap=dense.soft_cap)
+                c, logit_scale = LOG2E, 1.0
             if masked:
                 q_pos, kv_pos = rows.q_start + iota(s.shape, 0), kv_step * block_kv + iota(s.shape, 1)
             if programs.active:  # the programs read the positions as vectors of the tile's queries and keys
@@ -408,7 +432,9 @@ def _kernel(
                     max_position=max_position,
                 )
             if score_mod is not None:  # the program sees scale * s; exp2 takes its result times log2(e)
-                s, c = program_logits(score_mod, s, rows.values.score, col_values.score, scale=scale, **program_args)
+                s, c = program_logits(
+                    score_mod, s, rows.values.score, col_values.score, scale=logit_scale, **program_args
+                )
             if masked:
                 visible = tile_visible(
                     q_pos,
@@ -425,15 +451,22 @@ def _kernel(
                     visible = seen if visible is None else jnp.logical_and(visible, seen)
                 if visible is not None:  # None: traced for a loop that runs no iterations
                     s = jnp.where(visible, s, -jnp.inf)
+            if dense_visible is not None:
+                s = jnp.where(dense_visible, s, -jnp.inf)
             # c > 0, so max(c * s) = c * max(s).
             m_new = jnp.maximum(m, s.max(axis=1) * c)
             # A row that has seen no key yet has m_new = -inf: shift by 0 so exp2 gives 0, not NaN. (An
             # unmasked block always has a visible key, so only masked steps need this, unless a score program
-            # may return -inf.)
-            may_be_empty = masked or score_mod is not None
+            # or a dense bias or mask may hide every key of a row.)
+            may_be_empty = masked or score_mod is not None or dense.active
             shift = blocks.safe_exp_shift(m_new) if may_be_empty and rows_may_be_empty else m_new
             alpha = jnp.exp2(m - shift)
             return jnp.exp2(s * c - lax.broadcast_in_dim(shift, s.shape, [0])), alpha, m_new
+
+        def block_tiles(slot):
+            """This consumer's dense tiles of the block in ring slot `slot` (`dense_tiles`), read before K's slot
+            is released."""
+            return dense_tiles(ring, slot, wg=wg, rows=block_q, load=load)
 
         def qk(slot, after_issue):
             """S = Q K[slot]^T in float32; `after_issue()` runs once its wgmma is issued (before the wait)."""
@@ -482,8 +515,9 @@ def _kernel(
             cols = block_values(slot, masked=True)
             my_turn()
             s = qk(slot, after_issue=pass_turn)  # K_{kv_lo} was waited for at the tile's start
+            tiles = block_tiles(slot)
             plgpu.barrier_arrive(k_free.at[slot])
-            p, alpha, m = probabilities(s, m, masked=True, rows=rows, cols=cols, kv_step=kv_lo)
+            p, alpha, m = probabilities(s, m, masked=True, rows=rows, cols=cols, kv_step=kv_lo, tiles=tiles)
             l = l * alpha + p.sum(axis=1)  # O is still zero: nothing to rescale
 
             def step(kv_step, carry, *, masked: bool):
@@ -495,8 +529,9 @@ def _kernel(
                 my_turn()
                 if interpreting:  # the same steps, one product at a time
                     s = qk(slot, after_issue=pass_turn)
+                    tiles = block_tiles(slot)
                     plgpu.barrier_arrive(k_free.at[slot])
-                    p, alpha, m = probabilities(s, m, masked=masked, rows=rows, cols=cols, kv_step=kv_step)
+                    p, alpha, m = probabilities(s, m, masked=masked, rows=rows, cols=cols, kv_step=kv_step, tiles=tiles)
                     acc = pv(acc, p_prev, prev, after_issue=lambda: None)
                 else:
 
@@ -506,8 +541,9 @@ def _kernel(
                         plgpu.wgmma(o_ref, p_prev, v_smem.at[prev])
                         pass_turn()
                         s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S_j done, P V may run on
+                        tiles = block_tiles(slot)
                         plgpu.barrier_arrive(k_free.at[slot])
-                        softmax = probabilities(s, m, masked=masked, rows=rows, cols=cols, kv_step=kv_step)
+                        softmax = probabilities(s, m, masked=masked, rows=rows, cols=cols, kv_step=kv_step, tiles=tiles)
                         return (o_ref[...], *softmax)
 
                     acc, p, alpha, m = pl.run_scoped(
@@ -569,9 +605,10 @@ def _kernel(
                 cols = block_values(slot, masked=masked)
                 # Our QK^T is queued: the other consumer may issue its PV.
                 s = qk(slot, after_issue=lambda: plgpu.barrier_arrive(turn))
+                tiles = block_tiles(slot)
                 plgpu.barrier_arrive(k_free.at[slot])
                 plgpu.barrier_wait(turn)
-                p, alpha, m_new = probabilities(s, m, masked=masked, rows=rows, cols=cols, kv_step=kv_step)
+                p, alpha, m_new = probabilities(s, m, masked=masked, rows=rows, cols=cols, kv_step=kv_step, tiles=tiles)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 l = l * alpha + p.sum(axis=1)
                 p16 = dropped(p, rows, kv_step)
@@ -651,11 +688,18 @@ def _kernel(
         ids = None if not has_segments else (kv_ids_ref, segments[1], segments[3])
 
         def stream_tile(i, ring_steps):
-            batch, head, _, kv_lo, kv_hi, _ = schedule(i)
+            batch, head, tile_start, kv_lo, kv_hi, _ = schedule(i)
             riders = ()
             if cols_ref is not None:  # the programs' column values of the query head's (batch, head)
                 b, h = stack_index(cols_ref, batch, head)
                 riders = ((lambda keys: cols_ref.at[b, h, :, keys], mod_scratch[0][2], mod_scratch[0][3]),)
+            riders += dense_riders(
+                (bias_ref, mask_ref),
+                ring,
+                batch=batch,
+                head=head,
+                rows=pl.ds(tile_start, NUM_CONSUMERS * block_q),
+            )
             stream_kv_blocks(
                 (k_ref, v_ref),
                 (k_smem, v_smem),
@@ -761,17 +805,21 @@ def _forward_padded(
     programs: KernelMods = KernelMods(),
     dropout: KernelDropout | None = None,
     dropout_seed=None,
+    dense_arrays=(None, None),
+    dense: DenseMods = DenseMods(),
     interpret,
 ):
     """`hopper_forward` on padded operands; mod_operands: the programs' packed row and column values and the
     mask program's block ranges (`_mod_operands`), each None where absent; dropout_seed: `dropout`'s seed
-    table (`kernel_dropout`)."""
+    table (`kernel_dropout`); dense_arrays: `dense`'s (bias, mask) (`dense_operands`), each None where
+    absent."""
     batch, q_pad, heads, head_dim = q.shape
     kv_heads = k.shape[2]
     num_q_tiles = q_pad // (NUM_CONSUMERS * config.block_q)
     has_segments = q_ids is not None
     # 128-byte swizzle over (8, 64)-element tiles: the layout wgmma reads without bank conflicts.
     transforms = (plgpu.TilingTransform((8, HEAD_DIM_TILE)), plgpu.SwizzleTransform(128))
+    tile_bytes = sum(x.dtype.itemsize for x in dense_arrays if x is not None)
 
     persistent_ctas = None
     if config.persistent:  # one CTA per SM (a few in the interpreter, so that each runs several tiles)
@@ -790,11 +838,12 @@ def _forward_padded(
         refs = list(refs)
         segment_refs = [refs.pop(0) for _ in range(3)] if has_segments else [None] * 3
         mod_refs = [None if x is None else refs.pop(0) for x in mod_operands]
+        dense_refs = [None if x is None else refs.pop(0) for x in dense_arrays]
         seed_ref = None if dropout is None else refs.pop(0)
         out_ref, lse_ref = refs
         smem = (
             q_tile,
-            q_tile if config.separate_out(head_dim, q.dtype.itemsize) else None,
+            q_tile if config.separate_out(head_dim, q.dtype.itemsize, tile_bytes) else None,
             plgpu.SMEM((config.num_stages, config.block_kv, head_dim), k.dtype, transforms=transforms),
             plgpu.SMEM((config.num_stages, config.block_kv, head_dim), v.dtype, transforms=transforms),
             plgpu.SMEM((NUM_CONSUMERS, config.block_q), jnp.float32),
@@ -819,9 +868,10 @@ def _forward_padded(
             interpreting=interpret is not None,
             dropout=dropout,
             seed_ref=seed_ref,
+            dense=dense,
         )
         pl.run_scoped(
-            lambda *scoped: body(q_ref, k_ref, v_ref, *segment_refs, *mod_refs, out_ref, lse_ref, scoped),
+            lambda *scoped: body(q_ref, k_ref, v_ref, *segment_refs, *mod_refs, *dense_refs, out_ref, lse_ref, scoped),
             smem,
             plgpu.Barrier(num_barriers=NUM_CONSUMERS),
             (plgpu.Barrier(num_barriers=config.num_stages),) * 2,
@@ -833,6 +883,7 @@ def _forward_padded(
                 else plgpu.Barrier(num_arrivals=NUM_CONSUMERS)
             ),
             segments,
+            dense_ring(dense_arrays, config.num_stages, NUM_CONSUMERS * config.block_q, config.block_kv),
             *_mod_scratch(*mod_operands[:2], config),
             collective_axes="wg",
         )
@@ -847,6 +898,7 @@ def _forward_padded(
             ),
         )
     operands += tuple(x for x in mod_operands if x is not None)
+    operands += tuple(x for x in dense_arrays if x is not None)
     if dropout is not None:
         operands += (dropout_seed,)
     return plgpu.kernel(
@@ -861,10 +913,18 @@ def _forward_padded(
     )(*operands)
 
 
-def default_config(head_dim: int, kv_len: int, band: masks.Band) -> HopperConfig:
+def default_config(head_dim: int, kv_len: int, band: masks.Band, tile_bytes: int = 0) -> HopperConfig | None:
     """`HopperConfig.default` for a call with this (padded) head_dim, key length and band (a window counts
-    as not causal)."""
-    return HopperConfig.default(head_dim, kv_len, band.is_causal)
+    as not causal); with dense tiles (`tile_bytes` per logit, `dense_tile_bytes`) shrunk until its ring holds
+    them too (`HopperConfig.fit_dense_tiles`), None where no tiles fit."""
+    config = HopperConfig.default(head_dim, kv_len, band.is_causal)
+    return config.fit_dense_tiles(head_dim, 2, tile_bytes) if tile_bytes else config
+
+
+def dense_tile_bytes(bias_dtype, mask: bool) -> int:
+    """Bytes per logit of the dense tiles a kernel's ring carries: the bias's itemsize (bias_dtype None: no
+    bias) plus one for a mask (int8)."""
+    return (0 if bias_dtype is None else jnp.dtype(bias_dtype).itemsize) + int(mask)
 
 
 def mask_ranges(
@@ -913,6 +973,7 @@ def _mod_operands(score_mod, score_stacks, mask_mod, mask_stacks, ranges, *, q_p
         "mask_mod",
         "dropout_rate",
         "broadcast_dropout",
+        "logits_soft_cap",
         "interpret",
     ),
 )
@@ -935,6 +996,9 @@ def hopper_forward(
     dropout_rate: float = 0.0,
     dropout_seed=None,
     broadcast_dropout: bool = False,
+    bias=None,
+    mask=None,
+    logits_soft_cap: float | None = None,
     interpret=None,
 ):
     """Attention forward on Hopper. Shapes and results as `reference.attention_reference`:
@@ -950,12 +1014,24 @@ def hopper_forward(
     scaled logit on every visited block, the mask_mod hides keys on blocks it does not leave wholly visible.
     dropout_rate, dropout_seed (uint32 [2], `masks.dropout_seed`), broadcast_dropout: dropout on the
     probabilities with `masks.dropout_keep_mask` (the lse is of the softmax before it), as the reference's.
+    bias / mask: None, or a dense float bias (bf16, f16 or f32) / bool mask [Bd, Hd, q_len, kv_len] (Bd batch or
+    1, Hd heads or 1), read tile by tile on every visited block: logits = soft_cap(scale * q.k) + bias, then the
+    score_mod; a False mask entry hides the key. logits_soft_cap: None, or c > 0: the soft cap c * tanh(x / c)
+    before the bias (with neither, fold it into the score_mod instead, as the API does). Without a config, the
+    default's ring shrinks until the dense tiles fit shared memory (`HopperConfig.fit_dense_tiles`).
     `interpret`: None compiles for the GPU; an `InterpretGPUParams` (private in JAX 0.10-0.11:
     jax._src.pallas.mosaic_gpu.interpret.params) runs the kernel in the Mosaic GPU interpreter on CPU."""
     band = masks.Band.of(is_causal, local_window_size)
     q_len, kv_len, head_dim = query.shape[1], key.shape[1], query.shape[3]
     padded_dim = padded_head_dim(head_dim)
-    config = config or default_config(padded_dim, kv_len, band)
+    dense = DenseMods(bias is not None, mask is not None, logits_soft_cap)
+    tile_bytes = dense_tile_bytes(None if bias is None else bias.dtype, mask is not None)
+    config = config or default_config(padded_dim, kv_len, band, tile_bytes)
+    if tile_bytes and (config is None or config.smem_bytes(padded_dim, 2, tile_bytes) > H100_SHARED_MEMORY):
+        raise ValueError(
+            f"no forward tiles ({config or 'the default, shrunk'}) fit shared memory with dense tiles of "
+            f"{tile_bytes} bytes per logit at head_dim {head_dim}"
+        )
     q_pad = round_up(q_len, NUM_CONSUMERS * config.block_q)
     kv_pad = round_up(kv_len, config.block_kv)
     q = pad_axis(pad_axis(query, 1, q_pad), 3, padded_dim)
@@ -968,6 +1044,9 @@ def hopper_forward(
     if mask_ranges is not None and mask_ranges.shape[2:] != (q_pad // (NUM_CONSUMERS * config.block_q), 4):
         raise ValueError(f"mask_ranges {mask_ranges.shape} are not at this call's tiles ({config})")
     dropout, seed = kernel_dropout(dropout_rate, broadcast_dropout, dropout_seed, query.shape[0])
+    for name, x in (("bias", bias), ("mask", mask)):
+        if x is not None and (x.ndim != 4 or x.shape[2:] != (q_len, kv_len)):
+            raise ValueError(f"{name} must be [batch or 1, heads or 1, {q_len}, {kv_len}], got {x.shape}")
     out, lse = _forward_padded(
         q,
         k,
@@ -982,6 +1061,8 @@ def hopper_forward(
         programs=programs,
         dropout=dropout,
         dropout_seed=seed,
+        dense_arrays=dense_operands(bias, mask, q_pad, kv_pad),
+        dense=dense,
         interpret=interpret,
     )
     return out[:, :q_len, :, :head_dim], lse[:, :, :q_len]

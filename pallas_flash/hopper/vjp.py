@@ -17,6 +17,7 @@ import functools
 import logging
 
 import jax
+import jax.numpy as jnp
 
 from pallas_flash import device, masks
 from pallas_flash import mods as programs
@@ -35,8 +36,30 @@ def _window(band: masks.Band):
     return False, None if band.is_full else (band.left, band.right)
 
 
-def _hopper_config(config: KernelConfig, head_dim: int, kv_len: int, band: masks.Band) -> HopperConfig:
-    return config.hopper or hopper_fwd.default_config(padded_head_dim(head_dim), kv_len, band)
+def _hopper_config(
+    config: KernelConfig, head_dim: int, kv_len: int, band: masks.Band, tile_bytes: int = 0
+) -> HopperConfig | None:
+    """The forward's tiles: config.hopper, else the default, shrunk to hold dense tiles of `tile_bytes` per logit
+    (`hopper_fwd.default_config`; None where none fit)."""
+    return config.hopper or hopper_fwd.default_config(padded_head_dim(head_dim), kv_len, band, tile_bytes)
+
+
+def _dense(mods: masks.ScoreMods, mod_arrays: masks.ModArrays) -> dict:
+    """The kernels' dense arguments of a call (none without them): a bias and a mask (arrays over both queries
+    and keys, which `api._hopper_programs` leaves to the kernels) and the soft cap (which precedes the bias, so
+    the kernels apply it where the API did not fold it into the score program)."""
+    if mods.bias_dims is None and mods.mask_dims is None and mods.soft_cap is None:
+        return {}
+    return dict(bias=mod_arrays.bias, mask=mod_arrays.mask, logits_soft_cap=mods.soft_cap)
+
+
+def _tile_bytes(mods: masks.ScoreMods, mod_arrays: masks.ModArrays | None = None) -> int:
+    """Bytes per logit of the dense tiles the kernels' rings carry; without the arrays (dispatch sees only
+    `mods`) a bias is counted at 4 bytes, the most its dtype takes."""
+    bias_dtype = None
+    if mods.bias_dims is not None:
+        bias_dtype = jnp.float32 if mod_arrays is None else mod_arrays.bias.dtype
+    return hopper_fwd.dense_tile_bytes(bias_dtype, mods.mask_dims is not None)
 
 
 @functools.cache
@@ -89,16 +112,27 @@ def unsupported_reason(
         return f"the Mosaic GPU kernel takes bfloat16 or float16, got {query.dtype}"
     if unserved:
         return f"the Mosaic GPU kernel has no {' or '.join(unserved)} yet"
+    for name, dims in (("bias", mods.bias_dims), ("mask", mods.mask_dims)):
+        if dims is not None and not (dims[2] and dims[3]):
+            return f"the Mosaic GPU kernel reads a {name} over one of queries and keys only as a score program"
     staged = _staged(mods)
     if isinstance(staged, str):
         return staged
     head_dim = query.shape[-1]
     if head_dim > hopper_fwd.MAX_HEAD_DIM:
         return f"the Mosaic GPU kernel takes head_dim <= {hopper_fwd.MAX_HEAD_DIM}, got {head_dim}"
-    hopper_config = _hopper_config(config, head_dim, key.shape[1], band)
-    needed = hopper_config.smem_bytes(padded_head_dim(head_dim)) + hopper_fwd.mod_smem_bytes(*staged, hopper_config)
+    tile_bytes = _tile_bytes(mods)
+    hopper_config = _hopper_config(config, head_dim, key.shape[1], band, tile_bytes)
+    if hopper_config is None:
+        return (
+            f"no forward tiles fit shared memory at head_dim {head_dim} with the dense bias/mask tiles "
+            f"({tile_bytes} bytes per logit)"
+        )
+    needed = hopper_config.smem_bytes(padded_head_dim(head_dim), 2, tile_bytes)
+    needed += hopper_fwd.mod_smem_bytes(*staged, hopper_config)
     if needed > H100_SHARED_MEMORY:
-        return f"{hopper_config} needs {needed} bytes of shared memory at head_dim {head_dim}"
+        dense = f" with dense bias/mask tiles ({tile_bytes} bytes per logit)" if tile_bytes else ""
+        return f"{hopper_config} needs {needed} bytes of shared memory at head_dim {head_dim}{dense}"
     return None
 
 
@@ -123,13 +157,14 @@ def _attention_fwd(q, k, v, q_ids, kv_ids, score_stacks, mask_stacks, mask_range
         local_window_size=window,
         q_segment_ids=q_ids,
         kv_segment_ids=kv_ids,
-        config=_hopper_config(config, q.shape[-1], k.shape[1], band),
+        config=_hopper_config(config, q.shape[-1], k.shape[1], band, _tile_bytes(mods, mod_arrays)),
         score_mod=score_mod,
         score_stacks=score_stacks,
         mask_mod=mask_mod,
         mask_stacks=mask_stacks,
         mask_ranges=mask_ranges,
         **_dropout(mods, mod_arrays),
+        **_dense(mods, mod_arrays),
     )
     return (out, lse), (q, k, v, q_ids, kv_ids, score_stacks, mask_stacks, mask_ranges, mod_arrays, out, lse)
 
@@ -150,9 +185,11 @@ def _backward_config(
     band: masks.Band,
     deterministic: bool,
     mods: masks.ScoreMods = masks.ScoreMods(),
+    tile_bytes: int = 0,
 ) -> HopperBwdConfig | None:
-    """The Hopper backward's tiles for this call (with a score or mask program, a variant that takes them), or
-    None where the portable backward runs instead."""
+    """The Hopper backward's tiles for this call (with a score or mask program, a variant that takes them; with
+    dense bias/mask tiles of `tile_bytes` per logit, the two passes shrunk to hold them), or None where the
+    portable backward runs instead."""
     if padded_head_dim(head_dim) > hopper_bwd.MAX_HEAD_DIM:
         _logger.debug(
             "pallas_flash: the Hopper backward takes head_dim <= %d; head_dim %d runs the portable backward",
@@ -160,10 +197,27 @@ def _backward_config(
             head_dim,
         )
         return None
+    padded = padded_head_dim(head_dim)
+    dbias = mods.bias_dims is not None
     if config.hopper_bwd is not None:
-        return None if config.hopper_bwd.portable else config.hopper_bwd
-    programs = mods.score_mod is not None or mods.mask_mod is not None
-    return hopper_bwd.default_config(padded_head_dim(head_dim), kv_len, band, deterministic, programs=programs)
+        if config.hopper_bwd.portable or not tile_bytes:
+            return None if config.hopper_bwd.portable else config.hopper_bwd
+        chosen = config.hopper_bwd.fit_dense_tiles(padded, 2, tile_bytes, dbias)
+    else:
+        # a soft cap the kernels apply themselves (before a dense bias) needs the two passes, as programs do
+        programs = mods.score_mod is not None or mods.mask_mod is not None or mods.soft_cap is not None
+        fit = dict(tile_bytes=tile_bytes, dbias=dbias)
+        chosen = hopper_bwd.default_config(padded, kv_len, band, deterministic, programs=programs, **fit)
+    if chosen is None:
+        _logger.debug(
+            "pallas_flash: no Hopper backward tiles hold the dense bias/mask tiles (%d bytes per logit) at head_dim "
+            "%d; the portable backward runs",
+            tile_bytes,
+            head_dim,
+        )
+    elif chosen != config.hopper_bwd and config.hopper_bwd is not None:
+        _logger.debug("pallas_flash: %s shrunk to %s to hold the dense bias/mask tiles", config.hopper_bwd, chosen)
+    return chosen
 
 
 def _zero_stacks(stacks):
@@ -172,13 +226,14 @@ def _zero_stacks(stacks):
 
 def _attention_bwd(scale, band, config, deterministic, mods, residuals, cotangents):
     q, k, v, q_ids, kv_ids, score_stacks, mask_stacks, mask_ranges, mod_arrays, out, lse = residuals
-    bwd_config = _backward_config(config, q.shape[-1], k.shape[1], band, deterministic, mods=mods)
+    tile_bytes = _tile_bytes(mods, mod_arrays)
+    bwd_config = _backward_config(config, q.shape[-1], k.shape[1], band, deterministic, mods, tile_bytes)
     d_ranges = masks.integer_cotangent(mask_ranges)
     if bwd_config is not None:
         d_out, d_lse = cotangents
         is_causal, window = _window(band)
         score_mod, mask_mod = _staged(mods)
-        dq, dk, dv, d_rows, d_cols = hopper_bwd.hopper_backward(
+        dq, dk, dv, d_rows, d_cols, *dbias = hopper_bwd.hopper_backward(
             q,
             k,
             v,
@@ -197,6 +252,7 @@ def _attention_bwd(scale, band, config, deterministic, mods, residuals, cotangen
             mask_mod=mask_mod,
             mask_stacks=mask_stacks,
             **_dropout(mods, mod_arrays),
+            **_dense(mods, mod_arrays),
         )
         # The score program's arrays get their gradient through the float stacks (XLA's autodiff of
         # `Staged.stacks`); the integer ones and the mask program's have none.
@@ -213,7 +269,7 @@ def _attention_bwd(scale, band, config, deterministic, mods, residuals, cotangen
             tuple(d_score),
             _zero_stacks(mask_stacks),
             d_ranges,
-            mod_arrays.cotangents(),
+            mod_arrays.cotangents(*dbias),  # dbias in the bias's own shape and dtype
         )
     dq, dk, dv, d_q_ids, d_kv_ids, d_mods = portable.backward(
         q,
@@ -264,7 +320,7 @@ def _program_inputs(query, key, mods, mod_arrays, *, config, band, with_ranges: 
                 heads=heads,
                 q_len=q_len,
                 kv_len=kv_len,
-                config=_hopper_config(config, head_dim, kv_len, band),
+                config=_hopper_config(config, head_dim, kv_len, band, _tile_bytes(mods, mod_arrays)),
             )
     return score_stacks, mask_stacks, mask_ranges
 
