@@ -295,7 +295,10 @@ def decode_hopper(query, key_cache, value_cache, lengths, block_table, params: D
         num_splits=params.num_splits,
         interpret=interpret,
     )
-    out, lse = merge_attention_states(outs, lses)
+    if outs.shape[0] == 1:  # one split: nothing to merge (and no merge kernels in a decode step)
+        out, lse = outs[0], lses[0]
+    else:
+        out, lse = merge_attention_states(outs, lses)
     return out.astype(query.dtype), jnp.swapaxes(lse, 1, 2)
 
 

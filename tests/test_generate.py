@@ -3,6 +3,8 @@ gives the tokens of recomputing full attention over the growing sequence, also a
 chunks and with pages allocated per sequence; sequences stop at an eos token; no recompilation within a
 bucket; the cache is donated; `python -m train.sample` on a 2-step run's checkpoint."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -283,3 +285,19 @@ def test_cached_logits_on_the_gpu_kernels(page_size):
     want_spec = np.stack([full[b, n : n + 3] for b, n in enumerate(lengths)])
     assert relative_error(np.asarray(extend_logits, np.float32), want_last) <= OUTPUT[jnp.bfloat16]
     assert relative_error(np.asarray(spec_logits, np.float32), want_spec) <= OUTPUT[jnp.bfloat16]
+
+
+def test_decode_loop_casts_only_what_linear_layers_cast_anyway():
+    """`generate.linear_weights_in`: the Linear kernels in the compute dtype, the embedding and norm scales in
+    theirs; the model's logits are bitwise those of the uncast parameters."""
+    config = dataclasses.replace(PRESETS["tiny"], dtype="bfloat16")
+    model = GPT(config, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    cast = generate.linear_weights_in(jnp.bfloat16, state)
+    dtypes = {jax.tree_util.keystr(p): x.dtype for p, x in jax.tree_util.tree_leaves_with_path(cast)}
+    assert dtypes["['stack']['blocks'][0]['mlp']['up']['kernel'].value"] == jnp.bfloat16
+    assert dtypes["['embed']['embedding'].value"] == jnp.float32
+    assert dtypes["['norm']['scale'].value"] == jnp.float32
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 16)), jnp.int32)
+    forward = jax.jit(lambda state: nnx.merge(graphdef, state)(tokens))
+    np.testing.assert_array_equal(forward(cast), forward(state))

@@ -9,7 +9,7 @@ cores. The kernel is built to keep HBM busy:
     blocks, mostly from L2).
   * split-KV: the key blocks some query of sequence b can see, [first, last) from its length (and the
     window), are cut into runs of a fixed number of whole blocks (the most any sequence can see over
-    `num_splits`), one per CTA; the grid is (tiles = splits * row tiles, kv_heads, batch). With few
+    `num_splits`), one per CTA; the grid is (tiles = splits * row tiles, batch, kv_heads). With few
     sequences and kv heads the splits fill the SMs (`default_num_splits`); in a ragged batch a short
     sequence's later splits have nothing to read, so no CTA holds many more blocks than another; no CTA
     reads a block past its sequence's length.
@@ -26,9 +26,9 @@ cores. The kernel is built to keep HBM busy:
 Every block is masked (causal within the Tq queries aligned to the sequence's end, the window, ragged
 lengths): the mask's few ALU operations per logit hide under the block's HBM time.
 
-Each CTA writes its split's partial output (normalised over its own keys, float32) and natural-log LSE;
-`pallas_flash.decode` merges the splits in XLA with `merge_attention_states`. A row that sees no key in a
-split gets zeros and lse = -inf there.
+Each CTA writes its split's partial output (normalised over its own keys, float32; with one split, the output
+itself in the query's dtype) and natural-log LSE; `pallas_flash.decode` merges the splits in XLA with
+`merge_attention_states`. A row that sees no key in a split gets zeros and lse = -inf there.
 """
 
 from __future__ import annotations
@@ -89,16 +89,16 @@ class DecodeConfig:
             raise ValueError(f"DecodeConfig.num_stages must be an int >= 2, got {self.num_stages!r}")
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
-        """The Q tile, the K/V ring (which the float32 output staging reuses), the LSE staging, the barriers."""
+        """The Q tile, the K/V ring, the float32 output and LSE staging, and the barriers."""
         ring = 2 * self.num_stages * self.block_kv * head_dim * itemsize
-        return ROWS * head_dim * itemsize + max(ring, ROWS * head_dim * 4) + ROWS * 4 + _SMEM_SLACK
+        return ROWS * head_dim * itemsize + ring + ROWS * (head_dim + 1) * 4 + _SMEM_SLACK
 
     @classmethod
     def default(cls, head_dim: int) -> DecodeConfig:
-        """32 KiB of K and V per block; a 2-deep ring at head_dim 128, 4-deep at 64, the fastest of 2 to 5
-        slots and 64 to 256 keys per block on the H100 (B=32 x 8k and 1 x 64k, GQA 32/8; B=32 x 8k, 8
-        heads at head_dim 64), by a few percent."""
-        return cls(block_kv=64, num_stages=2) if head_dim > 64 else cls(block_kv=128, num_stages=4)
+        """64-key blocks and a 2-deep ring: the fastest of 2 to 5 slots and 64 to 256 keys per block on the
+        H100 at head_dim 128 (B=32 x 8k and 1 x 64k, GQA 32/8) and at 64 (B=32, 8 heads, 1k to 8k keys), by
+        2-8%; deeper rings and longer blocks gained nothing at 8k and lost on short caches."""
+        return cls(block_kv=64, num_stages=2)
 
 
 def unsupported_reason(dtype, head_dim: int, page_size: int | None, config: DecodeConfig | None = None):
@@ -107,7 +107,11 @@ def unsupported_reason(dtype, head_dim: int, page_size: int | None, config: Deco
         return f"dtype {jnp.dtype(dtype).name}: the kernel's wgmma reads bfloat16 or float16 caches"
     if head_dim not in HEAD_DIMS:
         return f"head_dim {head_dim}: the kernel serves head_dim {' or '.join(map(str, HEAD_DIMS))}"
-    block_kv = (config or DecodeConfig.default(head_dim)).block_kv
+    config = config or DecodeConfig.default(head_dim)
+    smem = config.smem_bytes(head_dim, jnp.dtype(dtype).itemsize)
+    if smem > H100_SHARED_MEMORY:
+        return f"{config} needs {smem} bytes of shared memory at head_dim {head_dim}, more than {H100_SHARED_MEMORY}"
+    block_kv = config.block_kv
     if page_size is not None and (page_size % 8 or (block_kv % page_size and page_size % block_kv)):
         return (
             f"page_size {page_size}: the kernel loads whole {block_kv}-key blocks by TMA, so a page must be a "
@@ -116,17 +120,16 @@ def unsupported_reason(dtype, head_dim: int, page_size: int | None, config: Deco
     return None
 
 
-def default_num_splits(ctas: int, num_blocks: int, *, num_sms: int, ctas_per_sm: int = 1) -> int:
+def default_num_splits(ctas: int, num_blocks: int, *, num_sms: int) -> int:
     """Splits of each sequence's keys when none are asked for: `ctas` CTAs per split (batch * kv_heads * row
     tiles), `num_blocks` the most key blocks a sequence can see. The fewest splits whose waves of CTAs keep
     the SMs busy (waves / ceil(waves) within WAVE_EFFICIENCY of the best count's), each of at least
     MIN_BLOCKS_PER_SPLIT blocks, at most MAX_SPLITS: many sequences get one split, one long sequence one per
     SM or so."""
     most = max(1, min(MAX_SPLITS, num_blocks // MIN_BLOCKS_PER_SPLIT))
-    slots = num_sms * ctas_per_sm
 
     def efficiency(splits):
-        waves = ctas * splits / slots
+        waves = ctas * splits / num_sms
         return waves / math.ceil(waves)
 
     best = max(efficiency(s) for s in range(1, most + 1))
@@ -193,8 +196,7 @@ def _kernel(
     (row t * group + g: query t of head kv_head * group + g); k_ref/v_ref [batch, max_len, kv_heads, d] or
     pages [num_pages, page_size, kv_heads, d]; out_ref float32 [splits, batch, kv_heads, q_len * group, d]
     (the real rows); lse_ref float32 [splits, batch, kv_heads, rows] (natural log)."""
-    (q_smem, shared, lse_smem), q_ready, (k_ready, v_ready), (k_free, v_free) = scoped
-    (k_smem, v_smem), o_smem = shared  # the K/V ring and the output's staging share their memory
+    (q_smem, k_smem, v_smem, o_smem, lse_smem), q_ready, (k_ready, v_ready), (k_free, v_free) = scoped
     block_kv, num_stages = config.block_kv, config.num_stages
     paged = table_ref is not None
     capacity = table_ref.shape[1] * page_size if paged else k_ref.shape[1]
@@ -289,7 +291,7 @@ def _kernel(
         acc, m, l = lax.fori_loop(0, steps, step, (zeros((ROWS, q_smem.shape[-1])), m, l))
         empty = l == 0.0  # saw no key in this split: zeros and lse = -inf, never NaN
         inv_l = jnp.where(empty, 0.0, 1.0 / l)
-        o_smem[...] = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
+        o_smem[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(o_smem.dtype)
         lse_smem[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l)) * blocks.LN2)
         plgpu.commit_smem()
 
@@ -354,16 +356,15 @@ def _partials(
     paged = block_table is not None
     transforms = swizzle_transforms()
     copies = config.block_kv // min(kernel_args["page_size"], config.block_kv) if paged else 1
+    # Partials to merge stay float32; a single split's output is the result, written in the query's dtype
+    # (no conversion kernel after it).
+    out_dtype = dtype if splits == 1 else jnp.float32
 
     # Named for profiles and traces (Mosaic GPU calls the kernel `<name>_mosaic_gpu_kernel`).
     def flash_decode_sm90(*refs):
         lengths_ref, order_ref, table_ref = refs[0], refs[1], (refs[2] if paged else None)
         q_ref, k_ref, v_ref, out_ref, lse_ref = refs[2 + paged :]
         ring = plgpu.SMEM((config.num_stages, config.block_kv, head_dim), dtype, transforms=transforms)
-        # The output is staged after the last block is consumed, when no load is in flight: in the ring's
-        # memory (`RefUnion`): with a 2-deep ring a CTA then needs ~80 KiB, and two CTAs share an SM.
-        # The interpreter gets separate buffers (JAX 0.10's has no rule for a union).
-        shared = ((ring, ring), plgpu.SMEM((ROWS, head_dim), jnp.float32))
         body = functools.partial(
             _kernel,
             **kernel_args,
@@ -376,7 +377,9 @@ def _partials(
             lambda *scoped: body(lengths_ref, order_ref, table_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, scoped),
             (
                 plgpu.SMEM((ROWS, head_dim), dtype, transforms=transforms),
-                shared if interpret is not None else plgpu.RefUnion(*shared),
+                ring,
+                ring,
+                plgpu.SMEM((ROWS, head_dim), out_dtype),
                 plgpu.SMEM((ROWS,), jnp.float32),
             ),
             plgpu.Barrier(),
@@ -389,11 +392,13 @@ def _partials(
     return plgpu.kernel(
         flash_decode_sm90,
         out_type=(
-            jax.ShapeDtypeStruct((splits, batch, kv_heads, real_rows, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((splits, batch, kv_heads, real_rows, head_dim), out_dtype),
             jax.ShapeDtypeStruct((splits, batch, kv_heads, rows), jnp.float32),
         ),
-        grid=(splits * row_tiles, kv_heads, batch),
-        grid_names=("tiles", "kv_heads", "batch"),
+        # Mosaic GPU launches the last grid axis fastest: a sequence's kv heads run side by side, and the
+        # sequences go in `order`.
+        grid=(splits * row_tiles, batch, kv_heads),
+        grid_names=("tiles", "batch", "kv_heads"),
         num_threads=2,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -427,9 +432,10 @@ def hopper_decode_partials(
     GPU; an `InterpretGPUParams` (`_compat.mosaic_gpu_interpret_params`) runs the kernel in the Mosaic GPU
     interpreter on CPU.
 
-    Returns (out [splits, batch, Tq, heads, head_dim] float32, lse [splits, batch, Tq, heads] float32): each
-    split's output normalised over its own keys and its natural-log LSE (zeros and -inf where it holds none
-    of a query's keys), as `merge_attention_states` takes them."""
+    Returns (out [splits, batch, Tq, heads, head_dim], lse [splits, batch, Tq, heads] float32): each split's
+    output normalised over its own keys (float32; in query's dtype where there is one split, which needs no
+    merge) and its natural-log LSE (zeros and -inf where it holds none of a query's keys), as
+    `merge_attention_states` takes them."""
     batch, q_len, heads, head_dim = query.shape
     kv_heads = key_cache.shape[2]
     group = heads // kv_heads
@@ -445,15 +451,16 @@ def hopper_decode_partials(
     rows = round_up(q_len * group, ROWS)
     row_tiles = rows // ROWS
     most = max_visible_blocks(q_len=q_len, window_left=window_left, block_kv=config.block_kv, capacity=capacity)
+    # One CTA per SM: the two warpgroups' registers (a 64 x head_dim float32 accumulator and a 64 x block_kv
+    # score tile per consumer thread) take the SM's register file, whatever the shared memory would allow.
     num_sms = H100_SMS if interpret is not None else getattr(jax.devices()[0], "core_count", H100_SMS)
-    slots = num_sms * max(1, H100_SHARED_MEMORY // config.smem_bytes(head_dim, query.dtype.itemsize))
     if num_splits is None:
-        num_splits = default_num_splits(batch * kv_heads * row_tiles, most, num_sms=slots)
+        num_splits = default_num_splits(batch * kv_heads * row_tiles, most, num_sms=num_sms)
     splits = max(1, min(num_splits, most))
     lengths = lengths.astype(jnp.int32)
     # More CTAs than fit at once: the longest sequences' first (a stable sort), so that the last wave
     # holds short ones, not a long sequence that keeps the GPU waiting after the others are done.
-    waves = batch > 1 and splits * row_tiles * kv_heads * batch > slots
+    waves = batch > 1 and splits * row_tiles * kv_heads * batch > num_sms
     order = jnp.argsort(-lengths, stable=True).astype(jnp.int32) if waves else jnp.arange(batch, dtype=jnp.int32)
     # [batch, Tq, kv_heads * group, d] -> [batch, kv_heads, Tq * group (padded), d]: a kv head's tile.
     q = query.reshape(batch, q_len, kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)

@@ -62,7 +62,7 @@ def run_interpreted(q, k_cache, v_cache, lengths, table, params):
 
 
 # id -> (q_len, max_len, lengths, heads, kv_heads, head_dim, page_size, num_splits, window, soft cap). Blocks
-# are 128 keys at head_dim 64, 64 at 128. Lengths run from 1 key (queries before the sequence see nothing)
+# are 64 keys. Lengths run from 1 key (queries before the sequence see nothing)
 # to the full cache; a max_len that is not a multiple of the block slides the last block back.
 INTERPRETER_CASES = {
     "tq1-gqa4-contiguous-splits3": (1, 200, (1, 37, 200), 8, 2, 64, None, 3, None, None),
@@ -167,6 +167,8 @@ def test_declines_what_it_cannot_serve_with_a_reason():
     assert "head_dim 96" in hopper_decode.unsupported_reason(jnp.bfloat16, 96, None)
     assert "page_size 24" in hopper_decode.unsupported_reason(jnp.bfloat16, 128, 24)
     assert "page_size 96" in hopper_decode.unsupported_reason(jnp.bfloat16, 128, 96)
+    too_deep = DecodeConfig(block_kv=256, num_stages=4)  # 512 KiB of ring
+    assert "shared memory" in hopper_decode.unsupported_reason(jnp.bfloat16, 128, None, too_deep)
     if not device.on_hopper_gpu():  # on CPU the kernel never serves: None keeps choosing "xla"
         q, k, v = _inputs(1, 1, 64, 4, 1, 64, jnp.bfloat16, seed=0)
         with pytest.raises(ValueError, match="implementation='mosaic' cannot serve.*no Hopper"):
