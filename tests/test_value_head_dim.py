@@ -1,9 +1,12 @@
 """A value head_dim of its own (DeepSeek's MLA: query/key 192, value 128): value [batch, kv_len, kv_heads,
 head_dim_v] gives out [batch, q_len, heads, head_dim_v]. The XLA paths ("xla_chunked", "xla", and flash_decode's
-"xla" and "reference") serve it; the kernels ("mosaic", "pallas") refuse it by name, so implementation=None runs
-"xla_chunked" (logged). Checked against a float32 oracle written out here, independent of the package."""
+"xla" and "reference") serve it; so does "mosaic" where both its kernels have tiles for the two head dims
+(tests/hopper/test_head_dims.py); "pallas" refuses it by name, and so does "mosaic" elsewhere, where
+implementation=None runs "xla_chunked" (logged). Checked against a float32 oracle written out here, independent
+of the package."""
 
 import logging
+import re
 
 import jax
 import jax.numpy as jnp
@@ -168,13 +171,19 @@ def test_attention_backward_takes_value_head_dim():
         assert_close(g, ref, jnp.float32, table=GRADIENT)
 
 
-@pytest.mark.parametrize("impl", ["mosaic", "pallas"])
-def test_kernels_refuse_value_head_dim_by_name(impl, monkeypatch):
-    """Forced, each kernel says it needs one head_dim and names both (on sm90, faked, for "mosaic")."""
+@pytest.mark.parametrize(
+    "impl, head_dims, words",
+    [
+        ("pallas", (192, 128), r"head_dims are 192 \(query, key\) and 128 \(value\)"),
+        ("mosaic", (192, 256), r"head_dims 192 \(query, key\) and 256 \(value\)"),
+    ],
+)
+def test_kernels_refuse_value_head_dim_by_name(impl, head_dims, words, monkeypatch):
+    """Forced, each kernel names both head_dims where it cannot serve them (on sm90, faked, for "mosaic": its
+    backward has no tiles for query/key 192 with value 256)."""
     monkeypatch.setattr(device, "on_hopper_gpu", lambda: True)
-    q, k, v, _, _ = _inputs(5, 1, 8, 8, 2, 2, 192, 128, jnp.bfloat16)
-    words = rf"implementation='{impl}' cannot serve this call: .*head_dims are 192 \(query, key\) and 128 \(value\)"
-    with pytest.raises(ValueError, match=words):
+    q, k, v, _, _ = _inputs(5, 1, 8, 8, 2, 2, *head_dims, jnp.bfloat16)
+    with pytest.raises(ValueError, match=rf"implementation='{impl}' cannot serve this call: .*{words}"):
         pf.flash_attention(q, k, v, implementation=impl)
 
 
@@ -182,14 +191,14 @@ def test_dispatch_runs_xla_chunked_for_value_head_dim(monkeypatch, caplog):
     """With implementation=None on sm90 (faked) both kernels are passed over, each with its head_dim reason."""
     monkeypatch.setattr(device, "on_hopper_gpu", lambda: True)
     monkeypatch.setattr(device, "on_nvidia_gpu", lambda: True)
-    q, k, v, _, _ = _inputs(6, 1, 8, 8, 2, 2, 64, 96, jnp.bfloat16)
+    q, k, v, _, _ = _inputs(6, 1, 8, 8, 2, 2, 192, 256, jnp.bfloat16)
     api._logged.clear()
     with caplog.at_level(logging.DEBUG, logger="pallas_flash"):
         out = pf.flash_attention(q, k, v)
-    assert out.shape == (1, 8, 2, 96)
+    assert out.shape == (1, 8, 2, 256)
     messages = [r.getMessage() for r in caplog.records]
     ran = [m for m in messages if "implementation=None ran 'xla_chunked'" in m]
-    assert ran and "not 'mosaic': the Mosaic GPU kernel needs value's head_dim" in ran[0], messages
+    assert ran and re.search(r"not 'mosaic': [^;]*head_dims 192 \(query, key\) and 256 \(value\)", ran[0]), messages
     assert "not 'pallas': the Pallas kernel needs value's head_dim" in ran[0], messages
 
 

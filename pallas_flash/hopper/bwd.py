@@ -44,7 +44,11 @@ columns): dV += (P^T keep) dO, scaled by 1 / (1 - rate) at the store, and dP = Z
 before delta is subtracted (so not in the dP accumulator: no delta_in_dp).
 Ragged lengths are padded in the wrapper: padded query rows have lse2 = +inf and dO = 0 (no contribution),
 padded keys are masked in the dQ pass (their dK/dV rows are sliced off). head_dim is padded to a multiple
-of 64 (the wgmma contraction granule of a 128-byte swizzle).
+of 64 (the wgmma contraction granule of a 128-byte swizzle). Value may have a head_dim of its own: V, dO, dV
+and the dP contraction at value's, Q, K, dQ, dK and the S contraction at query's.
+Head dims past 128 (192 for query and key with 128 for value runs as above): with `HopperBwdConfig.split_columns`
+(head_dim 256) each pass's two consumers share one block of rows and each accumulates half of the head_dim
+columns of dK and dV (or dQ), both recomputing the block's S and dP.
 """
 
 from __future__ import annotations
@@ -71,10 +75,22 @@ from pallas_flash.hopper.common import (
     padded_head_dim,
     round_up,
 )
-from pallas_flash.hopper.config import H100_SHARED_MEMORY, NUM_CONSUMERS, HopperBwdConfig
+from pallas_flash.hopper.config import H100_SHARED_MEMORY, HopperBwdConfig
 from pallas_flash.hopper.fwd import KernelMods, dense_tile_bytes, kernel_dropout
 
-MAX_HEAD_DIM = 128  # at 256, K and V of a 128-key CTA alone take 128 KiB of shared memory
+
+def head_dims_reason(head_dim: int, head_dim_v: int | None = None) -> str | None:
+    """Why the Hopper backward cannot serve these (padded) head dims of query and key and of value (None:
+    head_dim), else None: where a consumer's dK and dV do not fit its registers (`split_columns` then) and half
+    of a head_dim is not whole 64-column tiles."""
+    if HopperBwdConfig.needs_split_columns(head_dim, head_dim_v) and not HopperBwdConfig.can_split_columns(
+        head_dim, head_dim_v
+    ):
+        return (
+            f"the Hopper backward at head_dims {head_dim} (query, key) and {head_dim_v or head_dim} (value, padded) "
+            "needs split_columns, whose halves of each head_dim must be whole 64-column tiles"
+        )
+    return None
 
 
 def _fold_vmap(fn):
@@ -113,19 +129,35 @@ def _one_pass_with_seed(q, k, v, d_out, lse2, delta, q_ids, kv_ids, dropout_seed
 
 
 def check_config(
-    config: HopperBwdConfig, head_dim: int, itemsize: int = 2, tile_bytes: int = 0, dbias: bool = False
+    config: HopperBwdConfig,
+    head_dim: int,
+    itemsize: int = 2,
+    tile_bytes: int = 0,
+    dbias: bool = False,
+    head_dim_v: int | None = None,
 ) -> None:
-    """Raises ValueError if the tiles do not fit an H100's shared memory at this (padded) head_dim (with dense
-    tiles of `tile_bytes` per logit and, `dbias`, the dQ kernel's dS staging), or if the one-pass kernel cannot
-    split dQ between its consumers (`dq_split`)."""
+    """Raises ValueError if the tiles do not fit an H100's shared memory at this (padded) head_dim and value's
+    `head_dim_v` (None: head_dim) (with dense tiles of `tile_bytes` per logit and, `dbias`, the dQ kernel's dS
+    staging), if the one-pass kernel cannot split dQ between its consumers (`dq_split`), or if the head dims
+    need split_columns (`HopperBwdConfig.needs_split_columns`) and the config has none, or it cannot halve them."""
+    if HopperBwdConfig.needs_split_columns(head_dim, head_dim_v) and not config.split_columns:
+        raise ValueError(
+            f"{config}: at head_dims {head_dim} (query, key) and {head_dim_v or head_dim} (value) a consumer's dK "
+            "and dV do not fit its registers: use split_columns=True (`HopperBwdConfig.default`)"
+        )
+    if config.split_columns and not HopperBwdConfig.can_split_columns(head_dim, head_dim_v):
+        raise ValueError(
+            f"{config}: split_columns halves the head dims into whole 64-column tiles, but they are {head_dim} "
+            f"(query, key) and {head_dim_v or head_dim} (value)"
+        )
     if config.dq_atomic and dq_split(head_dim, config.block_q_dkv) is None:
         raise ValueError(
             f"{config}: the one-pass dq_atomic backward at head_dim {head_dim} needs block_q_dkv >= 128 "
             f"(each consumer computes dQ for half of a query block), got {config.block_q_dkv}"
         )
     for name, needed in (
-        ("dK/dV", config.smem_bytes_dkv(head_dim, itemsize, tile_bytes)),
-        ("dQ", config.smem_bytes_dq(head_dim, itemsize, tile_bytes, dbias)),
+        ("dK/dV", config.smem_bytes_dkv(head_dim, itemsize, tile_bytes, head_dim_v)),
+        ("dQ", config.smem_bytes_dq(head_dim, itemsize, tile_bytes, dbias, head_dim_v)),
     ):
         if needed > H100_SHARED_MEMORY:
             raise ValueError(
@@ -142,27 +174,34 @@ def default_config(
     programs: bool = False,
     tile_bytes: int = 0,
     dbias: bool = False,
+    head_dim_v: int | None = None,
 ) -> HopperBwdConfig | None:
-    """`HopperBwdConfig.default` for a call with this (padded) head_dim, key length and band; with a score or
-    mask program (`programs`) the two passes, as the one pass takes none (its dQ has no per-query pass to
-    sum a score program's row gradients in, and its ordered adds no per-head block ranges). With dense tiles
-    (`tile_bytes` per logit, `fwd.dense_tile_bytes`; `dbias`: with a bias's gradient) the two passes too (the
-    dQ pass writes dbias), shrunk until they fit (`HopperBwdConfig.fit_dense_tiles`): None where none do."""
-    config = HopperBwdConfig.default(head_dim, deterministic, kv_len=kv_len, is_causal=band.is_causal)
-    if tile_bytes:
-        return config.fit_dense_tiles(head_dim, 2, tile_bytes, dbias)
+    """`HopperBwdConfig.default` for a call with this (padded) head_dim, value's (padded) `head_dim_v` (None:
+    head_dim), key length and band; with a score or mask program (`programs`) the two passes, as the one pass
+    takes none (its dQ has no per-query pass to sum a score program's row gradients in, and its ordered adds no
+    per-head block ranges). With dense tiles (`tile_bytes` per logit, `fwd.dense_tile_bytes`; `dbias`: with a
+    bias's gradient) the two passes too (the dQ pass writes dbias); with them or a value head_dim of its own
+    shrunk until they fit (`HopperBwdConfig.fit`): None where none do, or where the head dims are not served
+    (`head_dims_reason`)."""
+    if head_dims_reason(head_dim, head_dim_v) is not None:
+        return None
+    config = HopperBwdConfig.default(
+        head_dim, deterministic, kv_len=kv_len, is_causal=band.is_causal, head_dim_v=head_dim_v
+    )
     if programs and config.dq_atomic:
-        return dataclasses.replace(config, dq_atomic=False, dq_ordered=False)
+        config = dataclasses.replace(config, dq_atomic=False, dq_ordered=False)
+    if tile_bytes or (head_dim_v or head_dim) != head_dim:
+        return config.fit(head_dim, 2, tile_bytes, dbias, head_dim_v)
     return config
 
 
 def _mask_ranges(mask_mod, mask_stacks, config: HopperBwdConfig, *, batch, heads, kv_heads, q_len, kv_len):
-    """The mask program's block ranges (`mask_block_ranges`) of both passes: per (batch, head, tile of
-    2 * block_q_dq queries) its key blocks for the dQ pass, and per (batch, kv head, tile of 2 * block_kv_dkv
-    keys) its query blocks over the group's heads for the dK/dV pass. The program is evaluated once, at
-    the finest tiles both passes' blocks are made of."""
-    dq_rows, dq_cols = NUM_CONSUMERS * config.block_q_dq, config.block_kv_dq
-    dkdv_rows, dkdv_cols = NUM_CONSUMERS * config.block_kv_dkv, config.block_q_dkv
+    """The mask program's block ranges (`mask_block_ranges`) of both passes: per (batch, head, CTA tile of
+    `row_tiles` * block_q_dq queries) its key blocks for the dQ pass, and per (batch, kv head, CTA tile of
+    `row_tiles` * block_kv_dkv keys) its query blocks over the group's heads for the dK/dV pass. The program is
+    evaluated once, at the finest tiles both passes' blocks are made of."""
+    dq_rows, dq_cols = config.row_tiles * config.block_q_dq, config.block_kv_dq
+    dkdv_rows, dkdv_cols = config.row_tiles * config.block_kv_dkv, config.block_q_dkv
     block_q, block_kv = math.gcd(dq_rows, dkdv_cols), math.gcd(dq_cols, dkdv_rows)
     q_pad = round_up(q_len, math.lcm(dq_rows, dkdv_cols))
     kv_pad = round_up(kv_len, math.lcm(dq_cols, dkdv_rows))
@@ -241,8 +280,9 @@ def hopper_backward(
 ):
     """Gradients of attention on Hopper from the forward's residuals.
 
-    q [batch, q_len, heads, head_dim], k/v [batch, kv_len, kv_heads, head_dim] (bf16/fp16), out like q,
-    lse [batch, heads, q_len] float32 natural log; cotangents d_out like out and d_lse like lse (or None).
+    q [batch, q_len, heads, head_dim], k [batch, kv_len, kv_heads, head_dim], v [batch, kv_len, kv_heads,
+    head_dim_v] (bf16/fp16), out [batch, q_len, heads, head_dim_v], lse [batch, heads, q_len] float32 natural
+    log; cotangents d_out like out and d_lse like lse (or None).
     The band, segment ids and programs as in `hopper_fwd.hopper_forward` (the forward's own): score_mod /
     mask_mod a `mods.Staged` or None, with its (rows_int, rows_float, cols_int, cols_float) from
     `Staged.stacks` (two passes only: the default config takes them where programs are given). Dropout
@@ -257,19 +297,23 @@ def hopper_backward(
     GPU interpreter on CPU (as `hopper_forward`'s; not config.dq_atomic)."""
     band = masks.Band.of(is_causal, local_window_size)
     batch, q_len, heads, head_dim = q.shape
-    kv_len, kv_heads = k.shape[1], k.shape[2]
+    kv_len, kv_heads, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
     if heads % kv_heads:
         raise ValueError(f"key has {kv_heads} heads; query's {heads} heads must be a multiple of it")
-    padded_dim = padded_head_dim(head_dim)
-    if padded_dim > MAX_HEAD_DIM:
-        raise ValueError(f"the Hopper backward takes head_dim <= {MAX_HEAD_DIM}, got {head_dim}")
+    padded_dim, padded_dim_v = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
+    reason = head_dims_reason(padded_dim, padded_dim_v)
+    if reason is not None:
+        raise ValueError(reason)
     has_programs = score_mod is not None or mask_mod is not None
     dense = DenseMods(bias is not None, mask is not None, logits_soft_cap)
     tile_bytes = dense_tile_bytes(None if bias is None else bias.dtype, mask is not None)
-    fit = dict(tile_bytes=tile_bytes, dbias=dense.bias)
+    fit = dict(tile_bytes=tile_bytes, dbias=dense.bias, head_dim_v=padded_dim_v)
     config = config or default_config(padded_dim, kv_len, band, deterministic=True, programs=has_programs, **fit)
     if config is None:
-        raise ValueError(f"no backward tiles fit shared memory with dense tiles of {tile_bytes} bytes per logit")
+        raise ValueError(
+            f"no backward tiles fit shared memory at head_dims {head_dim} (query, key) and {head_dim_v} (value) "
+            f"with dense tiles of {tile_bytes} bytes per logit"
+        )
     check_config(config, padded_dim, q.dtype.itemsize, **fit)
     if (has_programs or dense.forms_logits or dense.active) and config.dq_atomic:
         raise ValueError(
@@ -291,14 +335,14 @@ def hopper_backward(
         delta = delta - d_lse.astype(jnp.float32)
     lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(jnp.float32) * LOG2E)
 
-    q_pad = round_up(q_len, math.lcm(config.block_q_dkv, NUM_CONSUMERS * config.block_q_dq))
-    kv_pad = round_up(kv_len, math.lcm(NUM_CONSUMERS * config.block_kv_dkv, config.block_kv_dq))
+    q_pad = round_up(q_len, math.lcm(config.block_q_dkv, config.row_tiles * config.block_q_dq))
+    kv_pad = round_up(kv_len, math.lcm(config.row_tiles * config.block_kv_dkv, config.block_kv_dq))
 
-    def pad(x, rows):
-        return pad_axis(pad_axis(x, 1, rows), 3, padded_dim)
+    def pad(x, rows, dim=padded_dim):
+        return pad_axis(pad_axis(x, 1, rows), 3, dim)
 
-    qp, dop = pad(q, q_pad), pad(d_out.astype(q.dtype), q_pad)
-    kp, vp = pad(k, kv_pad), pad(v, kv_pad)
+    qp, dop = pad(q, q_pad), pad(d_out.astype(q.dtype), q_pad, padded_dim_v)
+    kp, vp = pad(k, kv_pad), pad(v, kv_pad, padded_dim_v)
     # Padded query rows: lse2 = +inf makes their P exactly 0 in both passes.
     lse2 = jnp.pad(lse2, ((0, 0), (0, 0), (0, q_pad - q_len)), constant_values=jnp.inf)
     delta = pad_axis(delta, 2, q_pad)
@@ -365,9 +409,9 @@ def hopper_backward(
         results = (
             dq[:, :q_len, :, :head_dim],
             dk[:, :kv_len, :, :head_dim],
-            dv[:, :kv_len, :, :head_dim],
+            dv[:, :kv_len, :, :head_dim_v],
             d_rows_float,
             d_cols_float,
         )
         return results if bias is None else (*results, _bias_cotangent(dbias, bias))
-    return dq[:, :q_len, :, :head_dim], dk[:, :kv_len, :, :head_dim], dv[:, :kv_len, :, :head_dim], None, None
+    return dq[:, :q_len, :, :head_dim], dk[:, :kv_len, :, :head_dim], dv[:, :kv_len, :, :head_dim_v], None, None

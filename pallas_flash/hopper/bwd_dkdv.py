@@ -2,7 +2,9 @@
 Q, dO, lse2 and delta through a ring, two consumers each holding block_kv_dkv key rows with K and V resident;
 in the transposed tiles S^T = K Q^T, P^T = exp2(c S^T - lse2), dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T -
 delta), dK += dS^T Q. With `HopperBwdConfig.dq_atomic` it is the one pass and also adds each query block's
-dQ = dS K into a float32 buffer (`bwd_ordered` for the split and the order of those adds)."""
+dQ = dS K into a float32 buffer (`bwd_ordered` for the split and the order of those adds). With
+`HopperBwdConfig.split_columns` the CTA owns block_kv_dkv keys, K and V resident once, and each consumer
+accumulates half of dK's and dV's columns (both compute the block's S^T and dP^T)."""
 
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from pallas_flash.hopper.common import (
     REGISTERS,
     DenseMods,
     biased_logits,
+    column_half,
     dense_ring,
     dense_tiles,
     dot_t,
@@ -120,7 +123,8 @@ def _dkdv_kernel(
     `dropout`: None, or the forward's dropout, seed_ref its seed table (`fwd.kernel_dropout`): dV += (P^T keep)
     dO (the 1 / (1 - rate) applied once, to dV), dP^T = Z (V dO^T) with Z = keep / (1 - rate).
     bias_ref/mask_ref (two passes only): None or `dense`'s arrays key-major, [Bd, Hd, kv_pad, q_pad]
-    (`dense_operands(..., transpose=True)`), whose [2 block_kv, block_q] tiles ride the Q ring."""
+    (`dense_operands(..., transpose=True)`), whose [2 block_kv, block_q] tiles ride the Q ring.
+    Q, K and dK at query's head_dim, V, dO and dV at value's (may differ)."""
     (
         (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, *dq_staging),
         (k_ready, v_ready),
@@ -129,8 +133,10 @@ def _dkdv_kernel(
         segments,
         (rows_smem, rows_ready, cols_smem, cols_ready, d_cols_smem),
         ring,
+        split_barriers,
         *ds_barriers,
     ) = scoped
+    split = config.split_columns
     score_mod, mask_mod = programs.score, programs.mask
     has_segments = q_ids_ref is not None
     block_q, block_kv, num_stages = config.block_q_dkv, config.block_kv_dkv, config.num_stages_dkv
@@ -142,7 +148,7 @@ def _dkdv_kernel(
         kv_tile = lax.axis_index("kv_tiles")
     else:
         batch, kv_head, kv_tile = dq_order.cta
-    tile_start = kv_tile * (NUM_CONSUMERS * block_kv)
+    tile_start = kv_tile * (config.row_tiles * block_kv)
     # Padded keys need a mask only where their dS reaches real rows: the one-pass dQ. (Without it only
     # their own dK/dV rows see them, and those are sliced off.)
     mask_padded_keys = dq_acc_ref is not None and kv_len != k_ref.shape[1]
@@ -154,7 +160,7 @@ def _dkdv_kernel(
         kv_tile,
         (lambda i: q_ranges_ref[batch, kv_tile, i]) if has_segments else None,
         block_q=block_q,
-        tile_keys=NUM_CONSUMERS * block_kv,
+        tile_keys=config.row_tiles * block_kv,
         num_q_blocks=num_q_blocks,
         kv_pad=k_ref.shape[1],
         band=band,
@@ -174,13 +180,25 @@ def _dkdv_kernel(
     @pl.when(wg < NUM_CONSUMERS)
     def _consumer():
         plgpu.set_max_registers(consumer_registers, action="increase")
-        v_smem = v_smem2.at[wg]
+        own = 0 if split else wg  # this consumer's row tile (split_columns: the one both share)
         # One pass: K of both warpgroups is one [2 block_kv, D] tile (each dQ wgmma reads all of it).
-        k_smem = k_smem2.at[wg] if dq_acc_ref is None else k_smem2.at[pl.ds(wg * block_kv, block_kv)]
-        kv_start = tile_start + wg * block_kv
+        # split_columns: K and V are single tiles (an index would reach the wgmmas as a constant JAX 0.12's
+        # lowering of their run_state cannot take).
+        v_smem = v_smem2 if split else v_smem2.at[wg]
+        if split:
+            k_smem = k_smem2
+        else:
+            k_smem = k_smem2.at[wg] if dq_acc_ref is None else k_smem2.at[pl.ds(wg * block_kv, block_kv)]
+        kv_start = tile_start + own * block_kv
         rows = (batch, pl.ds(kv_start, block_kv), kv_head)
-        plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, k_ready.at[wg])
-        plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, v_ready.at[wg])
+
+        def load_k_and_v():
+            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, k_ready.at[own])
+            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, v_ready.at[own])
+
+        pl.when(wg == 0)(load_k_and_v) if split else load_k_and_v()
+        # split_columns: this consumer's columns of dK (Q's) and dV (dO's); else all of them.
+        k_cols, v_cols = (column_half(k_smem, wg), column_half(v_smem, wg)) if split else (None, None)
         column = plgpu.Layout.WGMMA.reduce(0)  # a per-query vector, broadcast along the key rows of S^T
         kv_seg = None
         if has_segments:
@@ -197,11 +215,11 @@ def _dkdv_kernel(
                 load=load_vector,
             )
         if dq_acc_ref is None:
-            plgpu.barrier_wait(k_ready.at[wg])
+            plgpu.barrier_wait(k_ready.at[own])
         else:  # this warpgroup's dQ wgmmas read the other's keys too
             for i in range(NUM_CONSUMERS):
                 plgpu.barrier_wait(k_ready.at[i])
-        plgpu.barrier_wait(v_ready.at[wg])
+        plgpu.barrier_wait(v_ready.at[own])
         c = scale * LOG2E  # exp(scale * s - lse) = exp2(c * s - lse2)
         if cols_ref is not None:  # this warpgroup's keys' program values, of every query head of the group
             b, h = stack_index(cols_ref, batch, kv_head)
@@ -271,7 +289,7 @@ def _dkdv_kernel(
             if rows_ref is not None:  # the block's values ride the Q ring; every step waits (one wait per phase)
                 plgpu.barrier_wait(rows_ready.at[slot])
             rows = programs.values("row", lambda i: load_vector(rows_smem.at[slot, i], column), masked=masked)
-            bias, dense_visible = dense_tiles(ring, slot, wg=wg, rows=block_kv, load=load_vector)
+            bias, dense_visible = dense_tiles(ring, slot, wg=own, rows=block_kv, load=load_vector)
             logit_scale, logit_c, cap_grad = scale, c, None
             if dense.forms_logits:  # the soft cap and the bias act on scale * S^T: natural units from here on
                 s, cap_grad = biased_logits(s, bias, scale=scale, soft_cap=dense.soft_cap)
@@ -335,11 +353,17 @@ def _dkdv_kernel(
             plgpu.barrier_wait(do_ready.at[slot])
             plgpu.barrier_wait(delta_ready.at[slot])
 
+        def own_columns(ring, slot, cols):
+            """Slot `slot` of the Q or dO ring as this consumer's dK (or dV) product reads it: its half of the
+            columns with split_columns (one indexer: JAX 0.12 cannot lower a column slice of an indexed ref)."""
+            return ring.at[slot] if cols is None else ring.at[slot, :, cols]
+
         def step(q_block, carry, *, g, cols, masked: bool):
             dk, dv, acc = carry
             t = g * q_steps + q_block - q_lo  # this warpgroup's step number (`step_block` inverted)
             slot = lax.rem(t, num_stages)
             q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
+            q_part, do_part = own_columns(q_smem, slot, k_cols), own_columns(do_smem, slot, v_cols)
             wait_q(slot)
             if fused:
                 wait_do(slot)
@@ -368,11 +392,11 @@ def _dkdv_kernel(
 
                 def dv_dp_t(refs):  # one wgmma group: a single wait for both
                     dv_ref, dp_ref = refs
-                    plgpu.wgmma(dv_ref, p_v.astype(dtype), do_tile)
+                    plgpu.wgmma(dv_ref, p_v.astype(dtype), do_part)
                     plgpu.wgmma(dp_ref, v_smem, do_tile.transpose((1, 0)))
 
                 if interpreting:
-                    dv = dv + jnp.dot(p_v.astype(dtype), wgmma_operand(do_tile), preferred_element_type=jnp.float32)
+                    dv = dv + jnp.dot(p_v.astype(dtype), wgmma_operand(do_part), preferred_element_type=jnp.float32)
                     dp = dot_t(wgmma_operand(v_smem), wgmma_operand(do_tile))
                 else:
                     dp_init = -delta_columns(slot, s.shape) if delta_in_dp else zeros(s.shape)
@@ -385,10 +409,10 @@ def _dkdv_kernel(
             if dq_acc_ref is None:
 
                 def dk_update(dk_ref):
-                    plgpu.wgmma(dk_ref, ds.astype(dtype), q_tile)
+                    plgpu.wgmma(dk_ref, ds.astype(dtype), q_part)
 
                 if interpreting:
-                    dk = dk + jnp.dot(ds.astype(dtype), wgmma_operand(q_tile), preferred_element_type=jnp.float32)
+                    dk = dk + jnp.dot(ds.astype(dtype), wgmma_operand(q_part), preferred_element_type=jnp.float32)
                 else:
                     dk = pl.run_state(dk_update)(plgpu.ACC.init(dk))
                 plgpu.barrier_arrive(free.at[slot])
@@ -465,16 +489,17 @@ def _dkdv_kernel(
             slot = lax.rem(t, num_stages)
             prev = jnp.where(t > 0, lax.rem(t + num_stages - 1, num_stages), slot)
             q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
+            q_prev, do_part = own_columns(q_smem, prev, k_cols), own_columns(do_smem, slot, v_cols)
             wait_q(slot)
 
             if interpreting:  # the same steps, one product at a time
                 s = dot_t(wgmma_operand(k_smem), wgmma_operand(q_tile))
-                dk = dk + jnp.dot(ds_prev, wgmma_operand(q_smem.at[prev]), preferred_element_type=jnp.float32)
+                dk = dk + jnp.dot(ds_prev, wgmma_operand(q_prev), preferred_element_type=jnp.float32)
                 p, pullback = probabilities(s, q_block, slot, g=g, cols=cols, masked=masked)
                 keep = kept(q_block, g, s.shape)
                 wait_do(slot)
                 dv = dv + jnp.dot(
-                    dropped(p, keep).astype(dtype), wgmma_operand(do_tile), preferred_element_type=jnp.float32
+                    dropped(p, keep).astype(dtype), wgmma_operand(do_part), preferred_element_type=jnp.float32
                 )
                 dp = dropped_dp(dot_t(wgmma_operand(v_smem), wgmma_operand(do_tile)), keep)
                 if pullback is not None:
@@ -486,14 +511,14 @@ def _dkdv_kernel(
                     dk_ref[...] = dk
                     dv_ref[...] = dv
                     plgpu.wgmma(s_ref, k_smem, q_tile.transpose((1, 0)))
-                    plgpu.wgmma(dk_ref, ds_prev, q_smem.at[prev])
+                    plgpu.wgmma(dk_ref, ds_prev, q_prev)
                     s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S^T_t done; dK may run on
                     p, pullback = probabilities(s, q_block, slot, g=g, cols=cols, masked=masked)
                     keep = kept(q_block, g, s.shape)
                     wait_do(slot)
                     if delta_in_dp:
                         dp_ref[...] = -delta_columns(slot, p.shape)
-                    plgpu.wgmma(dv_ref, dropped(p, keep).astype(dtype), do_tile)
+                    plgpu.wgmma(dv_ref, dropped(p, keep).astype(dtype), do_part)
                     plgpu.wgmma(dp_ref, v_smem, do_tile.transpose((1, 0)))
                     dp = dropped_dp(plgpu.wgmma_accumulator_load(dp_ref, wait_n=None), keep)
                     if pullback is None:
@@ -503,8 +528,9 @@ def _dkdv_kernel(
                     ds, d_cols = through_program(ds, pullback, acc)
                     return ds, dp, dk_ref[...], dv_ref[...], d_cols
 
-                tile, accumulator = plgpu.ACC((block_kv, block_q), jnp.float32), plgpu.ACC(dk.shape, jnp.float32)
-                p, dp, dk, dv, acc = pl.run_scoped(products, tile, accumulator, accumulator, tile)
+                tile = plgpu.ACC((block_kv, block_q), jnp.float32)
+                accumulators = plgpu.ACC(dk.shape, jnp.float32), plgpu.ACC(dv.shape, jnp.float32)
+                p, dp, dk, dv, acc = pl.run_scoped(products, tile, *accumulators, tile)
 
             @pl.when(t > 0)
             def _():
@@ -549,19 +575,32 @@ def _dkdv_kernel(
                 q_hi if trailing else None,
             )
             if acc:
-                for i, d_col in enumerate(acc):
-                    d_cols_smem.at[wg, i][...] = d_col
-                plgpu.commit_smem()
-                keys = pl.ds(kv_start, block_kv)
-                plgpu.copy_smem_to_gmem(d_cols_smem.at[wg], d_cols_ref.at[batch, kv_head * group + g, :, keys])
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the staging is rewritten for the next head
+
+                def store_d_cols():
+                    for i, d_col in enumerate(acc):
+                        d_cols_smem.at[wg, i][...] = d_col
+                    plgpu.commit_smem()
+                    keys = pl.ds(kv_start, block_kv)
+                    plgpu.copy_smem_to_gmem(d_cols_smem.at[wg], d_cols_ref.at[batch, kv_head * group + g, :, keys])
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the staging is rewritten for the next head
+
+                pl.when(wg == 0)(store_d_cols) if split else store_d_cols()  # split: both hold the same sums
             return tuple(carry)
 
-        shape = (block_kv, k_smem.shape[-1])
-        carry = (zeros(shape), zeros(shape))
+        def accumulator_shape(tile, cols):  # [block_kv, this consumer's columns of `tile`]
+            return (block_kv, tile.shape[-1] if cols is None else cols.size)
+
+        carry = (zeros(accumulator_shape(k_smem, k_cols)), zeros(accumulator_shape(v_smem, v_cols)))
         if overlap:
             carry += (zeros((block_kv, block_q)).astype(dtype),)
         dk, dv, *ds_last = lax.fori_loop(0, group, head, carry)
+        if split:  # K and V are shared: overwrite them with the results once neither consumer's wgmmas read them
+            plgpu.barrier_arrive(split_barriers[0])
+            plgpu.barrier_wait(split_barriers[0])
+
+        def store_dk(dk):
+            (k_smem if k_cols is None else k_smem.at[:, k_cols])[...] = (dk * scale).astype(dtype)
+
         if dq_acc_ref is not None:
 
             @pl.when(total_steps > 0)
@@ -572,30 +611,43 @@ def _dkdv_kernel(
         if overlap:  # the last step's dK product, then its slot is free
             last = lax.rem(total_steps + num_stages - 1, num_stages)
 
+            q_last = own_columns(q_smem, last, k_cols)
+
             @pl.when(total_steps > 0)
             def _():
                 if interpreting:
-                    dk_out = dk + jnp.dot(
-                        ds_last[0], wgmma_operand(q_smem.at[last]), preferred_element_type=jnp.float32
-                    )
+                    dk_out = dk + jnp.dot(ds_last[0], wgmma_operand(q_last), preferred_element_type=jnp.float32)
                 else:
-                    dk_out = pl.run_state(lambda dk_ref: plgpu.wgmma(dk_ref, ds_last[0], q_smem.at[last]))(
-                        plgpu.ACC.init(dk)
-                    )
+                    dk_out = pl.run_state(lambda dk_ref: plgpu.wgmma(dk_ref, ds_last[0], q_last))(plgpu.ACC.init(dk))
                 plgpu.barrier_arrive(free.at[last])
-                k_smem[...] = (dk_out * scale).astype(dtype)
+                store_dk(dk_out)
 
             @pl.when(total_steps == 0)
             def _():
-                k_smem[...] = (dk * scale).astype(dtype)
+                store_dk(dk)
         else:
-            k_smem[...] = (dk * scale).astype(dtype)
-        v_smem[...] = (dv if dropout is None else dv * dropout.scale).astype(dtype)
+            store_dk(dk)
+        dv = dv if dropout is None else dv * dropout.scale
+        (v_smem if v_cols is None else v_smem.at[:, v_cols])[...] = dv.astype(dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[rows], commit_group=False)
-        plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[rows], commit_group=False)
-        plgpu.commit_smem_to_gmem_group()
-        plgpu.wait_smem_to_gmem(0)
+
+        def store_dk_and_dv():
+            plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[rows], commit_group=False)
+            plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[rows], commit_group=False)
+            plgpu.commit_smem_to_gmem_group()
+            plgpu.wait_smem_to_gmem(0)
+
+        if split:  # one store of the tiles, once both consumers wrote their halves
+            halves_written = split_barriers[1]
+            plgpu.barrier_arrive(halves_written)
+
+            @pl.when(wg == 0)
+            def _():
+                plgpu.barrier_wait(halves_written)
+                store_dk_and_dv()
+
+        else:
+            store_dk_and_dv()
 
     @pl.when(wg == NUM_CONSUMERS)
     def _producer():
@@ -619,7 +671,7 @@ def _dkdv_kernel(
                 for ref, slots in zip((bias_ref, mask_ref), ring or ()):  # the dense tiles of the CTA's keys
                     if ref is not None:
                         b, h = stack_index(ref, batch, head)
-                        keys = pl.ds(tile_start, NUM_CONSUMERS * block_kv)
+                        keys = pl.ds(tile_start, config.row_tiles * block_kv)
                         plgpu.copy_gmem_to_smem(ref.at[b, h, keys, queries], slots[0].at[slot], slots[1].at[slot])
             if "lse2" in copies:
                 plgpu.copy_gmem_to_smem(lse2_ref.at[batch, head, queries], lse_smem.at[slot], lse_ready.at[slot])
@@ -692,16 +744,22 @@ def dkdv_pass(
     `dropout`'s seed table (`fwd.kernel_dropout`); dense_arrays: `dense`'s (bias, mask) key-major
     (`common.dense_operands(..., transpose=True)`), each None where absent (two passes only)."""
     batch, kv_pad, kv_heads, head_dim = k.shape
+    head_dim_v = v.shape[3]
     block_q, block_kv, num_stages = config.block_q_dkv, config.block_kv_dkv, config.num_stages_dkv
+    tiles = config.row_tiles
     has_segments = q_ids is not None
     transforms = swizzle_transforms()
     # One pass: K as one [2 block_kv, D] tile, since each dQ wgmma reads both warpgroups' keys.
+    # split_columns: one K and one V tile, both consumers'.
     k_shape = (NUM_CONSUMERS * block_kv, head_dim) if config.dq_atomic else (NUM_CONSUMERS, block_kv, head_dim)
+    v_shape = (NUM_CONSUMERS, block_kv, head_dim_v)
+    if config.split_columns:
+        k_shape, v_shape = (block_kv, head_dim), (block_kv, head_dim_v)
     smem = [
         plgpu.SMEM(k_shape, k.dtype, transforms=transforms),
-        plgpu.SMEM((NUM_CONSUMERS, block_kv, head_dim), v.dtype, transforms=transforms),
+        plgpu.SMEM(v_shape, v.dtype, transforms=transforms),
         plgpu.SMEM((num_stages, block_q, head_dim), q.dtype, transforms=transforms),
-        plgpu.SMEM((num_stages, block_q, head_dim), d_out.dtype, transforms=transforms),
+        plgpu.SMEM((num_stages, block_q, head_dim_v), d_out.dtype, transforms=transforms),
         plgpu.SMEM((num_stages, block_q), jnp.float32),
         plgpu.SMEM((num_stages, block_q), jnp.float32),
     ]
@@ -757,7 +815,7 @@ def dkdv_pass(
     )
 
     num_q_blocks = q.shape[1] // block_q
-    num_tiles = kv_pad // (NUM_CONSUMERS * block_kv)
+    num_tiles = kv_pad // (tiles * block_kv)
     # dq_ordered: a pair's float32 dQ covers its kv head's group of query heads
     launch_group = pairs_per_group(batch * kv_heads, q.shape[1] * q.shape[2] // kv_heads * head_dim * 4)
 
@@ -806,7 +864,9 @@ def dkdv_pass(
             plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=num_stages),
             segment_scratch(has_segments, (num_stages, block_q), (NUM_CONSUMERS, block_kv)),
             mod_scratch,
-            dense_ring(dense_arrays, num_stages, NUM_CONSUMERS * block_kv, block_q),
+            dense_ring(dense_arrays, num_stages, tiles * block_kv, block_q),
+            # split_columns: both consumers are done reading K and V; both wrote their halves of dK and dV
+            (plgpu.Barrier(num_arrivals=NUM_CONSUMERS),) * 2 if config.split_columns else None,
             *extra_barriers,
             collective_axes="wg",
         )
@@ -814,7 +874,7 @@ def dkdv_pass(
     operands = (q, k, v, d_out, lse2, delta)
     q_ranges = None
     if has_segments:
-        q_ranges = segment_block_ranges(kv_ids, q_ids, rows_per_tile=NUM_CONSUMERS * block_kv, cols_per_block=block_q)
+        q_ranges = segment_block_ranges(kv_ids, q_ids, rows_per_tile=tiles * block_kv, cols_per_block=block_q)
         operands += (q_ids, kv_ids, q_ranges)
     operands += tuple(x for x in mod_operands if x is not None)
     operands += tuple(x for x in dense_arrays if x is not None)

@@ -1,6 +1,8 @@
 """The Hopper dQ kernel of the two-pass backward: one CTA per (batch, head, tile of 2 * block_q_dq queries), a
 producer streaming K/V blocks through a ring, two consumers with Q, dO, lse2 and delta resident: S = Q K^T,
-dP = dO V^T, dS = P (dP - delta), dQ += dS K (optionally pipelined, `HopperBwdConfig.dq_overlap`)."""
+dP = dO V^T, dS = P (dP - delta), dQ += dS K (optionally pipelined, `HopperBwdConfig.dq_overlap`). With
+`HopperBwdConfig.split_columns` the CTA owns block_q_dq queries, Q and dO resident once, and each consumer
+accumulates half of dQ's columns (both compute the block's S and dP)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from pallas_flash.hopper.common import (
     REGISTERS,
     DenseMods,
     biased_logits,
+    column_half,
     dense_riders,
     dense_ring,
     dense_tiles,
@@ -84,7 +87,7 @@ def _dq_kernel(
     None, or the forward's dropout (dP = Z (dO V^T), Z = keep / (1 - rate)), seed_ref its seed table.
     bias_ref/mask_ref: None or `dense`'s arrays [Bd, Hd, q_pad, kv_pad] (tiles riding the K ring); dbias_ref:
     with a bias, float32 [batch, heads, q_pad, kv_pad]: dS (the gradient of the biased logit) of every tile,
-    zeros where the CTA visits no block."""
+    zeros where the CTA visits no block. Q, K and dQ at query's head_dim, V and dO at value's (may differ)."""
     (
         (q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem),
         resident_ready,
@@ -94,7 +97,10 @@ def _dq_kernel(
         mod_scratch,
         ring,
         dbias_smem,
+        split_barriers,
     ) = scoped
+    split = config.split_columns
+    tile_rows = config.row_tiles * config.block_q_dq
     score_mod, mask_mod = programs.score, programs.mask
     has_segments = q_ids_ref is not None
     block_q, block_kv, num_stages = config.block_q_dq, config.block_kv_dq, config.num_stages_dq
@@ -110,6 +116,7 @@ def _dq_kernel(
         kv_len=kv_len,
         band=band,
         segment_ranges=kv_ranges_ref,
+        tile_rows=tile_rows,
     )
     if mask_ranges_ref is not None:
         kv_lo, kv_hi, same = narrow_to_mask_ranges(
@@ -119,7 +126,7 @@ def _dq_kernel(
             mask_ranges_ref,
             batch=batch,
             head=head,
-            tile=lax.div(tile_start, NUM_CONSUMERS * block_q),
+            tile=lax.div(tile_start, tile_rows),
             num_kv_blocks=num_kv_blocks,
         )
     wg = lax.axis_index("wg")
@@ -129,18 +136,27 @@ def _dq_kernel(
     @pl.when(wg < NUM_CONSUMERS)
     def _consumer():
         plgpu.set_max_registers(consumer_registers, action="increase")
-        q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
-        q_start = tile_start + wg * block_q
+        own = 0 if split else wg  # this consumer's row tile (split_columns: the one both share)
+        # split_columns: Q and dO are single tiles (an index would reach the wgmmas as a constant JAX 0.12's
+        # lowering of their run_state cannot take).
+        q_smem, do_smem = (q_smem2, do_smem2) if split else (q_smem2.at[wg], do_smem2.at[wg])
+        q_start = tile_start + own * block_q
         rows = (batch, pl.ds(q_start, block_q), head)
         vector = (batch, head, pl.ds(q_start, block_q))
+        # (source, destination, slot): Q and dO in the row tile's slot, lse2 and delta in each consumer's own
         copies = (
-            (q_ref.at[rows], q_smem),
-            (do_ref.at[rows], do_smem),
-            (lse2_ref.at[vector], lse_smem2.at[wg]),
-            (delta_ref.at[vector], delta_smem2.at[wg]),
+            (q_ref.at[rows], q_smem, own),
+            (do_ref.at[rows], do_smem, own),
+            (lse2_ref.at[vector], lse_smem2.at[wg], wg),
+            (delta_ref.at[vector], delta_smem2.at[wg], wg),
         )
-        for (src, dst), ready in zip(copies, resident_ready):
-            plgpu.copy_gmem_to_smem(src, dst, ready.at[wg])
+        for (src, dst, slot), ready in zip(copies, resident_ready):
+            if split and slot is own:  # one copy of the shared tiles
+                pl.when(wg == 0)(functools.partial(plgpu.copy_gmem_to_smem, src, dst, ready.at[slot]))
+            else:
+                plgpu.copy_gmem_to_smem(src, dst, ready.at[slot])
+        # split_columns: this consumer's columns of dQ (K's); else all of them.
+        k_cols = column_half(q_smem, wg) if split else None
         row = plgpu.Layout.WGMMA.reduce(1)  # a per-query vector, broadcast along the keys of S
         q_seg = None
         if has_segments:
@@ -156,8 +172,8 @@ def _dq_kernel(
                 layout=row,
                 load=load_vector,
             )
-        for ready in resident_ready:
-            plgpu.barrier_wait(ready.at[wg])
+        for (_, _, slot), ready in zip(copies, resident_ready):
+            plgpu.barrier_wait(ready.at[slot])
         lse2 = load_vector(lse_smem2.at[wg], row)
         delta = load_vector(delta_smem2.at[wg], row)
         c = scale * LOG2E
@@ -218,7 +234,7 @@ def _dq_kernel(
             if cols_ref is not None:  # the block's values ride with K; every step waits (one wait per phase)
                 plgpu.barrier_wait(cols_ready.at[slot])
             cols = programs.values("col", lambda i: load_vector(cols_smem.at[slot, i], column), masked=masked)
-            bias, dense_visible = dense_tiles(ring, slot, wg=wg, rows=block_q, load=load_vector)
+            bias, dense_visible = dense_tiles(ring, slot, wg=own, rows=block_q, load=load_vector)
             logit_scale, logit_c, cap_grad = scale, c, None
             if dense.forms_logits:  # the soft cap and the bias act on scale * s: natural units from here on
                 s, cap_grad = biased_logits(s, bias, scale=scale, soft_cap=dense.soft_cap)
@@ -260,13 +276,13 @@ def _dq_kernel(
             ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))
             ds, d_rows = (ds, ()) if pullback is None else pullback(ds)
             if dbias_ref is not None:  # the gradient of the biased logit, before the soft cap's derivative
-                store_dbias(ds, kv_step)
+                pl.when(wg == 0)(lambda: store_dbias(ds, kv_step)) if split else store_dbias(ds, kv_step)
             return (ds, d_rows) if cap_grad is None else (cap_grad(ds), d_rows)
 
         def store_dbias(tile, kv_step):
             """This warpgroup's float32 [block_q, block_kv] `tile` of dbias_ref at key block kv_step, through its
             staging tile (once the previous store has read it)."""
-            staging = dbias_smem.at[wg]
+            staging = dbias_smem.at[own]
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             staging[...] = tile
             plgpu.commit_smem()
@@ -276,14 +292,13 @@ def _dq_kernel(
         def add_rows(acc, d_rows):
             return tuple(a + d for a, d in zip(acc, d_rows))
 
+        def k_part(slot):  # the K operand of this consumer's dQ product: its columns with split_columns
+            return k_smem.at[slot] if k_cols is None else k_smem.at[slot, :, k_cols]
+
         def add_ds_k(dq, ds, slot):  # dQ += dS K (dS in the input dtype), waited for
             if interpreting:
-                return dq + jnp.dot(
-                    ds.astype(dtype), wgmma_operand(k_smem.at[slot]), preferred_element_type=jnp.float32
-                )
-            return pl.run_state(lambda dq_ref: plgpu.wgmma(dq_ref, ds.astype(dtype), k_smem.at[slot]))(
-                plgpu.ACC.init(dq)
-            )
+                return dq + jnp.dot(ds.astype(dtype), wgmma_operand(k_part(slot)), preferred_element_type=jnp.float32)
+            return pl.run_state(lambda dq_ref: plgpu.wgmma(dq_ref, ds.astype(dtype), k_part(slot)))(plgpu.ACC.init(dq))
 
         def step(kv_step, carry, *, masked: bool):
             dq, acc = carry
@@ -316,7 +331,7 @@ def _dq_kernel(
                 def products(s_ref, dp_ref, dq_ref):
                     dq_ref[...] = dq
                     issue_s_dp(s_ref, dp_ref, slot)
-                    plgpu.wgmma(dq_ref, ds_prev, k_smem.at[prev])
+                    plgpu.wgmma(dq_ref, ds_prev, k_part(prev))
                     s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S_j, dP_j done; dQ may run on
                     dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=None)
                     plgpu.barrier_arrive(v_free.at[slot])
@@ -346,7 +361,7 @@ def _dq_kernel(
         unmasked_lo, unmasked_hi = unmasked_blocks(band_range, (kv_lo, kv_hi), same)
         # Without a left band edge, segment ids or a mask program, unmasked_lo == kv_lo: no leading edge.
         leading = band.left is not None or has_segments or mask_mod is not None
-        dq = zeros((block_q, q_smem.shape[-1]))
+        dq = zeros((block_q, q_smem.shape[-1] if k_cols is None else k_cols.size))
         # The gradient of each float row value of the score program, summed over the visited key blocks.
         num_d_rows = 0 if d_rows_ref is None else d_rows_ref.shape[2]
         acc = tuple(zeros((block_q, block_kv)).sum(axis=1) for _ in range(num_d_rows))
@@ -372,19 +387,43 @@ def _dq_kernel(
             plgpu.barrier_arrive(k_free.at[last])
         else:
             dq, acc = masked_edge_loops(step, (dq, acc), kv_lo if leading else None, unmasked_lo, unmasked_hi, kv_hi)
-        if dbias_ref is not None:  # dS is 0 in the key blocks this tile does not visit
-            zero_tile = zeros((block_q, block_kv))
-            pl.loop(0, kv_lo)(lambda kv_step: store_dbias(zero_tile, kv_step))
-            pl.loop(kv_hi, num_kv_blocks)(lambda kv_step: store_dbias(zero_tile, kv_step))
-        if acc:  # the score program's float row gradients (the d_rows_ref rows of this warpgroup's queries)
-            for i, d_row in enumerate(acc):
-                d_rows_smem.at[wg, i][...] = d_row
+
+        def store_zeros_and_rows():
+            """dbias's zeros outside the visited key blocks and the program's row gradients (split_columns: one
+            consumer's, as both hold the same)."""
+            if dbias_ref is not None:  # dS is 0 in the key blocks this tile does not visit
+                zero_tile = zeros((block_q, block_kv))
+                pl.loop(0, kv_lo)(lambda kv_step: store_dbias(zero_tile, kv_step))
+                pl.loop(kv_hi, num_kv_blocks)(lambda kv_step: store_dbias(zero_tile, kv_step))
+            if acc:  # the score program's float row gradients (the d_rows_ref rows of this warpgroup's queries)
+                for i, d_row in enumerate(acc):
+                    d_rows_smem.at[wg, i][...] = d_row
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(d_rows_smem.at[wg], d_rows_ref.at[batch, head, :, pl.ds(q_start, block_q)])
+
+        def store_dq():
+            plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
+            plgpu.wait_smem_to_gmem(0)
+
+        if not split:
+            store_zeros_and_rows()
+            q_smem[...] = (dq * scale).astype(dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(d_rows_smem.at[wg], d_rows_ref.at[batch, head, :, pl.ds(q_start, block_q)])
-        q_smem[...] = (dq * scale).astype(dtype)
+            store_dq()
+            return
+        pl.when(wg == 0)(store_zeros_and_rows)
+        # Q is shared: overwrite it with dQ once neither consumer's wgmmas read it; one store, once both wrote.
+        halves_read, halves_written = split_barriers
+        plgpu.barrier_arrive(halves_read)
+        plgpu.barrier_wait(halves_read)
+        q_smem.at[:, k_cols][...] = (dq * scale).astype(dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
-        plgpu.wait_smem_to_gmem(0)
+        plgpu.barrier_arrive(halves_written)
+
+        @pl.when(wg == 0)
+        def _():
+            plgpu.barrier_wait(halves_written)
+            store_dq()
 
     @pl.when(wg == NUM_CONSUMERS)
     def _producer():
@@ -394,9 +433,7 @@ def _dq_kernel(
         if cols_ref is not None:
             b, h = stack_index(cols_ref, batch, head)
             riders = ((lambda keys: cols_ref.at[b, h, :, keys], mod_scratch[2], mod_scratch[3]),)
-        riders += dense_riders(
-            (bias_ref, mask_ref), ring, batch=batch, head=head, rows=pl.ds(tile_start, NUM_CONSUMERS * block_q)
-        )
+        riders += dense_riders((bias_ref, mask_ref), ring, batch=batch, head=head, rows=pl.ds(tile_start, tile_rows))
         stream_kv_blocks(
             (k_ref, v_ref),
             (k_smem, v_smem),
@@ -446,8 +483,10 @@ def dq_pass(
     (`fwd.kernel_dropout`); dense_arrays: `dense`'s (bias, mask) (`common.dense_operands`), each None where
     absent."""
     batch, q_pad, heads, head_dim = q.shape
+    head_dim_v = v.shape[3]
     block_q, block_kv, num_stages = config.block_q_dq, config.block_kv_dq, config.num_stages_dq
-    num_q_tiles = q_pad // (NUM_CONSUMERS * block_q)
+    tiles = config.row_tiles
+    num_q_tiles = q_pad // (tiles * block_q)
     has_segments = q_ids is not None
     transforms = swizzle_transforms()
 
@@ -473,13 +512,14 @@ def dq_pass(
             None if cols is None else plgpu.Barrier(num_barriers=num_stages),
             plgpu.SMEM((NUM_CONSUMERS, num_d_rows, block_q), jnp.float32) if num_d_rows else None,
         )
+        resident = (block_q,) if config.split_columns else (NUM_CONSUMERS, block_q)  # split: both consumers' tile
         smem = (
-            plgpu.SMEM((NUM_CONSUMERS, block_q, head_dim), q.dtype, transforms=transforms),
-            plgpu.SMEM((NUM_CONSUMERS, block_q, head_dim), d_out.dtype, transforms=transforms),
+            plgpu.SMEM((*resident, head_dim), q.dtype, transforms=transforms),
+            plgpu.SMEM((*resident, head_dim_v), d_out.dtype, transforms=transforms),
             plgpu.SMEM((NUM_CONSUMERS, block_q), jnp.float32),
             plgpu.SMEM((NUM_CONSUMERS, block_q), jnp.float32),
             plgpu.SMEM((num_stages, block_kv, head_dim), k.dtype, transforms=transforms),
-            plgpu.SMEM((num_stages, block_kv, head_dim), v.dtype, transforms=transforms),
+            plgpu.SMEM((num_stages, block_kv, head_dim_v), v.dtype, transforms=transforms),
         )
         body = functools.partial(
             _dq_kernel,
@@ -503,15 +543,17 @@ def dq_pass(
             (plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=num_stages),) * 2,
             segment_scratch(has_segments, (NUM_CONSUMERS, block_q), (num_stages, block_kv)),
             mod_scratch,
-            dense_ring(dense_arrays, num_stages, NUM_CONSUMERS * block_q, block_kv),
-            # each consumer's dS tile on its way to dbias (float32, 128-byte swizzle over (8, 32)-element tiles)
+            dense_ring(dense_arrays, num_stages, tiles * block_q, block_kv),
+            # each row tile's dS tile on its way to dbias (float32, 128-byte swizzle over (8, 32)-element tiles)
             plgpu.SMEM(
-                (NUM_CONSUMERS, block_q, block_kv),
+                (tiles, block_q, block_kv),
                 jnp.float32,
                 transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)),
             )
             if dense.bias
             else None,
+            # split_columns: both consumers are done reading Q; both wrote their halves of dQ
+            (plgpu.Barrier(num_arrivals=NUM_CONSUMERS),) * 2 if config.split_columns else None,
             collective_axes="wg",
         )
 
@@ -520,7 +562,7 @@ def dq_pass(
         operands += (
             q_ids,
             kv_ids,
-            segment_block_ranges(q_ids, kv_ids, rows_per_tile=NUM_CONSUMERS * block_q, cols_per_block=block_kv),
+            segment_block_ranges(q_ids, kv_ids, rows_per_tile=tiles * block_q, cols_per_block=block_kv),
         )
     operands += tuple(x for x in mod_operands if x is not None)
     operands += tuple(x for x in dense_arrays if x is not None)

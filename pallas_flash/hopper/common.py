@@ -57,6 +57,13 @@ def register_ops(interpreting: bool):
     )
 
 
+def column_half(tile, wg):
+    """Consumer `wg`'s half of the columns of a [rows, head_dim] shared-memory tile (`HopperBwdConfig.split_columns`;
+    whole 64-column swizzle tiles): a `pl.ds`."""
+    half = tile.shape[-1] // NUM_CONSUMERS
+    return pl.ds(wg * half, half)
+
+
 def dot_t(x, y):
     """x y^T in float32 (x [m, k], y [n, k]): the interpreter's stand-in for a wgmma on a transposed ref."""
     return lax.dot_general(x, y, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
@@ -73,20 +80,22 @@ def query_tile_schedule(
     segment_ranges=None,
     tile=None,
     batch=None,
+    tile_rows: int | None = None,
 ):
-    """The first query row of this CTA's tile of NUM_CONSUMERS * block_q rows (grid axis "q_tiles"), and the
-    key blocks [lo, hi) it visits: those its rows' band reaches, narrowed to the tile's `segment_ranges`
-    entry (None, or the ref of `segment_block_ranges`), never none (a tile that sees no key still visits
-    one block, fully masked, so every loop and barrier keeps one shape), and the tile's same-segment run of
-    blocks (None without segment ids; see `unmasked_blocks`). With a causal band (right edge only) the tiles
-    run in reverse: the last ones visit the most key blocks, so they launch first. Shared by the forward and
-    the dQ kernel. `tile`, `batch`: the tile's indices (default: this CTA's "q_tiles" and "batch")."""
+    """The first query row of this CTA's tile of `tile_rows` rows (default NUM_CONSUMERS * block_q, a block per
+    consumer; grid axis "q_tiles"), and the key blocks [lo, hi) it visits: those its rows' band reaches, narrowed to the
+    tile's `segment_ranges` entry (None, or the ref of `segment_block_ranges`), never none (a tile that sees no key
+    still visits one block, fully masked, so every loop and barrier keeps one shape), and the tile's same-segment run of
+    blocks (None without segment ids; see `unmasked_blocks`). With a causal band (right edge only) the tiles run in
+    reverse: the last ones visit the most key blocks, so they launch first. Shared by the forward and the dQ kernel.
+    `tile`, `batch`: the tile's indices (default: this CTA's "q_tiles" and "batch")."""
     tile = lax.axis_index("q_tiles") if tile is None else tile
+    tile_rows = tile_rows or NUM_CONSUMERS * block_q
     if band.right is not None and band.left is None:
         tile = num_q_tiles - 1 - tile
     lo, _, _, hi = blocks.kv_block_range(
         tile,
-        block_q=NUM_CONSUMERS * block_q,
+        block_q=tile_rows,
         block_kv=block_kv,
         num_kv_blocks=num_kv_blocks,
         kv_len=kv_len,
@@ -100,7 +109,7 @@ def query_tile_schedule(
         hi = jnp.minimum(hi, segment_ranges[batch, tile, 1])
         same = (segment_ranges[batch, tile, 2], segment_ranges[batch, tile, 3])
     lo = jnp.minimum(lo, num_kv_blocks - 1)
-    return tile * (NUM_CONSUMERS * block_q), lo, jnp.maximum(hi, lo + 1), same
+    return tile * tile_rows, lo, jnp.maximum(hi, lo + 1), same
 
 
 def tile_visible(q_pos, k_pos, *, band: masks.Band, kv_len, q_seg, kv_seg, shape, q_axis: int):

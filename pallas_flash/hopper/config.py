@@ -42,26 +42,37 @@ class HopperConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"HopperConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
-    def smem_bytes(self, head_dim: int, itemsize: int = 2, tile_bytes: int = 0) -> int:
-        """Shared memory of the forward at this (padded) head_dim and input itemsize; `tile_bytes`: bytes per
-        logit of the dense bias and mask tiles that ride the K/V ring (`dense_ring_bytes`), 0 without them."""
-        out_tile = self._q_tile_bytes(head_dim, itemsize) if self.separate_out(head_dim, itemsize, tile_bytes) else 0
-        return self._smem_bytes_sharing_q(head_dim, itemsize, tile_bytes) + out_tile
+    def smem_bytes(self, head_dim: int, itemsize: int = 2, tile_bytes: int = 0, head_dim_v: int | None = None) -> int:
+        """Shared memory of the forward at this (padded) head_dim of query and key, `head_dim_v` of value and the
+        output (None: head_dim) and input itemsize; `tile_bytes`: bytes per logit of the dense bias and mask tiles
+        that ride the K/V ring (`dense_ring_bytes`), 0 without them."""
+        head_dim_v = head_dim_v or head_dim
+        own = self.separate_out(head_dim, itemsize, tile_bytes, head_dim_v)
+        out_tile = self._q_tile_bytes(head_dim_v, itemsize) if own else 0
+        return self._smem_bytes_sharing_q(head_dim, itemsize, tile_bytes, head_dim_v) + out_tile
 
-    def separate_out(self, head_dim: int, itemsize: int = 2, tile_bytes: int = 0) -> bool:
-        """Whether the output tile gets its own shared memory (else it reuses Q's): a persistent CTA then
-        loads the next tile's Q while it stores this one's output. Only where it fits (not at head_dim 256)."""
+    def separate_out(
+        self, head_dim: int, itemsize: int = 2, tile_bytes: int = 0, head_dim_v: int | None = None
+    ) -> bool:
+        """Whether the output tile gets its own shared memory (else it reuses Q's): always where value's head_dim
+        is not query's (the tiles differ in shape); else for a persistent CTA, which then loads the next tile's Q
+        while it stores this one's output, where it fits (not at head_dim 256)."""
+        head_dim_v = head_dim_v or head_dim
+        if head_dim_v != head_dim:
+            return True
         with_out_tile = self._smem_bytes_sharing_q(head_dim, itemsize, tile_bytes) + self._q_tile_bytes(
             head_dim, itemsize
         )
         return self.persistent and with_out_tile <= H100_SHARED_MEMORY
 
-    def fit_dense_tiles(self, head_dim: int, itemsize: int, tile_bytes: int) -> HopperConfig | None:
-        """This config, or where its ring cannot also hold a dense bias/mask tile per stage (`tile_bytes` per
-        logit) the first of: fewer stages (down to 2), then halved key blocks (down to 64), that fits; None
-        where none does. The query tile and the schedule flags stay."""
+    def fit(
+        self, head_dim: int, itemsize: int, tile_bytes: int = 0, head_dim_v: int | None = None
+    ) -> HopperConfig | None:
+        """This config, or where its shared memory (with a dense bias/mask tile per stage of `tile_bytes` per
+        logit, and value's `head_dim_v`) exceeds the H100's, the first of: fewer stages (down to 2), then halved
+        key blocks (down to 64), that fits; None where none does. The query tile and the schedule flags stay."""
         config = self
-        while config.smem_bytes(head_dim, itemsize, tile_bytes) > H100_SHARED_MEMORY:
+        while config.smem_bytes(head_dim, itemsize, tile_bytes, head_dim_v) > H100_SHARED_MEMORY:
             if config.num_stages > 2:
                 config = dataclasses.replace(config, num_stages=config.num_stages - 1)
             elif config.block_kv > 64:
@@ -73,10 +84,12 @@ class HopperConfig:
     def _q_tile_bytes(self, head_dim: int, itemsize: int) -> int:
         return NUM_CONSUMERS * self.block_q * head_dim * itemsize
 
-    def _smem_bytes_sharing_q(self, head_dim: int, itemsize: int, tile_bytes: int = 0) -> int:
+    def _smem_bytes_sharing_q(
+        self, head_dim: int, itemsize: int, tile_bytes: int = 0, head_dim_v: int | None = None
+    ) -> int:
         """Q (and the output in its place), the K/V ring with any dense tiles, the lse staging and the
         barriers."""
-        kv_ring = 2 * self.num_stages * self.block_kv * head_dim * itemsize
+        kv_ring = self.num_stages * self.block_kv * (head_dim + (head_dim_v or head_dim)) * itemsize
         dense = dense_ring_bytes(self.num_stages, NUM_CONSUMERS * self.block_q, self.block_kv, tile_bytes)
         lse = NUM_CONSUMERS * self.block_q * 4
         return self._q_tile_bytes(head_dim, itemsize) + kv_ring + dense + lse + _SMEM_SLACK
@@ -114,7 +127,11 @@ def dense_ring_bytes(num_stages: int, rows: int, cols: int, tile_bytes: int) -> 
     return num_stages * (rows * cols * tile_bytes + 2 * 8)
 
 
-_BWD_FLAGS = ("dq_atomic", "dq_ordered", "delta_in_dp", "dq_overlap", "dkv_overlap", "portable")  # the bool fields
+# the bool fields
+_BWD_FLAGS = ("dq_atomic", "dq_ordered", "delta_in_dp", "dq_overlap", "dkv_overlap", "portable", "split_columns")
+# dK and dV of a consumer's 64 keys hold (head_dim + head_dim_v) / 2 float32 registers per thread: past this
+# many they leave too few of the consumers' 240 for S^T, dP^T and P^T (`HopperBwdConfig.needs_split_columns`).
+_MAX_ACCUMULATOR_REGISTERS = 160
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +167,12 @@ class HopperBwdConfig:
         is computed); wants num_stages_dkv >= 3. Does nothing under dq_atomic.
       portable: run the portable Pallas backward kernels after the Hopper forward instead (both read the same
         residuals); for comparison and for what the Hopper backward does not serve.
+      split_columns: the two passes' consumers share one block of rows (block_kv_dkv keys per dK/dV CTA,
+        block_q_dq queries per dQ CTA) and each accumulates half of the head_dim columns of dK and dV (or dQ),
+        recomputing the block's S and dP in full: half the resident tiles and accumulators, for head_dim 256
+        (where two consumers' own tiles exceed shared memory and their accumulators the register file), at the
+        price of the S and dP products done twice. Half of each head_dim must be whole 64-column tiles; not
+        with dq_atomic.
     """
 
     block_q_dkv: int = 64
@@ -164,6 +187,7 @@ class HopperBwdConfig:
     dq_overlap: bool = False
     dkv_overlap: bool = False
     portable: bool = False
+    split_columns: bool = False
 
     def __post_init__(self):
         for name in _BWD_FLAGS:
@@ -174,6 +198,8 @@ class HopperBwdConfig:
                 "HopperBwdConfig.dq_ordered orders the one-pass backward's dQ reduce-adds: it needs "
                 "dq_atomic=True (the two-pass backward is deterministic already)"
             )
+        if self.split_columns and self.dq_atomic:
+            raise ValueError("HopperBwdConfig.split_columns splits the two passes' accumulators: not with dq_atomic")
         for field in dataclasses.fields(self):
             if field.name in _BWD_FLAGS:
                 continue
@@ -185,12 +211,22 @@ class HopperBwdConfig:
             if field.name.startswith("num_stages") and value < 2:
                 raise ValueError(f"HopperBwdConfig.{field.name} must be >= 2, got {value}")
 
-    def smem_bytes_dkv(self, head_dim: int, itemsize: int = 2, tile_bytes: int = 0) -> int:
-        """Shared memory of the dK/dV kernel; `tile_bytes`: bytes per logit of the dense bias and mask tiles
-        that ride its Q/dO ring (0 without them)."""
-        dense = dense_ring_bytes(self.num_stages_dkv, NUM_CONSUMERS * self.block_kv_dkv, self.block_q_dkv, tile_bytes)
-        k_and_v = 2 * NUM_CONSUMERS * self.block_kv_dkv * head_dim * itemsize
-        ring = self.num_stages_dkv * (2 * self.block_q_dkv * head_dim * itemsize + 2 * self.block_q_dkv * 4)
+    @property
+    def row_tiles(self) -> int:
+        """Row tiles per CTA of the two passes (each consumer's own, or with split_columns one they share)."""
+        return 1 if self.split_columns else NUM_CONSUMERS
+
+    def smem_bytes_dkv(
+        self, head_dim: int, itemsize: int = 2, tile_bytes: int = 0, head_dim_v: int | None = None
+    ) -> int:
+        """Shared memory of the dK/dV kernel at query and key's (padded) head_dim and value's `head_dim_v` (None:
+        head_dim); `tile_bytes`: bytes per logit of the dense bias and mask tiles that ride its Q/dO ring (0
+        without them)."""
+        both = head_dim + (head_dim_v or head_dim)
+        keys = self.row_tiles * self.block_kv_dkv
+        dense = dense_ring_bytes(self.num_stages_dkv, keys, self.block_q_dkv, tile_bytes)
+        k_and_v = keys * both * itemsize
+        ring = self.num_stages_dkv * (self.block_q_dkv * both * itemsize + 2 * self.block_q_dkv * 4)
         staging = 0
         if self.dq_atomic:  # both consumers' dS^T in one tile; two slots of dQ's float32 [block_q, D] in halves
             staging = (
@@ -198,56 +234,76 @@ class HopperBwdConfig:
             )
         return k_and_v + ring + staging + dense + _SMEM_SLACK
 
-    def smem_bytes_dq(self, head_dim: int, itemsize: int = 2, tile_bytes: int = 0, dbias: bool = False) -> int:
-        """Shared memory of the dQ kernel; `tile_bytes`: bytes per logit of the dense bias and mask tiles that
-        ride its K/V ring (0 without them); `dbias`: with each consumer's float32 dS tile staged for dbias."""
-        q_and_do = 2 * NUM_CONSUMERS * self.block_q_dq * head_dim * itemsize + 2 * NUM_CONSUMERS * self.block_q_dq * 4
-        ring = self.num_stages_dq * 2 * self.block_kv_dq * head_dim * itemsize
-        dense = dense_ring_bytes(self.num_stages_dq, NUM_CONSUMERS * self.block_q_dq, self.block_kv_dq, tile_bytes)
-        staging = NUM_CONSUMERS * self.block_q_dq * self.block_kv_dq * 4 if dbias else 0
+    def smem_bytes_dq(
+        self, head_dim: int, itemsize: int = 2, tile_bytes: int = 0, dbias: bool = False, head_dim_v: int | None = None
+    ) -> int:
+        """Shared memory of the dQ kernel at query and key's (padded) head_dim and value's `head_dim_v` (None:
+        head_dim); `tile_bytes`: bytes per logit of the dense bias and mask tiles that ride its K/V ring (0
+        without them); `dbias`: with each consumer's float32 dS tile staged for dbias."""
+        both = head_dim + (head_dim_v or head_dim)
+        queries = self.row_tiles * self.block_q_dq
+        q_and_do = queries * both * itemsize + 2 * NUM_CONSUMERS * self.block_q_dq * 4
+        ring = self.num_stages_dq * self.block_kv_dq * both * itemsize
+        dense = dense_ring_bytes(self.num_stages_dq, queries, self.block_kv_dq, tile_bytes)
+        staging = self.row_tiles * self.block_q_dq * self.block_kv_dq * 4 if dbias else 0
         return q_and_do + ring + dense + staging + _SMEM_SLACK
 
-    def fit_dense_tiles(self, head_dim: int, itemsize: int, tile_bytes: int, dbias: bool) -> HopperBwdConfig | None:
-        """The two passes at these tiles (the one pass takes no dense tiles), each pass whose ring cannot also hold
-        a dense bias/mask tile per stage (`tile_bytes` per logit; `dbias`: the dQ kernel stages dS for dbias)
-        shrunk: to 2 stages (without its overlap, which wants 3), then halved streamed blocks (down to 64);
-        None where that does not fit."""
-        config = dataclasses.replace(self, dq_atomic=False, dq_ordered=False)
+    def fit(
+        self, head_dim: int, itemsize: int, tile_bytes: int = 0, dbias: bool = False, head_dim_v: int | None = None
+    ) -> HopperBwdConfig | None:
+        """The two passes at these tiles (the one pass takes no dense tiles), each pass whose shared memory (with
+        a dense bias/mask tile per stage of `tile_bytes` per logit; `dbias`: the dQ kernel stages dS for dbias;
+        value's `head_dim_v`) exceeds the H100's shrunk: to 2 stages (without its overlap, which wants 3), then
+        halved streamed blocks (down to 64); None where that does not fit."""
+        config = self
+        if tile_bytes:
+            config = dataclasses.replace(self, dq_atomic=False, dq_ordered=False)
         passes = (
-            (lambda c: c.smem_bytes_dkv(head_dim, itemsize, tile_bytes), "dkv", "num_stages_dkv", "block_q_dkv"),
-            (lambda c: c.smem_bytes_dq(head_dim, itemsize, tile_bytes, dbias), "dq", "num_stages_dq", "block_kv_dq"),
+            (lambda c: c.smem_bytes_dkv(head_dim, itemsize, tile_bytes, head_dim_v), "dkv", "block_q_dkv"),
+            (lambda c: c.smem_bytes_dq(head_dim, itemsize, tile_bytes, dbias, head_dim_v), "dq", "block_kv_dq"),
         )
-        for needed, name, stages, block in passes:
+        for needed, name, block in passes:
             if needed(config) <= H100_SHARED_MEMORY:
                 continue
-            config = dataclasses.replace(config, **{stages: 2, f"{name}_overlap": False})
+            config = dataclasses.replace(config, **{f"num_stages_{name}": 2, f"{name}_overlap": False})
             while needed(config) > H100_SHARED_MEMORY:
                 if getattr(config, block) == 64:
                     return None
                 config = dataclasses.replace(config, **{block: max(64, getattr(config, block) // 2 // 64 * 64)})
         return config
-        config = dataclasses.replace(config, num_stages_dkv=2, num_stages_dq=2, dq_overlap=False, dkv_overlap=False)
-        while not config.fits(head_dim, itemsize, tile_bytes, dbias):
-            if config.block_kv_dq == config.block_q_dkv == 64:
-                return None
-            config = dataclasses.replace(
-                config,
-                block_kv_dq=max(64, config.block_kv_dq // 2 // 64 * 64),
-                block_q_dkv=max(64, config.block_q_dkv // 2 // 64 * 64),
-            )
-        return config
+
+    @staticmethod
+    def needs_split_columns(head_dim: int, head_dim_v: int | None = None) -> bool:
+        """Whether the two passes at these (padded) head dims need `split_columns`: a consumer's dK and dV of 64
+        keys would take more than `_MAX_ACCUMULATOR_REGISTERS` float32 registers per thread."""
+        return (head_dim + (head_dim_v or head_dim)) // 2 > _MAX_ACCUMULATOR_REGISTERS
+
+    @staticmethod
+    def can_split_columns(head_dim: int, head_dim_v: int | None = None) -> bool:
+        """Whether half of each (padded) head_dim is whole 64-column tiles (`split_columns`)."""
+        return all(d % (NUM_CONSUMERS * 64) == 0 for d in (head_dim, head_dim_v or head_dim))
 
     @classmethod
     def default(
-        cls, head_dim: int, deterministic: bool = True, kv_len: int | None = None, is_causal: bool = False
+        cls,
+        head_dim: int,
+        deterministic: bool = True,
+        kv_len: int | None = None,
+        is_causal: bool = False,
+        head_dim_v: int | None = None,
     ) -> HopperBwdConfig:
-        """The fastest variant measured on the H100 per padded head_dim (docs/performance.md).
+        """The fastest variant measured on the H100 per padded head_dim (docs/performance.md); with value's
+        `head_dim_v` (None: head_dim) that of the larger of the two.
 
         head_dim 64: the one pass (dq_atomic) with ordered dQ adds unless deterministic=False, delta_in_dp;
         deterministic causal rows up to 2k keys (`kv_len`, `is_causal`: the call's) take the two passes,
         faster there. head_dim 128: the two passes with both overlaps over 4-stage rings (the one pass lost
-        9-18%), delta_in_dp for causal rows up to 8k keys (slower on longer and non-causal rows)."""
-        if head_dim <= 64:
+        9-18%), delta_in_dp for causal rows up to 8k keys (slower on longer and non-causal rows). Larger: the
+        two passes over 64-row blocks and 2-stage rings (3 stages and the overlaps' extra operands do not fit
+        beside the larger tiles), with `split_columns` where a consumer's dK and dV would not fit its registers
+        (head_dim 256; `needs_split_columns`); a ValueError where they need it but cannot be split."""
+        widest = max(head_dim, head_dim_v or head_dim)
+        if widest <= 64:
             ordered_pays = not (is_causal and kv_len is not None and kv_len <= 2048)
             one_pass = not deterministic or ordered_pays
             return cls(
@@ -261,7 +317,7 @@ class HopperBwdConfig:
                 dq_ordered=deterministic and ordered_pays,
                 delta_in_dp=True,
             )
-        if head_dim <= 128:
+        if widest <= 128:
             causal_up_to_8k = is_causal and kv_len is not None and kv_len <= 8192
             return cls(
                 block_q_dkv=64,
@@ -274,5 +330,10 @@ class HopperBwdConfig:
                 dkv_overlap=True,
                 delta_in_dp=causal_up_to_8k,
             )
-        # head_dim 256: K and V of 128 keys alone take 128 KiB of the dK/dV kernel's shared memory.
-        raise ValueError(f"the Hopper backward takes head_dim <= 128, got {head_dim}")
+        split = cls.needs_split_columns(head_dim, head_dim_v)
+        if split and not cls.can_split_columns(head_dim, head_dim_v):
+            raise ValueError(
+                f"the Hopper backward at head_dims {head_dim} (query, key) and {head_dim_v or head_dim} (value) "
+                "needs split_columns, whose halves of each head_dim must be whole 64-column tiles"
+            )
+        return cls(split_columns=split)

@@ -39,7 +39,7 @@ producer streams each (query tile, key block) tile of them by TMA into swizzled 
 the K ring, each with its own "ready" barrier, released with K); a consumer reads its rows into the WGMMA register
 layout on every visited block, after S and before K's slot is freed: logits = soft_cap(scale * s) + bias in
 natural units (the score program, if any, then sees them at scale 1), and a 0 in the mask hides the key. The
-ring holds them at a cost in stages or key block size (`HopperConfig.fit_dense_tiles`).
+ring holds them at a cost in stages or key block size (`HopperConfig.fit`).
 
 Dropout (`KernelDropout`): a consumer hashes its rows once per tile and each step's keep bits from those and the
 key positions (`masks.dropout_keep_mask`'s bits); P V takes the kept probabilities, the row sum l all of them (the
@@ -48,7 +48,9 @@ LSE is of the softmax before dropout), and the kept ones' 1 / (1 - rate) joins t
 Ragged lengths are padded in the wrapper (queries to `2 * block_q`, keys to `block_kv`); the padded keys are
 masked in the last key block, the padded query rows sliced off. head_dim is padded to a multiple of 64 (the
 wgmma contraction tile with a 128-byte swizzle). GQA is an index map: query head h reads kv head
-h // (num_heads // num_kv_heads).
+h // (num_heads // num_kv_heads). Value may have a head_dim of its own (DeepSeek's MLA: 192 for query and key,
+128 for value): Q and K tiles at query's, V tiles, the accumulator and the output at value's (then the output
+tile has its own shared memory, never Q's).
 
 Residuals: the kernel returns (out, lse); lse [batch, heads, q_len] float32 in natural log, like the core.
 """
@@ -576,7 +578,7 @@ def _kernel(
                 load_q(i)
             m = layout(jnp.full((block_q,), -jnp.inf, jnp.float32), row)
             l = layout(jnp.zeros((block_q,), jnp.float32), row)
-            acc = layout(jnp.zeros((block_q, q_smem.shape[-1]), jnp.float32), plgpu.Layout.WGMMA)
+            acc = layout(jnp.zeros((block_q, v_smem.shape[-1]), jnp.float32), plgpu.Layout.WGMMA)
             q_seg = None
             if has_segments:
                 q_ids_smem, _, q_ids_ready, _ = segments
@@ -809,12 +811,12 @@ def _forward_padded(
     dense: DenseMods = DenseMods(),
     interpret,
 ):
-    """`hopper_forward` on padded operands; mod_operands: the programs' packed row and column values and the
-    mask program's block ranges (`_mod_operands`), each None where absent; dropout_seed: `dropout`'s seed
-    table (`kernel_dropout`); dense_arrays: `dense`'s (bias, mask) (`dense_operands`), each None where
-    absent."""
+    """`hopper_forward` on padded operands (value's head_dim may differ from query's); mod_operands: the
+    programs' packed row and column values and the mask program's block ranges (`_mod_operands`), each None where
+    absent; dropout_seed: `dropout`'s seed table (`kernel_dropout`); dense_arrays: `dense`'s (bias, mask)
+    (`dense_operands`), each None where absent."""
     batch, q_pad, heads, head_dim = q.shape
-    kv_heads = k.shape[2]
+    kv_heads, head_dim_v = k.shape[2], v.shape[3]
     num_q_tiles = q_pad // (NUM_CONSUMERS * config.block_q)
     has_segments = q_ids is not None
     # 128-byte swizzle over (8, 64)-element tiles: the layout wgmma reads without bank conflicts.
@@ -829,9 +831,10 @@ def _forward_padded(
         heads,
         num_q_tiles,
         persistent_ctas=persistent_ctas,
-        kv_bytes_per_head=2 * k.shape[1] * head_dim * k.dtype.itemsize * kv_heads // heads,
+        kv_bytes_per_head=k.shape[1] * (head_dim + head_dim_v) * k.dtype.itemsize * kv_heads // heads,
     )
     q_tile = plgpu.SMEM((NUM_CONSUMERS, config.block_q, head_dim), q.dtype, transforms=transforms)
+    out_tile = plgpu.SMEM((NUM_CONSUMERS, config.block_q, head_dim_v), q.dtype, transforms=transforms)
 
     # Named for profiles and traces (Mosaic GPU calls the kernel `<name>_mosaic_gpu_kernel`).
     def flash_forward_sm90(q_ref, k_ref, v_ref, *refs):
@@ -843,9 +846,9 @@ def _forward_padded(
         out_ref, lse_ref = refs
         smem = (
             q_tile,
-            q_tile if config.separate_out(head_dim, q.dtype.itemsize, tile_bytes) else None,
+            out_tile if config.separate_out(head_dim, q.dtype.itemsize, tile_bytes, head_dim_v) else None,
             plgpu.SMEM((config.num_stages, config.block_kv, head_dim), k.dtype, transforms=transforms),
-            plgpu.SMEM((config.num_stages, config.block_kv, head_dim), v.dtype, transforms=transforms),
+            plgpu.SMEM((config.num_stages, config.block_kv, head_dim_v), v.dtype, transforms=transforms),
             plgpu.SMEM((NUM_CONSUMERS, config.block_q), jnp.float32),
         )
         segments = None
@@ -903,7 +906,10 @@ def _forward_padded(
         operands += (dropout_seed,)
     return plgpu.kernel(
         flash_forward_sm90,
-        out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, heads, q_pad), jnp.float32)),
+        out_type=(
+            jax.ShapeDtypeStruct((batch, q_pad, heads, head_dim_v), q.dtype),
+            jax.ShapeDtypeStruct((batch, heads, q_pad), jnp.float32),
+        ),
         grid=grid,
         grid_names=grid_names,
         num_threads=NUM_CONSUMERS + 1,
@@ -913,12 +919,17 @@ def _forward_padded(
     )(*operands)
 
 
-def default_config(head_dim: int, kv_len: int, band: masks.Band, tile_bytes: int = 0) -> HopperConfig | None:
+def default_config(
+    head_dim: int, kv_len: int, band: masks.Band, tile_bytes: int = 0, head_dim_v: int | None = None
+) -> HopperConfig | None:
     """`HopperConfig.default` for a call with this (padded) head_dim, key length and band (a window counts
-    as not causal); with dense tiles (`tile_bytes` per logit, `dense_tile_bytes`) shrunk until its ring holds
-    them too (`HopperConfig.fit_dense_tiles`), None where no tiles fit."""
-    config = HopperConfig.default(head_dim, kv_len, band.is_causal)
-    return config.fit_dense_tiles(head_dim, 2, tile_bytes) if tile_bytes else config
+    as not causal), at the larger of query's and value's (padded) `head_dim_v` (None: head_dim); with dense
+    tiles (`tile_bytes` per logit, `dense_tile_bytes`) or a value head_dim of its own shrunk until its ring
+    holds them (`HopperConfig.fit`), None where no tiles fit."""
+    config = HopperConfig.default(max(head_dim, head_dim_v or head_dim), kv_len, band.is_causal)
+    if tile_bytes or (head_dim_v or head_dim) != head_dim:
+        return config.fit(head_dim, 2, tile_bytes, head_dim_v)
+    return config
 
 
 def dense_tile_bytes(bias_dtype, mask: bool) -> int:
@@ -1002,8 +1013,9 @@ def hopper_forward(
     interpret=None,
 ):
     """Attention forward on Hopper. Shapes and results as `reference.attention_reference`:
-    query [batch, q_len, heads, head_dim], key/value [batch, kv_len, kv_heads, head_dim] ->
-    (out [batch, q_len, heads, head_dim] in query's dtype, lse [batch, heads, q_len] float32).
+    query [batch, q_len, heads, head_dim], key [batch, kv_len, kv_heads, head_dim], value [batch, kv_len,
+    kv_heads, head_dim_v] -> (out [batch, q_len, heads, head_dim_v] in query's dtype, lse [batch, heads, q_len]
+    float32).
 
     is_causal, local_window_size (left, right; None for an unbounded side): the band, as `masks.Band.of`.
     q_segment_ids / kv_segment_ids: None, or int [batch, q_len] / [batch, kv_len] (both or neither): a query
@@ -1018,25 +1030,29 @@ def hopper_forward(
     1, Hd heads or 1), read tile by tile on every visited block: logits = soft_cap(scale * q.k) + bias, then the
     score_mod; a False mask entry hides the key. logits_soft_cap: None, or c > 0: the soft cap c * tanh(x / c)
     before the bias (with neither, fold it into the score_mod instead, as the API does). Without a config, the
-    default's ring shrinks until the dense tiles fit shared memory (`HopperConfig.fit_dense_tiles`).
+    default's ring shrinks until the dense tiles fit shared memory (`HopperConfig.fit`).
     `interpret`: None compiles for the GPU; an `InterpretGPUParams` (private in JAX 0.10-0.11:
     jax._src.pallas.mosaic_gpu.interpret.params) runs the kernel in the Mosaic GPU interpreter on CPU."""
     band = masks.Band.of(is_causal, local_window_size)
-    q_len, kv_len, head_dim = query.shape[1], key.shape[1], query.shape[3]
-    padded_dim = padded_head_dim(head_dim)
+    q_len, kv_len, head_dim, head_dim_v = query.shape[1], key.shape[1], query.shape[3], value.shape[3]
+    padded_dim, padded_dim_v = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
     dense = DenseMods(bias is not None, mask is not None, logits_soft_cap)
     tile_bytes = dense_tile_bytes(None if bias is None else bias.dtype, mask is not None)
-    config = config or default_config(padded_dim, kv_len, band, tile_bytes)
-    if tile_bytes and (config is None or config.smem_bytes(padded_dim, 2, tile_bytes) > H100_SHARED_MEMORY):
+    config = config or default_config(padded_dim, kv_len, band, tile_bytes, padded_dim_v)
+    own_tiles = tile_bytes or padded_dim_v != padded_dim  # the defaults fit shared memory without either
+    if own_tiles and (
+        config is None or config.smem_bytes(padded_dim, 2, tile_bytes, padded_dim_v) > H100_SHARED_MEMORY
+    ):
+        dense_tiles = f" with dense tiles of {tile_bytes} bytes per logit" if tile_bytes else ""
         raise ValueError(
-            f"no forward tiles ({config or 'the default, shrunk'}) fit shared memory with dense tiles of "
-            f"{tile_bytes} bytes per logit at head_dim {head_dim}"
+            f"no forward tiles ({config or 'the default, shrunk'}) fit shared memory{dense_tiles} at head_dims "
+            f"{head_dim} (query, key) and {head_dim_v} (value)"
         )
     q_pad = round_up(q_len, NUM_CONSUMERS * config.block_q)
     kv_pad = round_up(kv_len, config.block_kv)
     q = pad_axis(pad_axis(query, 1, q_pad), 3, padded_dim)
     k = pad_axis(pad_axis(key, 1, kv_pad), 3, padded_dim)
-    v = pad_axis(pad_axis(value, 1, kv_pad), 3, padded_dim)
+    v = pad_axis(pad_axis(value, 1, kv_pad), 3, padded_dim_v)
     q_ids, kv_ids = masks.pad_segment_ids(q_segment_ids, kv_segment_ids, q_pad, kv_pad)
     mod_operands, programs = _mod_operands(
         score_mod, score_stacks, mask_mod, mask_stacks, mask_ranges, q_pad=q_pad, kv_pad=kv_pad
@@ -1065,4 +1081,4 @@ def hopper_forward(
         dense=dense,
         interpret=interpret,
     )
-    return out[:, :q_len, :, :head_dim], lse[:, :, :q_len]
+    return out[:, :q_len, :, :head_dim_v], lse[:, :, :q_len]

@@ -1,8 +1,9 @@
-"""The Hopper implementation ("mosaic") as one differentiable function, and the rule that says whether it
-can serve a call: the Mosaic GPU forward (`fwd`) and a backward on the same residuals (q, k, v, o, lse): the
-Mosaic GPU backward (`bwd`, head_dim <= 128), or the portable backward kernels for larger head_dim or where
-`HopperBwdConfig.portable` asks for them. Both forwards return the same natural-log LSE, so the portable
-backward cannot tell which forward ran.
+"""The Hopper implementation ("mosaic") as one differentiable function, and the rule that says whether it can serve a
+call: the Mosaic GPU forward (`fwd`) and a backward on the same residuals (q, k, v, o, lse): the Mosaic GPU backward
+(`bwd`), or the portable backward kernels for head dims it does not serve (`bwd.head_dims_reason`: 192) or where
+`HopperBwdConfig.portable` asks for them. Value may have a head_dim of its own (DeepSeek's MLA) where both Mosaic GPU
+kernels serve it (the portable ones do not). Both forwards return the same natural-log LSE, so the portable backward
+cannot tell which forward ran.
 
 A score_mod / mask_mod (`masks.ScoreMods`) runs staged (`mods.stage`): its per-query and per-key values are
 computed in XLA from the arrays it closes over, and the custom_vjp differentiates the score program's float
@@ -37,11 +38,12 @@ def _window(band: masks.Band):
 
 
 def _hopper_config(
-    config: KernelConfig, head_dim: int, kv_len: int, band: masks.Band, tile_bytes: int = 0
+    config: KernelConfig, head_dim: int, kv_len: int, band: masks.Band, tile_bytes: int = 0, head_dim_v=None
 ) -> HopperConfig | None:
     """The forward's tiles: config.hopper, else the default, shrunk to hold dense tiles of `tile_bytes` per logit
-    (`hopper_fwd.default_config`; None where none fit)."""
-    return config.hopper or hopper_fwd.default_config(padded_head_dim(head_dim), kv_len, band, tile_bytes)
+    and value's `head_dim_v` (None: head_dim) (`hopper_fwd.default_config`; None where none fit)."""
+    padded_v = padded_head_dim(head_dim_v or head_dim)
+    return config.hopper or hopper_fwd.default_config(padded_head_dim(head_dim), kv_len, band, tile_bytes, padded_v)
 
 
 def _dense(mods: masks.ScoreMods, mod_arrays: masks.ModArrays) -> dict:
@@ -96,12 +98,7 @@ def unsupported_reason(
     """None if the Hopper kernel serves this call on this machine, else why not (for the dispatcher).
     `unserved`: names of the call's features the Hopper kernel does not have; `mods`: its score modifiers,
     of which the kernel runs the score_mod and mask_mod where they can be staged; `value`: its shape (None:
-    key's), whose head_dim must be query's (the kernels hold one head_dim for Q, K and V tiles)."""
-    if value is not None and value.shape[-1] != query.shape[-1]:
-        return (
-            "the Mosaic GPU kernel needs value's head_dim equal to query's and key's: head_dims are "
-            f"{query.shape[-1]} (query, key) and {value.shape[-1]} (value)"
-        )
+    key's); a head_dim of its own needs both Mosaic GPU kernels (the portable backward takes none)."""
     if not device.on_hopper_gpu():
         return (
             "the Mosaic GPU kernel needs an sm90 (Hopper) GPU (on CPU, JAX's Mosaic GPU interpreter runs its "
@@ -119,20 +116,26 @@ def unsupported_reason(
     if isinstance(staged, str):
         return staged
     head_dim = query.shape[-1]
-    if head_dim > hopper_fwd.MAX_HEAD_DIM:
-        return f"the Mosaic GPU kernel takes head_dim <= {hopper_fwd.MAX_HEAD_DIM}, got {head_dim}"
+    head_dim_v = head_dim if value is None else value.shape[-1]
+    dims = (
+        f"head_dim {head_dim}"
+        if head_dim_v == head_dim
+        else f"head_dims {head_dim} (query, key) and {head_dim_v} (value)"
+    )
+    if max(head_dim, head_dim_v) > hopper_fwd.MAX_HEAD_DIM:
+        return f"the Mosaic GPU kernel takes head_dim <= {hopper_fwd.MAX_HEAD_DIM}, got {dims}"
     tile_bytes = _tile_bytes(mods)
-    hopper_config = _hopper_config(config, head_dim, key.shape[1], band, tile_bytes)
+    dense = f" with the dense bias/mask tiles ({tile_bytes} bytes per logit)" if tile_bytes else ""
+    hopper_config = _hopper_config(config, head_dim, key.shape[1], band, tile_bytes, head_dim_v)
     if hopper_config is None:
-        return (
-            f"no forward tiles fit shared memory at head_dim {head_dim} with the dense bias/mask tiles "
-            f"({tile_bytes} bytes per logit)"
-        )
-    needed = hopper_config.smem_bytes(padded_head_dim(head_dim), 2, tile_bytes)
+        return f"no forward tiles fit shared memory at {dims}{dense}"
+    needed = hopper_config.smem_bytes(padded_head_dim(head_dim), 2, tile_bytes, padded_head_dim(head_dim_v))
     needed += hopper_fwd.mod_smem_bytes(*staged, hopper_config)
     if needed > H100_SHARED_MEMORY:
-        dense = f" with dense bias/mask tiles ({tile_bytes} bytes per logit)" if tile_bytes else ""
-        return f"{hopper_config} needs {needed} bytes of shared memory at head_dim {head_dim}{dense}"
+        return f"{hopper_config} needs {needed} bytes of shared memory at {dims}{dense}"
+    if head_dim_v != head_dim:  # the portable backward takes no value head_dim of its own: ours must serve it
+        if _backward_config(config, head_dim, key.shape[1], band, True, mods, tile_bytes, head_dim_v) is None:
+            return f"the Mosaic GPU backward has no tiles for {dims}{dense}"
     return None
 
 
@@ -157,7 +160,7 @@ def _attention_fwd(q, k, v, q_ids, kv_ids, score_stacks, mask_stacks, mask_range
         local_window_size=window,
         q_segment_ids=q_ids,
         kv_segment_ids=kv_ids,
-        config=_hopper_config(config, q.shape[-1], k.shape[1], band, _tile_bytes(mods, mod_arrays)),
+        config=_hopper_config(config, q.shape[-1], k.shape[1], band, _tile_bytes(mods, mod_arrays), v.shape[-1]),
         score_mod=score_mod,
         score_stacks=score_stacks,
         mask_mod=mask_mod,
@@ -186,27 +189,33 @@ def _backward_config(
     deterministic: bool,
     mods: masks.ScoreMods = masks.ScoreMods(),
     tile_bytes: int = 0,
+    head_dim_v: int | None = None,
 ) -> HopperBwdConfig | None:
     """The Hopper backward's tiles for this call (with a score or mask program, a variant that takes them; with
-    dense bias/mask tiles of `tile_bytes` per logit, the two passes shrunk to hold them), or None where the
-    portable backward runs instead."""
-    if padded_head_dim(head_dim) > hopper_bwd.MAX_HEAD_DIM:
-        _logger.debug(
-            "pallas_flash: the Hopper backward takes head_dim <= %d; head_dim %d runs the portable backward",
-            hopper_bwd.MAX_HEAD_DIM,
-            head_dim,
-        )
+    dense bias/mask tiles of `tile_bytes` per logit or value's `head_dim_v` (None: head_dim), the two passes
+    shrunk to hold them), or None where the portable backward runs instead."""
+    padded, padded_v = padded_head_dim(head_dim), padded_head_dim(head_dim_v or head_dim)
+    reason = hopper_bwd.head_dims_reason(padded, padded_v)
+    if reason is not None:
+        _logger.debug("pallas_flash: %s; the portable backward runs", reason)
         return None
-    padded = padded_head_dim(head_dim)
     dbias = mods.bias_dims is not None
     if config.hopper_bwd is not None:
-        if config.hopper_bwd.portable or not tile_bytes:
+        if HopperBwdConfig.needs_split_columns(padded, padded_v) and not config.hopper_bwd.split_columns:
+            _logger.debug(
+                "pallas_flash: %s has no split_columns, which head_dims %d and %d need; the portable backward runs",
+                config.hopper_bwd,
+                head_dim,
+                head_dim_v or head_dim,
+            )
+            return None
+        if config.hopper_bwd.portable or not (tile_bytes or padded_v != padded):
             return None if config.hopper_bwd.portable else config.hopper_bwd
-        chosen = config.hopper_bwd.fit_dense_tiles(padded, 2, tile_bytes, dbias)
+        chosen = config.hopper_bwd.fit(padded, 2, tile_bytes, dbias, padded_v)
     else:
         # a soft cap the kernels apply themselves (before a dense bias) needs the two passes, as programs do
         programs = mods.score_mod is not None or mods.mask_mod is not None or mods.soft_cap is not None
-        fit = dict(tile_bytes=tile_bytes, dbias=dbias)
+        fit = dict(tile_bytes=tile_bytes, dbias=dbias, head_dim_v=padded_v)
         chosen = hopper_bwd.default_config(padded, kv_len, band, deterministic, programs=programs, **fit)
     if chosen is None:
         _logger.debug(
@@ -227,7 +236,7 @@ def _zero_stacks(stacks):
 def _attention_bwd(scale, band, config, deterministic, mods, residuals, cotangents):
     q, k, v, q_ids, kv_ids, score_stacks, mask_stacks, mask_ranges, mod_arrays, out, lse = residuals
     tile_bytes = _tile_bytes(mods, mod_arrays)
-    bwd_config = _backward_config(config, q.shape[-1], k.shape[1], band, deterministic, mods, tile_bytes)
+    bwd_config = _backward_config(config, q.shape[-1], k.shape[1], band, deterministic, mods, tile_bytes, v.shape[-1])
     d_ranges = masks.integer_cotangent(mask_ranges)
     if bwd_config is not None:
         d_out, d_lse = cotangents
@@ -294,10 +303,11 @@ def _attention_bwd(scale, band, config, deterministic, mods, residuals, cotangen
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def _program_inputs(query, key, mods, mod_arrays, *, config, band, with_ranges: bool):
+def _program_inputs(query, key, mods, mod_arrays, *, config, band, with_ranges: bool, head_dim_v=None):
     """(score_stacks, mask_stacks, mask_ranges) of a call's programs, computed in XLA: each program's staged values
     (`mods.Staged.stacks`; the score's are differentiable in its closed-over arrays) and, `with_ranges`, the
-    mask's block ranges at the forward's tiles (only the forward reads them; else None)."""
+    mask's block ranges at the forward's tiles (value's `head_dim_v` in them; only the forward reads them; else
+    None)."""
     staged = _staged(mods)
     if isinstance(staged, str):
         raise ValueError(f"the Mosaic GPU kernel cannot run this call's {staged}")
@@ -320,7 +330,7 @@ def _program_inputs(query, key, mods, mod_arrays, *, config, band, with_ranges: 
                 heads=heads,
                 q_len=q_len,
                 kv_len=kv_len,
-                config=_hopper_config(config, head_dim, kv_len, band, _tile_bytes(mods, mod_arrays)),
+                config=_hopper_config(config, head_dim, kv_len, band, _tile_bytes(mods, mod_arrays), head_dim_v),
             )
     return score_stacks, mask_stacks, mask_ranges
 
@@ -348,7 +358,7 @@ def flash_attention_hopper(
     float arrays get gradients), and dropout (dropout_rate, broadcast_dropout, with mod_arrays.dropout_seed:
     the keep mask of every implementation, `masks.dropout_keep_mask`)."""
     score_stacks, mask_stacks, mask_ranges = _program_inputs(
-        query, key, mods, mod_arrays, config=config, band=band, with_ranges=True
+        query, key, mods, mod_arrays, config=config, band=band, with_ranges=True, head_dim_v=value.shape[-1]
     )
     return _attention(
         query,

@@ -92,14 +92,14 @@ def test_one_pass_needs_a_dq_split():
         hopper_bwd.check_config(HopperBwdConfig(block_q_dkv=64, dq_atomic=True), 64)
 
 
-def test_head_dim_256_is_refused():
-    import jax.numpy as jnp
-
-    with pytest.raises(ValueError, match="head_dim <= 128"):
-        HopperBwdConfig.default(256)
-    x = jnp.zeros((1, 64, 1, 256), jnp.bfloat16)
-    with pytest.raises(ValueError, match="head_dim <= 128"):
-        hopper_bwd.hopper_backward(x, x, x, x, jnp.zeros((1, 1, 64)), x, None, scale=1.0, is_causal=False)
+def test_head_dim_256_splits_the_columns():
+    """At head_dim 256 the default backward splits each pass's accumulator columns between the consumers (their
+    own dK and dV would exceed shared memory and the register file); a config without it is refused."""
+    config = HopperBwdConfig.default(256)
+    assert config.split_columns and not config.dq_atomic
+    hopper_bwd.check_config(config, 256)
+    with pytest.raises(ValueError, match="split_columns"):
+        hopper_bwd.check_config(HopperBwdConfig(), 256)
 
 
 def test_dq_ordered_config():
@@ -147,7 +147,8 @@ def test_delta_in_dp_config():
 def test_backward_after_the_hopper_forward():
     """Which backward runs after the Hopper forward: the Hopper one (the call's default tiles, or
     config.hopper_bwd's), the portable one where `HopperBwdConfig(portable=True)` asks for it, and the
-    portable one past head_dim 128 whatever the config says."""
+    portable one where the head dims need split_columns and config.hopper_bwd has none (256), or they cannot be
+    split (192)."""
     band = masks.Band.of(True)
     choose = hopper_vjp._backward_config
     assert choose(KernelConfig(), 64, 1024, band, True) == hopper_bwd.default_config(64, 1024, band, True)

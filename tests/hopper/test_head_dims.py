@@ -1,0 +1,329 @@
+"""Head dims past 128 and a value head_dim of its own in the Hopper kernels: DeepSeek MLA's (query/key, value) head
+dims (192, 128) and (128, 64) forward and backward (V, dO, dV and the output at value's head_dim), and the backward
+at head_dim 256 (`HopperBwdConfig.split_columns`: each pass's two consumers share one block of rows and each
+accumulates half of the head_dim columns). The kernels in JAX's Mosaic GPU interpreter (race detection on) against
+the float32 reference, their lowering for CUDA, the defaults' shared-memory fit and dispatch, and on an H100 the
+public API and its gradients against the reference.
+
+Interpreter tiles are the smallest the kernels take (64-row blocks); every case has ragged lengths and GQA."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_flash as pf
+from pallas_flash import _compat, device, masks, mods, reference
+from pallas_flash.config import KernelConfig
+from pallas_flash.hopper import bwd as hopper_bwd
+from pallas_flash.hopper import fwd as hopper_fwd
+from pallas_flash.hopper import vjp as hopper_vjp
+from pallas_flash.hopper.config import H100_SHARED_MEMORY, HopperBwdConfig, HopperConfig
+from tests.helpers import lower_for_cuda, packed_ids
+from tests.tolerances import GRADIENT, assert_close
+
+SCALE = 0.1
+MOSAIC_CALL = "stablehlo.custom_call @mosaic_gpu"
+
+
+def _inputs(shape, seed, dtype=jnp.bfloat16):
+    """(q, k, v, d_out, d_lse) for a (batch, q_len, kv_len, heads, kv_heads, head_dim, head_dim_v) shape: unit
+    normals drawn by NumPy, a small float32 lse cotangent."""
+    batch, q_len, kv_len, heads, kv_heads, head_dim, head_dim_v = shape
+    rng = np.random.default_rng(seed)
+
+    def draw(*dims):
+        return jnp.asarray(rng.standard_normal(dims, np.float32)).astype(dtype)
+
+    q, k = draw(batch, q_len, heads, head_dim), draw(batch, kv_len, kv_heads, head_dim)
+    v, d_out = draw(batch, kv_len, kv_heads, head_dim_v), draw(batch, q_len, heads, head_dim_v)
+    return q, k, v, d_out, 0.1 * jnp.asarray(rng.standard_normal((batch, heads, q_len), np.float32))
+
+
+def _interpreter():
+    params = _compat.mosaic_gpu_interpret_params(detect_races=True)
+    if params is None:
+        pytest.skip("this JAX has no Mosaic GPU interpreter")
+    return params
+
+
+def _segments(shape, *starts):
+    """Segment ids (q, kv) [batch, len] of documents packed from `starts` on."""
+    batch, q_len, kv_len = shape[:3]
+    return tuple(jnp.asarray(np.stack([packed_ids(n, *starts)] * batch)) for n in (q_len, kv_len))
+
+
+def _key_query_bias(shape):
+    """A score program closing over a float per-query temperature and a per-key bias (row and column values with
+    gradients; a per-query bias would only shift the row, its gradient d_lse alone)."""
+    _, q_len, kv_len = shape[:3]
+    rng = np.random.default_rng(9)
+    q_temp, kv_bias = (0.5 * jnp.asarray(rng.standard_normal(n), jnp.float32) for n in (q_len, kv_len))
+    program, consts = mods.trace(lambda s, b, h, q, k: s * (1.0 + 0.2 * q_temp[q]) + kv_bias[k], "score")
+    return program, consts
+
+
+# name: (shape (batch, q_len, kv_len, heads, kv_heads, head_dim, head_dim_v), kernel options, config)
+FORWARD_CASES = {
+    # MLA's head dims, causal, GQA, ragged; persistent CTAs: an output tile of its own beside Q and the next Q's load
+    "mla_192_128_causal_persistent": (
+        (2, 130, 100, 2, 1, 192, 128),
+        dict(is_causal=True),
+        HopperConfig(64, 64, 2, persistent=True),
+    ),
+    # a narrower value, q_len != kv_len, a window with segment ids, the overlapped loop
+    "128_64_window_segments_overlap": (
+        (1, 100, 200, 2, 2, 128, 64),
+        dict(local_window_size=(90, 20), segments=(70,)),
+        HopperConfig(64, 64, 2, overlap=True),
+    ),
+}
+
+
+def _reference(q, k, v, options, score=None):
+    """The float32 reference (out, lse) of a case's options, with a score program (Program, consts) or None."""
+    q_ids, kv_ids = _segments(_shape(q, k, v), *options["segments"]) if "segments" in options else (None, None)
+    return reference.attention_reference(
+        *(x.astype(jnp.float32) for x in (q, k, v)),
+        scale=SCALE,
+        band=masks.Band.of(options.get("is_causal", False), options.get("local_window_size")),
+        q_segment_ids=q_ids,
+        kv_segment_ids=kv_ids,
+        score_mod=None if score is None else score[0],
+        score_consts=() if score is None else score[1],
+    )
+
+
+def _shape(q, k, v):
+    return (q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3])
+
+
+def _kernel_options(shape, options):
+    """The kernels' band and segment-id arguments of a case's options."""
+    kwargs = dict(is_causal=options.get("is_causal", False), local_window_size=options.get("local_window_size"))
+    if "segments" in options:
+        kwargs.update(zip(("q_segment_ids", "kv_segment_ids"), _segments(shape, *options["segments"])))
+    return kwargs
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("case", FORWARD_CASES)
+def test_forward_at_value_head_dim_in_mosaic_gpu_interpreter(case):
+    """The forward with Q and K tiles at query's head_dim and V, the accumulator and the output at value's matches
+    the reference (out [batch, q_len, heads, head_dim_v]; zeros and lse = -inf where a row sees no key)."""
+    shape, options, config = FORWARD_CASES[case]
+    q, k, v, _, _ = _inputs(shape, seed=41)
+    out, lse = hopper_fwd.hopper_forward(
+        q, k, v, scale=SCALE, config=config, interpret=_interpreter(), **_kernel_options(shape, options)
+    )
+    assert not _compat.mosaic_gpu_races_found()
+    ref_out, ref_lse = _reference(q, k, v, options)
+    assert out.shape == ref_out.shape == (*q.shape[:3], v.shape[3])
+    assert_close(out, ref_out, jnp.bfloat16)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    finite = np.isfinite(np.asarray(ref_lse))
+    assert_close(np.where(finite, lse, 0.0), np.where(finite, ref_lse, 0.0), jnp.float32, what="lse")
+
+
+# name: (shape, kernel options, config, with a score program (per-query and per-key float biases))
+BACKWARD_CASES = {
+    # MLA's head dims at their default tiles (the plain two passes, 2-stage rings), causal, GQA, ragged
+    "mla_192_128_causal": ((1, 100, 130, 2, 1, 192, 128), dict(is_causal=True), None, False),
+    # a narrower value with both overlapped loops, segment ids and q_len != kv_len
+    "128_64_segments_overlap": (
+        (2, 130, 70, 2, 2, 128, 64),
+        dict(segments=(50,)),
+        HopperBwdConfig(num_stages_dkv=3, num_stages_dq=3, dq_overlap=True, dkv_overlap=True),
+        False,
+    ),
+    # head_dim 256 at its default (split_columns), causal, GQA, ragged
+    "256_split_causal": ((1, 100, 130, 2, 1, 256, 256), dict(is_causal=True), None, False),
+    # split_columns with value head_dim 128 and a score program's row and column gradients (one consumer stores)
+    "256_128_split_score_program": ((1, 130, 100, 2, 1, 256, 128), dict(), None, True),
+}
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("case", BACKWARD_CASES)
+def test_backward_at_head_dims_in_mosaic_gpu_interpreter(case):
+    """Both passes from the reference's residuals (dK/dV with V and dO at value's head_dim, dQ with dP's contraction
+    over it; at head_dim 256 each consumer's half of the columns): dq, dk, dv (and the score program's closed-over
+    arrays' gradients) against the reference's vjp."""
+    shape, options, config, with_program = BACKWARD_CASES[case]
+    batch, q_len, kv_len, heads = shape[:4]
+    q, k, v, d_out, d_lse = _inputs(shape, seed=42)
+    score = _key_query_bias(shape) if with_program else None
+    consts = () if score is None else score[1]
+
+    def ref(q, k, v, consts):
+        return _reference(q, k, v, options, None if score is None else (score[0], consts))
+
+    (out, lse), vjp = jax.vjp(ref, *(x.astype(jnp.float32) for x in (q, k, v)), consts)
+    want = vjp((d_out.astype(jnp.float32), d_lse))
+    program = {}
+    if score is not None:
+        staged = mods.stage(score[0])[0]
+        dims = dict(batch=batch, heads=heads, q_len=q_len, kv_len=kv_len)
+        stacks, stacks_vjp = jax.vjp(lambda c: staged.stacks(c, **dims), consts)
+        program = dict(score_mod=staged, score_stacks=stacks)
+    params = _interpreter()
+    with _compat.mosaic_gpu_race_states() as kernels:  # one state per kernel: dK/dV, then dQ
+        dq, dk, dv, d_rows, d_cols = jax.block_until_ready(
+            hopper_bwd.hopper_backward(
+                q,
+                k,
+                v,
+                out.astype(q.dtype),
+                lse,
+                d_out,
+                d_lse,
+                scale=SCALE,
+                config=config,
+                interpret=params,
+                **program,
+                **_kernel_options(shape, options),
+            )
+        )
+    assert [state.races_found for state in kernels] == [False, False]
+    for name, ours, ref_grad, x in zip(("dq", "dk", "dv"), (dq, dk, dv), want, (q, k, v)):
+        assert ours.shape == x.shape and ours.dtype == x.dtype
+        assert_close(ours, ref_grad, jnp.bfloat16, table=GRADIENT, what=name)
+    if score is not None:
+        cotangents = tuple(None if s is None else jnp.zeros_like(s) for s in program["score_stacks"])
+        (d_consts,) = stacks_vjp((cotangents[0], d_rows, cotangents[2], d_cols))
+        for i, (ours, ref_grad) in enumerate(zip(d_consts, want[3])):
+            assert_close(ours, ref_grad, jnp.bfloat16, table=GRADIENT, what=f"closed-over array {i}")
+
+
+# ---- lowering -----------------------------------------------------------------------------------------------
+
+LOWERING_DIMS = [(192, 128), (128, 64), (256, 256), (256, 128)]
+
+
+def _abstract(head_dims, batch=2, q_len=300, kv_len=333, heads=4, kv_heads=2):
+    """Abstract bf16 (q, k, v, out) and float32 lse of a ragged GQA call at (query/key, value) head dims."""
+    head_dim, head_dim_v = head_dims
+    q = jax.ShapeDtypeStruct((batch, q_len, heads, head_dim), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((batch, kv_len, kv_heads, head_dim), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((batch, kv_len, kv_heads, head_dim_v), jnp.bfloat16)
+    out = jax.ShapeDtypeStruct((batch, q_len, heads, head_dim_v), jnp.bfloat16)
+    return q, k, v, out, jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)
+
+
+@pytest.mark.lowering
+@pytest.mark.parametrize("schedule", ["default", "persistent", "overlap"])
+@pytest.mark.parametrize("head_dims", LOWERING_DIMS[:3], ids=lambda d: f"{d[0]}-{d[1]}")
+def test_forward_at_head_dims_lowers_for_gpu(head_dims, schedule):
+    """The forward at its default tiles for these head dims (and persistent, and overlapped) goes through Mosaic
+    GPU's lowering, causal, ragged and GQA."""
+    q, k, v, _, _ = _abstract(head_dims)
+    config = hopper_fwd.default_config(*head_dims[:1], 333, masks.Band.of(True, None), 0, head_dims[1])
+    if schedule != "default":
+        config = dataclasses.replace(config, persistent=schedule == "persistent", overlap=schedule == "overlap")
+
+    def forward(q, k, v):
+        return hopper_fwd.hopper_forward(q, k, v, scale=SCALE, is_causal=True, config=config)
+
+    assert lower_for_cuda(forward, q, k, v).count(MOSAIC_CALL) == 1
+
+
+@pytest.mark.lowering
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dims", LOWERING_DIMS, ids=lambda d: f"{d[0]}-{d[1]}")
+def test_backward_at_head_dims_lowers_for_gpu(head_dims, is_causal):
+    """Both passes at their default tiles for these head dims (256: split_columns) go through Mosaic GPU's
+    lowering, ragged and GQA, with segment ids when causal."""
+    q, k, v, out, lse = _abstract(head_dims)
+    ids = {}
+    if is_causal:
+        ids = dict(
+            q_segment_ids=jax.ShapeDtypeStruct((2, 300), jnp.int32),
+            kv_segment_ids=jax.ShapeDtypeStruct((2, 333), jnp.int32),
+        )
+
+    def backward(q, k, v, out, lse, d_out, ids):
+        return hopper_bwd.hopper_backward(q, k, v, out, lse, d_out, None, scale=SCALE, is_causal=is_causal, **ids)
+
+    assert lower_for_cuda(backward, q, k, v, out, lse, out, ids).count(MOSAIC_CALL) == 2
+
+
+@pytest.mark.lowering
+def test_split_columns_with_a_score_program_and_dropout_lowers_for_gpu():
+    """split_columns with a score program's row and column gradients (stored by one consumer) and dropout."""
+    shape = (2, 300, 333, 4, 2, 256, 256)
+    q, k, v, out, lse = _abstract(shape[5:])
+    program, consts = _key_query_bias(shape)
+    staged = mods.stage(program)[0]
+    stacks = staged.stacks(consts, batch=2, heads=4, q_len=300, kv_len=333)
+
+    def backward(q, k, v, out, lse, d_out, stacks):
+        return hopper_bwd.hopper_backward(
+            q, k, v, out, lse, d_out, None, scale=SCALE, score_mod=staged, score_stacks=stacks, dropout_rate=0.1,
+            dropout_seed=jnp.zeros((2,), jnp.uint32),
+        )  # fmt: skip
+
+    assert lower_for_cuda(backward, q, k, v, out, lse, out, stacks).count(MOSAIC_CALL) == 2
+
+
+# ---- configs and dispatch (CPU, nothing runs) -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("head_dims", [(192, 128), (128, 64), (256, 256), (256, 128), (64, 128), (96, 96)])
+def test_default_tiles_fit_at_head_dims(head_dims):
+    """The default forward and backward tiles fit an H100's shared memory at these (padded) head dims; the
+    backward splits the columns exactly where a consumer's dK and dV would not fit its registers (256)."""
+    head_dim, head_dim_v = (-(-d // 64) * 64 for d in head_dims)
+    band = masks.Band.of(True, None)
+    forward = hopper_fwd.default_config(head_dim, 4096, band, 0, head_dim_v)
+    assert forward.smem_bytes(head_dim, 2, 0, head_dim_v) <= H100_SHARED_MEMORY
+    backward = hopper_bwd.default_config(head_dim, 4096, band, True, head_dim_v=head_dim_v)
+    hopper_bwd.check_config(backward, head_dim, head_dim_v=head_dim_v)
+    assert backward.split_columns == (head_dim == 256)
+
+
+def test_unsplittable_head_dims_are_refused_by_name(monkeypatch):
+    """Query/key 192 with value 256: a consumer's dK and dV need split_columns, whose half of 192 is not a whole
+    64-column tile; the Mosaic GPU implementation refuses it naming both head dims (the portable backward takes
+    no value head_dim of its own), and serves MLA's (192, 128) and (128, 64) and (256, 128) on sm90 (faked)."""
+    assert "head_dims 192 (query, key) and 256 (value" in hopper_bwd.head_dims_reason(192, 256)
+    with pytest.raises(ValueError, match="split_columns"):
+        HopperBwdConfig(split_columns=True, dq_atomic=True)
+    monkeypatch.setattr(device, "on_hopper_gpu", lambda: True)
+
+    def reason(head_dim, head_dim_v):
+        q = jax.ShapeDtypeStruct((1, 1024, 2, head_dim), jnp.bfloat16)
+        v = jax.ShapeDtypeStruct((1, 1024, 2, head_dim_v), jnp.bfloat16)
+        return hopper_vjp.unsupported_reason(q, q, band=masks.Band.of(True, None), config=KernelConfig(), value=v)
+
+    assert "head_dims 192 (query, key) and 256 (value)" in reason(192, 256)
+    assert reason(192, 128) is None and reason(128, 64) is None and reason(256, 128) is None
+
+
+# ---- on the GPU ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dims", [(192, 128), (128, 64), (256, 256), (96, 96)], ids=lambda d: f"{d[0]}-{d[1]}")
+def test_head_dims_on_hopper(head_dims, is_causal):
+    """On sm90, flash_attention(implementation="mosaic") and its gradients at MLA's head dims, at head_dim 256 (the
+    Hopper backward, split_columns) and 96 (padded to 128), ragged, GQA, against the float32 reference."""
+    if not device.on_hopper_gpu():
+        pytest.skip("needs an sm90 GPU")
+    shape = (2, 333, 460, 4, 2, *head_dims)
+    q, k, v, d_out, _ = _inputs(shape, seed=43)
+    options = dict(scale=SCALE, is_causal=is_causal, return_lse=True)
+
+    def run(implementation, q, k, v):
+        return pf.flash_attention(q, k, v, implementation=implementation, **options)
+
+    (out, lse), vjp = jax.vjp(lambda *x: run("mosaic", *x), q, k, v)
+    (ref_out, ref_lse), ref_vjp = jax.vjp(lambda *x: run("xla", *x), *(x.astype(jnp.float32) for x in (q, k, v)))
+    assert out.shape == (*q.shape[:3], v.shape[3])
+    assert_close(out, ref_out, jnp.bfloat16)
+    assert_close(lse, ref_lse, jnp.bfloat16, what="lse")
+    grads = vjp((d_out, jnp.zeros_like(lse)))
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, ref_vjp((d_out.astype(jnp.float32), jnp.zeros_like(lse)))):
+        assert_close(got, ref, jnp.bfloat16, table=GRADIENT, what=name)
