@@ -104,6 +104,7 @@ class Call:
     features: tuple[str, ...]  # the score modifiers and block mask the call uses
     mods: masks.ScoreMods = masks.ScoreMods()
     value: jax.ShapeDtypeStruct | None = None  # None: shaped like key (one head_dim for query, key and value)
+    block_mask: BlockMask | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,12 +128,13 @@ def _mosaic_cannot_serve(call: Call) -> str | None:
         config=call.config,
         mods=_hopper_programs(call.mods),
         value=call.value,
+        block_mask=call.block_mask,
     )
 
 
 # Modifiers the Hopper kernels take as programs or dense tiles (`_hopper_programs`), and those they run themselves.
 _HOPPER_PROGRAMS = ("logits_soft_cap", "alibi_slopes", "bias", "mask", "score_mod", "mask_mod")
-_HOPPER_KERNEL_FEATURES = ("dropout",)
+_HOPPER_KERNEL_FEATURES = ("dropout", "block_mask")
 
 
 def _spans_both(dims) -> bool:
@@ -527,9 +529,10 @@ def flash_attention(
       implementation: None (best available: on a Hopper GPU "mosaic" where it serves the call, else
         "pallas" on an NVIDIA GPU, else "xla_chunked"), or force "mosaic" (Hopper only: bf16/fp16, causal,
         window, segment ids and lengths, score modifiers (a bias or mask over both queries and keys read tile
-        by tile, where its tiles fit shared memory) and stageable score_mod/mask_mod, no block mask; raises
-        where it cannot serve the call), "pallas" (interpret mode without a GPU), "xla_chunked" or "xla"
-        (dense reference).
+        by tile, where its tiles fit shared memory; blocks a mask hides wholly are skipped) and stageable
+        score_mod/mask_mod, a block mask (by its block ranges where its kept blocks form one run per kernel
+        tile, else as a dense mask); raises where it cannot serve the call), "pallas" (interpret mode without
+        a GPU), "xla_chunked" or "xla" (dense reference).
       config: a `KernelConfig`; default `KernelConfig.default(head_dim)`.
       deterministic: True (default): gradients are bitwise the same from run to run. False lets the Hopper
         backward add dQ's float32 partial sums in whatever order they arrive where that is faster (head_dim
@@ -761,7 +764,7 @@ def _prepare(
             head_dim, jnp.dtype(query.dtype).itemsize, device.shared_memory_bytes(), _score_tile_bytes(mods, mod_arrays)
         )
 
-    # Features the Hopper kernel does not have yet; a call using any of them runs elsewhere.
+    # The score modifiers and the block mask a call uses (each implementation says which ones it serves).
     features = (
         ("block_mask", block_mask is not None),
         ("bias", mods.bias_dims is not None),
@@ -780,6 +783,7 @@ def _prepare(
         tuple(name for name, used in features if used),
         mods,
         jax.ShapeDtypeStruct(value.shape, value.dtype),
+        block_mask,
     )
     impl = dispatch(implementation, call)
     return _Prepared(impl, query, scale, band, config, q_ids, kv_ids, block_mask, mods, mod_arrays)
@@ -827,6 +831,7 @@ def _kernels(call: _Prepared, key, value, deterministic):
             deterministic=deterministic,
             mods=hopper_mods,
             mod_arrays=hopper_arrays,
+            block_mask=call.block_mask,
         )
     if call.impl == "pallas":
         return portable.flash_attention_portable(
@@ -1062,6 +1067,7 @@ def _hopper_backward(call: _Prepared, key, value, out, lse, d_out, d_lse, determ
         deterministic=deterministic,
         mods=hopper_mods,
         mod_arrays=arrays,
+        block_mask=call.block_mask,
     )
 
 

@@ -315,3 +315,60 @@ def _table(kind):
     table[..., 0], table[..., 1] = n_full, n_visits
     table[..., VISITS_HEADER : VISITS_HEADER + longest] = order[..., :longest]
     return table
+
+
+# ------------------------------------------------------------------------------ the Hopper kernels' ranges
+
+
+def tile_classes(
+    block_mask: BlockMask, *, q_len: int, kv_len: int, block_q: int, block_kv: int, q_pad: int, kv_pad: int
+):
+    """The block mask at kernel tiles of block_q x block_kv over padded lengths, as block classes (those of
+    `mods.block_classes`): numpy bool (anything, everything) [batch or 1, heads or 1, q_pad // block_q,
+    kv_pad // block_kv]: whether the tile covers some / only positions in kept blocks. Any tile size: a tile may
+    straddle mask blocks. Positions past q_len or kv_len count for neither (a tile wholly past them: nothing,
+    and so never "every")."""
+    kept = np.zeros(block_mask.shape[:2] + (block_mask.shape[2] + 1, block_mask.shape[3] + 1), np.int64)
+    kept[:, :, 1:, 1:] = block_mask.mask.cumsum(2).cumsum(3)  # kept blocks in [0, i) x [0, j)
+
+    def spans(pad: int, block: int, length: int, mask_block: int):
+        """Per tile, the mask blocks [lo, hi) its real positions fall in (empty past the length)."""
+        first = np.arange(pad // block) * block
+        real = first < length
+        lo = np.where(real, first // mask_block, 0)
+        hi = np.where(real, (np.minimum(first + block, length) - 1) // mask_block + 1, 0)
+        return lo, hi
+
+    r_lo, r_hi = spans(q_pad, block_q, q_len, block_mask.block_q)
+    c_lo, c_hi = spans(kv_pad, block_kv, kv_len, block_mask.block_kv)
+    r_lo, r_hi, c_lo, c_hi = r_lo[:, None], r_hi[:, None], c_lo[None, :], c_hi[None, :]
+    count = kept[:, :, r_hi, c_hi] - kept[:, :, r_lo, c_hi] - kept[:, :, r_hi, c_lo] + kept[:, :, r_lo, c_lo]
+    return count > 0, count == (r_hi - r_lo) * (c_hi - c_lo)
+
+
+def exact_by_ranges(
+    block_mask: BlockMask, *, q_len: int, kv_len: int, kv_heads: int, query_tiles=(), key_tiles=()
+) -> str | None:
+    """None if kernels that visit only a contiguous run of blocks per tile (the Hopper kernels' block ranges) serve
+    the block mask exactly at these tiles without any token-level mask, else why not: each tile's kept blocks must
+    form one run (or none) and cover the tiles of that run wholly. query_tiles: (rows, cols) of query-major tiles
+    (rows queries by cols keys: the forward's and the dQ pass's); key_tiles: (rows, cols) of key-major ones (rows
+    keys by cols queries over every query head of a kv head's group: the dK/dV pass's)."""
+    for major, tiles in (("query", query_tiles), ("key", key_tiles)):
+        for rows, cols in tiles:
+            block_q, block_kv = (rows, cols) if major == "query" else (cols, rows)
+            q_pad, kv_pad = -(-q_len // block_q) * block_q, -(-kv_len // block_kv) * block_kv
+            anything, everything = tile_classes(
+                block_mask, q_len=q_len, kv_len=kv_len, block_q=block_q, block_kv=block_kv, q_pad=q_pad, kv_pad=kv_pad
+            )
+            if major == "key":  # [.., key tile, query tile], over the heads of each kv head's group
+                anything, everything = np.swapaxes(anything, 2, 3), np.swapaxes(everything, 2, 3)
+                if anything.shape[1] > 1:
+                    group = (anything.shape[0], kv_heads, -1, *anything.shape[2:])
+                    anything, everything = anything.reshape(group).any(2), everything.reshape(group).all(2)
+            if (anything & ~everything).any():
+                return f"a {rows} x {cols} {major}-major tile straddles kept and dropped mask blocks"
+            starts = (anything[..., 1:] & ~anything[..., :-1]).sum(-1) + anything[..., 0]
+            if (starts > 1).any():
+                return f"a {major} tile's kept blocks of {rows} x {cols} tiles are not one contiguous run"
+    return None

@@ -1,5 +1,6 @@
 """Argument checking, dispatch, and behaviour under JAX transformations."""
 
+import dataclasses
 import functools
 import logging
 
@@ -11,6 +12,8 @@ import pytest
 import pallas_flash as pf
 from pallas_flash import api, device, masks
 from pallas_flash import mods as pf_mods
+from pallas_flash.block_sparse import BlockMask
+from pallas_flash.hopper import vjp as hopper_vjp
 from tests.helpers import SMALL_BLOCKS, make_inputs, reference
 from tests.tolerances import GRADIENT, assert_close
 
@@ -237,6 +240,27 @@ def test_hopper_takes_modifiers_it_can_stage(features, mods_kwargs, serves, monk
         assert "bias" in reason or "score_mod: " in reason
 
 
+def _unstageable_score():
+    """A score program indexing a table by both positions: no kernel can stage it."""
+    return pf_mods.trace(pf_mods.relative_position_bias(jnp.zeros((2, 9))), "score")[0]
+
+
+@pytest.mark.parametrize("pattern", ["local", "strided"])
+def test_hopper_serves_a_block_mask(pattern, monkeypatch):
+    """On sm90 (faked) "mosaic" serves a block mask: a local window by its block ranges, a strided pattern (whose
+    kept blocks are not one run per tile) as a dense mask, whose tiles must then fit beside a dense bias."""
+    monkeypatch.setattr(device, "on_hopper_gpu", lambda: True)
+    size = 128 if pattern == "local" else 64
+    block_mask = getattr(BlockMask, pattern)(256, 256, 2, block_q=size, block_kv=size)
+    call = dataclasses.replace(_call(features=("block_mask",)), block_mask=block_mask)
+    assert api._mosaic_cannot_serve(call) is None
+    assert api.dispatch(None, call) == "mosaic"
+    by_ranges = hopper_vjp._ranges_reason(
+        block_mask, call.query, call.key, 64, band=call.band, config=call.config, mods=call.mods
+    )
+    assert (by_ranges is None) == (pattern == "local"), by_ranges
+
+
 def test_hopper_refuses_dense_tiles_it_cannot_fit(monkeypatch):
     """On sm90 (faked), at head_dim 256 no forward tiles hold a dense bias tile beside K and V: "mosaic" is passed
     over with a reason that names the tiles; a dense mask alone (1 byte per logit) still fits."""
@@ -280,7 +304,7 @@ def test_dispatch_where_the_hopper_kernel_serves(monkeypatch, caplog):
         assert api.dispatch(None, _call()) == "mosaic"
         for call, words in (
             (_call(dtype=jnp.float32), "bfloat16 or float16"),
-            (_call(features=("bias", "block_mask")), "no block_mask"),
+            (_call(features=("score_mod",), mods=masks.ScoreMods(score_mod=_unstageable_score())), "score_mod: "),
             (_call(head_dim=512), "head_dim <= 256"),
         ):
             assert api.dispatch(None, call) != "mosaic"

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import pallas_flash as pf
-from pallas_flash import device, masks
+from pallas_flash import masks
 from tests.helpers import (
     MODIFIER_CASES,
     MODIFIER_CASES_WITH_EMPTY_ROWS,
@@ -221,23 +221,3 @@ def test_bad_modifier_arguments_are_named(kwargs, error, words):
     q = jnp.ones((2, 8, 2, 16))
     with pytest.raises(error, match=words):
         pf.flash_attention(q, q, q, **kwargs)
-
-
-@pytest.mark.parametrize(
-    "name, kwargs",
-    [
-        ("bias", dict(bias=jnp.zeros((32, 32)))),
-        ("mask", dict(mask=jnp.ones((32, 32), bool))),
-        ("block_mask", dict(block_mask=pf.BlockMask(np.array([[True, False], [True, True]]), 16, 16))),
-    ],
-    ids=lambda x: x if isinstance(x, str) else "",
-)
-def test_hopper_kernel_refuses_modifiers(name, kwargs, monkeypatch):
-    """The Hopper kernels have no bias or mask over both queries and keys (a dense tile) and no block mask:
-    forcing them raises and names the feature (and None dispatches such calls to 'pallas'). Soft cap, ALiBi,
-    dropout and biases or masks over one axis they run (tests/test_api.py). The Hopper check is faked so that
-    the refusal is the features', not this machine's."""
-    monkeypatch.setattr(device, "on_hopper_gpu", lambda: True)
-    q = jnp.ones((1, 32, 2, 16), jnp.bfloat16)
-    with pytest.raises(ValueError, match=f"implementation='mosaic' cannot serve.* no .*{name}"):
-        pf.flash_attention(q, q, q, implementation="mosaic", **kwargs)

@@ -60,13 +60,15 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_flash import masks, mods
+from pallas_flash import block_sparse, masks, mods
+from pallas_flash.block_sparse import BlockMask
 from pallas_flash.blocks import LOG2E
 from pallas_flash.hopper.bwd_dkdv import dkdv_pass
 from pallas_flash.hopper.bwd_dq import dq_pass
 from pallas_flash.hopper.bwd_ordered import dq_split
 from pallas_flash.hopper.common import (
     DenseMods,
+    and_classes,
     coarsen_block_classes,
     dense_operands,
     mask_block_ranges,
@@ -74,6 +76,7 @@ from pallas_flash.hopper.common import (
     pad_axis,
     padded_head_dim,
     round_up,
+    sparse_classes,
 )
 from pallas_flash.hopper.config import H100_SHARED_MEMORY, HopperBwdConfig
 from pallas_flash.hopper.fwd import KernelMods, dense_tile_bytes, kernel_dropout
@@ -195,21 +198,33 @@ def default_config(
     return config
 
 
-def _mask_ranges(mask_mod, mask_stacks, config: HopperBwdConfig, *, batch, heads, kv_heads, q_len, kv_len):
-    """The mask program's block ranges (`mask_block_ranges`) of both passes: per (batch, head, CTA tile of
-    `row_tiles` * block_q_dq queries) its key blocks for the dQ pass, and per (batch, kv head, CTA tile of
-    `row_tiles` * block_kv_dkv keys) its query blocks over the group's heads for the dK/dV pass. The program is
-    evaluated once, at the finest tiles both passes' blocks are made of."""
-    dq_rows, dq_cols = config.row_tiles * config.block_q_dq, config.block_kv_dq
-    dkdv_rows, dkdv_cols = config.row_tiles * config.block_kv_dkv, config.block_q_dkv
-    block_q, block_kv = math.gcd(dq_rows, dkdv_cols), math.gcd(dq_cols, dkdv_rows)
+def pass_tiles(config: HopperBwdConfig):
+    """The dQ pass's tiles (CTA rows of queries, key block), the dK/dV pass's (CTA rows of keys, query block) and
+    the finest (block_q, block_kv) both are made of."""
+    dq = config.row_tiles * config.block_q_dq, config.block_kv_dq
+    dkdv = config.row_tiles * config.block_kv_dkv, config.block_q_dkv
+    return dq, dkdv, (math.gcd(dq[0], dkdv[1]), math.gcd(dq[1], dkdv[0]))
+
+
+def _mask_ranges(mask_mod, mask_stacks, config: HopperBwdConfig, *, batch, heads, kv_heads, q_len, kv_len,
+                 mask=None, block_mask=None):  # fmt: skip
+    """The block ranges (`mask_block_ranges`) of both passes, of the mask program (None: none), a dense bool mask
+    [Bd, Hd, q_len, kv_len] and a `BlockMask` (`sparse_classes`; each None where absent) applied together: per
+    (batch, head, CTA tile of `row_tiles` * block_q_dq queries) its key blocks for the dQ pass, and per (batch, kv
+    head, CTA tile of `row_tiles` * block_kv_dkv keys) its query blocks over the group's heads for the dK/dV pass.
+    The masks' block classes are taken once, at the finest tiles both passes' blocks are made of."""
+    (dq_rows, dq_cols), (dkdv_rows, dkdv_cols), (block_q, block_kv) = pass_tiles(config)
     q_pad = round_up(q_len, math.lcm(dq_rows, dkdv_cols))
     kv_pad = round_up(kv_len, math.lcm(dq_cols, dkdv_rows))
-    anything, everything = mask_mod.block_classes(
-        mask_stacks, batch=batch, heads=heads, q_len=q_len, kv_len=kv_len, block_q=block_q, block_kv=block_kv
-    )
-    pad = ((0, 0), (0, 0), (0, q_pad // block_q - anything.shape[2]), (0, kv_pad // block_kv - anything.shape[3]))
-    anything, everything = jnp.pad(anything, pad), jnp.pad(everything, pad, constant_values=True)
+    program = None
+    if mask_mod is not None:
+        anything, everything = mask_mod.block_classes(
+            mask_stacks, batch=batch, heads=heads, q_len=q_len, kv_len=kv_len, block_q=block_q, block_kv=block_kv
+        )
+        pad = ((0, 0), (0, 0), (0, q_pad // block_q - anything.shape[2]), (0, kv_pad // block_kv - anything.shape[3]))
+        program = jnp.pad(anything, pad), jnp.pad(everything, pad, constant_values=True)
+    sizes = dict(q_len=q_len, kv_len=kv_len, block_q=block_q, block_kv=block_kv, q_pad=q_pad, kv_pad=kv_pad)
+    anything, everything = and_classes(program, sparse_classes(mask, block_mask, **sizes))
     dq_ranges = mask_block_ranges(*coarsen_block_classes(anything, everything, dq_rows // block_q, dq_cols // block_kv))
     anything, everything = (jnp.swapaxes(x, 2, 3) for x in (anything, everything))  # [.., key, query] blocks
     if anything.shape[1] > 1:  # a dK/dV CTA visits the query blocks of every head of its group
@@ -248,6 +263,7 @@ def _bias_cotangent(dbias, bias):
         "dropout_rate",
         "broadcast_dropout",
         "logits_soft_cap",
+        "block_mask",
         "interpret",
     ),
 )
@@ -276,6 +292,7 @@ def hopper_backward(
     bias=None,
     mask=None,
     logits_soft_cap: float | None = None,
+    block_mask: BlockMask | None = None,
     interpret=None,
 ):
     """Gradients of attention on Hopper from the forward's residuals.
@@ -292,7 +309,10 @@ def hopper_backward(
     score_stacks[3] (None where that stack is None; zeros unless `score_mod.needs_grad`).
     bias, mask, logits_soft_cap: the forward's dense bias and mask and soft cap (`hopper_fwd.hopper_forward`;
     two passes only: the default config takes them, shrunk to fit); with a bias a sixth result, dbias: the
-    gradient of the bias in its own shape and dtype (dS summed over the dims it broadcasts over).
+    gradient of the bias in its own shape and dtype (dS summed over the dims it broadcasts over). Each pass
+    visits only the blocks the mask leaves something visible in (and reads no mask tile in those it leaves wholly
+    visible). block_mask: None, or a `BlockMask` the block ranges serve exactly at both passes' tiles
+    (`block_sparse.exact_by_ranges`; expand any other into `mask`), two passes only.
     `interpret`: None compiles for the GPU; an `InterpretGPUParams` runs the two-pass kernels in the Mosaic
     GPU interpreter on CPU (as `hopper_forward`'s; not config.dq_atomic)."""
     band = masks.Band.of(is_causal, local_window_size)
@@ -304,8 +324,8 @@ def hopper_backward(
     reason = head_dims_reason(padded_dim, padded_dim_v)
     if reason is not None:
         raise ValueError(reason)
-    has_programs = score_mod is not None or mask_mod is not None
-    dense = DenseMods(bias is not None, mask is not None, logits_soft_cap)
+    has_programs = score_mod is not None or mask_mod is not None or block_mask is not None
+    dense = DenseMods(bias is not None, mask is not None, logits_soft_cap, hide_outside_hull=block_mask is not None)
     tile_bytes = dense_tile_bytes(None if bias is None else bias.dtype, mask is not None)
     fit = dict(tile_bytes=tile_bytes, dbias=dense.bias, head_dim_v=padded_dim_v)
     config = config or default_config(padded_dim, kv_len, band, deterministic=True, programs=has_programs, **fit)
@@ -317,9 +337,17 @@ def hopper_backward(
     check_config(config, padded_dim, q.dtype.itemsize, **fit)
     if (has_programs or dense.forms_logits or dense.active) and config.dq_atomic:
         raise ValueError(
-            f"{config}: the one-pass dq_atomic backward takes no score_mod, mask_mod, soft cap or dense bias or "
-            "mask; use dq_atomic=False (`default_config(..., programs=True)`)"
+            f"{config}: the one-pass dq_atomic backward takes no score_mod, mask_mod, block_mask, soft cap or dense "
+            "bias or mask; use dq_atomic=False (`default_config(..., programs=True)`)"
         )
+    if block_mask is not None:
+        block_mask.check(batch, heads, q_len, kv_len)
+        dq_tiles, dkdv_tiles, _ = pass_tiles(config)
+        reason = block_sparse.exact_by_ranges(
+            block_mask, q_len=q_len, kv_len=kv_len, kv_heads=kv_heads, query_tiles=(dq_tiles,), key_tiles=(dkdv_tiles,)
+        )
+        if reason is not None:
+            raise ValueError(f"block_mask is not served by block ranges at {config}: {reason}; pass it as mask=")
     for name, program, stacks in (("score", score_mod, score_stacks), ("mask", mask_mod, mask_stacks)):
         if len(stacks) != 4 or (program is None and any(x is not None for x in stacks)):
             raise ValueError(f"{name}_stacks must be (rows_int, rows_float, cols_int, cols_float) of a {name}_mod")
@@ -367,10 +395,11 @@ def hopper_backward(
         cols, col_offsets = pack_mod_stacks((*score_stacks[2:], *mask_stacks[2:]), kv_pad)
         programs = KernelMods(score_mod, mask_mod, row_offsets, col_offsets)
         dq_ranges = dkdv_ranges = None
-        if mask_mod is not None:
+        if mask_mod is not None or mask is not None or block_mask is not None:
             dq_ranges, dkdv_ranges = _mask_ranges(
-                mask_mod, mask_stacks, config, batch=batch, heads=heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len
-            )
+                mask_mod, mask_stacks, config, batch=batch, heads=heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len,
+                mask=mask, block_mask=block_mask
+            )  # fmt: skip
         grads = score_mod is not None and score_mod.needs_grad
         dk, dv, *d_cols = dkdv_pass(
             qp,

@@ -43,6 +43,7 @@ from pallas_flash.hopper.common import (
     fill_ring,
     load_own_ids,
     masked_edge_loops,
+    outside_hull_hidden,
     program_mask,
     program_score,
     register_ops,
@@ -171,6 +172,10 @@ def _dkdv_kernel(
         q_hi = jnp.maximum(jnp.minimum(q_hi, mask_ranges_ref[b, h, kv_tile, 1]), q_lo)
         full = (mask_ranges_ref[b, h, kv_tile, 2], mask_ranges_ref[b, h, kv_tile, 3])
         same = full if same is None else (jnp.maximum(same[0], full[0]), jnp.minimum(same[1], full[1]))
+    # A block mask served by its ranges alone: a tile whose query blocks reach outside their hull hides them.
+    hull = None
+    if dense.hide_outside_hull:
+        hull = mask_ranges_ref[b, h, kv_tile, 0], mask_ranges_ref[b, h, kv_tile, 1]
     q_steps = q_hi - q_lo
     total_steps = group * q_steps
     wg = lax.axis_index("wg")
@@ -289,7 +294,7 @@ def _dkdv_kernel(
             if rows_ref is not None:  # the block's values ride the Q ring; every step waits (one wait per phase)
                 plgpu.barrier_wait(rows_ready.at[slot])
             rows = programs.values("row", lambda i: load_vector(rows_smem.at[slot, i], column), masked=masked)
-            bias, dense_visible = dense_tiles(ring, slot, wg=own, rows=block_kv, load=load_vector)
+            bias, dense_visible = dense_tiles(ring, slot, wg=own, rows=block_kv, load=load_vector, read_mask=masked)
             logit_scale, logit_c, cap_grad = scale, c, None
             if dense.forms_logits:  # the soft cap and the bias act on scale * S^T: natural units from here on
                 s, cap_grad = biased_logits(s, bias, scale=scale, soft_cap=dense.soft_cap)
@@ -315,8 +320,9 @@ def _dkdv_kernel(
                 if masked:
                     q_seg = load_vector(q_ids_smem.at[slot], column)
             if masked:
+                q_pos = q_block * block_q + iota(s.shape, 1)
                 visible = tile_visible(
-                    q_block * block_q + iota(s.shape, 1),
+                    q_pos,
                     kv_start + iota(s.shape, 0),
                     band=band,
                     kv_len=kv_len if mask_padded_keys else None,
@@ -328,6 +334,8 @@ def _dkdv_kernel(
                 if mask_mod is not None:
                     seen = program_mask(mask_mod, rows.mask, cols.mask, **position)
                     visible = seen if visible is None else visible & seen
+                if hull is not None:
+                    visible = outside_hull_hidden(visible, q_pos, hull, block_q)
                 if visible is not None:  # None: traced for a loop that runs no iterations
                     p = jnp.where(visible, p, 0.0)
             if dense_visible is not None:
@@ -554,9 +562,9 @@ def _dkdv_kernel(
         )
         unmasked_lo, unmasked_hi = unmasked_blocks(band_range, (q_lo, q_hi), same)
 
-        # Without a left band edge, masked padding, segment ids or a mask program, unmasked_hi == q_hi: no
-        # trailing edge.
-        trailing = band.left is not None or always_mask or has_segments or mask_mod is not None
+        # Without a left band edge, masked padding, segment ids or block ranges (a mask program's, a dense or a
+        # block mask's), unmasked_hi == q_hi: no trailing edge.
+        trailing = band.left is not None or always_mask or has_segments or mask_ranges_ref is not None
 
         overlap = config.dkv_overlap and dq_acc_ref is None
         step_fn = overlapped_step if overlap else step

@@ -29,6 +29,7 @@ from pallas_flash.hopper.common import (
     load_own_ids,
     masked_edge_loops,
     narrow_to_mask_ranges,
+    outside_hull_hidden,
     program_mask,
     program_score,
     query_tile_schedule,
@@ -82,7 +83,8 @@ def _dq_kernel(
 
     Shapes and `interpreting` as in `_dkdv_kernel`; dq_ref like q_ref. `programs`: the score and mask
     programs with rows_ref (resident per consumer) and cols_ref (riding the K ring) their packed values,
-    mask_ranges_ref the mask program's key blocks per query tile (`mask_block_ranges`), and d_rows_ref None
+    mask_ranges_ref the key blocks per query tile of the mask program, the dense and the block mask
+    (`mask_block_ranges`), and d_rows_ref None
     or float32 [batch, heads, n, q_pad]: the gradient of the score program's float row values. `dropout`:
     None, or the forward's dropout (dP = Z (dO V^T), Z = keep / (1 - rate)), seed_ref its seed table.
     bias_ref/mask_ref: None or `dense`'s arrays [Bd, Hd, q_pad, kv_pad] (tiles riding the K ring); dbias_ref:
@@ -118,6 +120,7 @@ def _dq_kernel(
         segment_ranges=kv_ranges_ref,
         tile_rows=tile_rows,
     )
+    hull = None
     if mask_ranges_ref is not None:
         kv_lo, kv_hi, same = narrow_to_mask_ranges(
             kv_lo,
@@ -129,6 +132,10 @@ def _dq_kernel(
             tile=lax.div(tile_start, tile_rows),
             num_kv_blocks=num_kv_blocks,
         )
+        if dense.hide_outside_hull:
+            b, h = stack_index(mask_ranges_ref, batch, head)
+            tile = lax.div(tile_start, tile_rows)
+            hull = mask_ranges_ref[b, h, tile, 0], mask_ranges_ref[b, h, tile, 1]
     wg = lax.axis_index("wg")
     iota, zeros, load_vector = register_ops(interpreting)
     consumer_registers, producer_registers = REGISTERS
@@ -234,7 +241,7 @@ def _dq_kernel(
             if cols_ref is not None:  # the block's values ride with K; every step waits (one wait per phase)
                 plgpu.barrier_wait(cols_ready.at[slot])
             cols = programs.values("col", lambda i: load_vector(cols_smem.at[slot, i], column), masked=masked)
-            bias, dense_visible = dense_tiles(ring, slot, wg=own, rows=block_q, load=load_vector)
+            bias, dense_visible = dense_tiles(ring, slot, wg=own, rows=block_q, load=load_vector, read_mask=masked)
             logit_scale, logit_c, cap_grad = scale, c, None
             if dense.forms_logits:  # the soft cap and the bias act on scale * s: natural units from here on
                 s, cap_grad = biased_logits(s, bias, scale=scale, soft_cap=dense.soft_cap)
@@ -253,9 +260,10 @@ def _dq_kernel(
                 if masked:
                     kv_seg = load_vector(kv_ids_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
             if masked:
+                q_pos, kv_pos = q_start + iota(s.shape, 0), kv_step * block_kv + iota(s.shape, 1)
                 visible = tile_visible(
-                    q_start + iota(s.shape, 0),
-                    kv_step * block_kv + iota(s.shape, 1),
+                    q_pos,
+                    kv_pos,
                     band=band,
                     kv_len=kv_len if kv_len % block_kv else None,
                     q_seg=q_seg,
@@ -266,6 +274,8 @@ def _dq_kernel(
                 if mask_mod is not None:
                     seen = program_mask(mask_mod, row_values.mask, cols.mask, **position)
                     visible = seen if visible is None else visible & seen
+                if hull is not None:
+                    visible = outside_hull_hidden(visible, kv_pos, hull, block_kv)
                 if visible is not None:  # None: traced for a loop that runs no iterations
                     p = jnp.where(visible, p, 0.0)
             if dense_visible is not None:
@@ -359,8 +369,9 @@ def _dq_kernel(
             always_mask=False,
         )
         unmasked_lo, unmasked_hi = unmasked_blocks(band_range, (kv_lo, kv_hi), same)
-        # Without a left band edge, segment ids or a mask program, unmasked_lo == kv_lo: no leading edge.
-        leading = band.left is not None or has_segments or mask_mod is not None
+        # Without a left band edge, segment ids or block ranges (a mask program's, a dense or a block mask's),
+        # unmasked_lo == kv_lo: no leading edge.
+        leading = band.left is not None or has_segments or mask_ranges_ref is not None
         dq = zeros((block_q, q_smem.shape[-1] if k_cols is None else k_cols.size))
         # The gradient of each float row value of the score program, summed over the visited key blocks.
         num_d_rows = 0 if d_rows_ref is None else d_rows_ref.shape[2]

@@ -15,7 +15,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_flash import blocks, masks
+from pallas_flash import block_sparse, blocks, masks
 from pallas_flash._compat import smem_vector_load
 from pallas_flash.hopper.config import NUM_CONSUMERS
 
@@ -311,11 +311,15 @@ class DenseMods:
     block (none is skipped for them). bias: one is added to the logits in float32, natural-log units, after the
     soft cap; mask: one (int8, 0 hides the key) is applied with the other masks; soft_cap: the logit soft cap,
     applied by the kernel itself since it precedes the bias (without a bias the API folds it into the score
-    program instead)."""
+    program instead). A mask's tile is read only on masked blocks: the kernels narrow their blocks to its block
+    ranges (`sparse_classes`), whose wholly visible run needs none. hide_outside_hull: a `BlockMask` is served by
+    those ranges alone (`block_sparse.exact_by_ranges`): masked blocks outside the ranges' hull are hidden
+    (`outside_hull_hidden`)."""
 
     bias: bool = False
     mask: bool = False
     soft_cap: float | None = None
+    hide_outside_hull: bool = False
 
     @property
     def active(self) -> bool:
@@ -380,21 +384,22 @@ def dense_riders(refs, ring, *, batch, head, rows):
     return tuple(riders)
 
 
-def dense_tiles(ring, slot, *, wg, rows: int, load):
+def dense_tiles(ring, slot, *, wg, rows: int, load, read_mask: bool = True):
     """(bias tile or None, bool visibility tile or None): consumer `wg`'s `rows` rows of ring slot `slot`
     (`dense_ring`), waited for (every step waits: one wait per phase) and read into the WGMMA register layout by
-    `load(ref, layout)`; the bias in its own dtype."""
+    `load(ref, layout)`; the bias in its own dtype. `read_mask` False: the mask tile is waited for but not read
+    (None), for a block in the run its block ranges (`sparse_ranges`) know to be wholly visible."""
     if ring is None:
         return None, None
     rows = pl.ds(wg * rows, rows)
     tiles = []
-    for slots in ring:
+    for i, slots in enumerate(ring):
         if slots is None:
             tiles.append(None)
             continue
         smem, ready = slots
         plgpu.barrier_wait(ready.at[slot])
-        tiles.append(load(smem.at[slot, rows], plgpu.Layout.WGMMA))
+        tiles.append(load(smem.at[slot, rows], plgpu.Layout.WGMMA) if read_mask or i == 0 else None)
     # The slot's next TMA (async proxy) overwrites what these generic reads read: fence them before the slot is
     # released (JAX 0.12's interpreter flags the refill as a race without it).
     plgpu.commit_smem()
@@ -496,6 +501,71 @@ def coarsen_block_classes(anything, everything, rows: int, cols: int):
     *lead, n, m = anything.shape
     split = (*lead, n // rows, rows, m // cols, cols)
     return anything.reshape(split).any(axis=(-3, -1)), everything.reshape(split).all(axis=(-3, -1))
+
+
+def dense_mask_classes(mask, *, block_q: int, block_kv: int, q_pad: int, kv_pad: int):
+    """A dense mask's block classes at tiles of block_q x block_kv (as `mods.block_classes`'): bool [Bd, Hd,
+    q_pad // block_q, kv_pad // block_kv] pairs (some / every position visible), reduced in XLA from the bool mask
+    [Bd, Hd, q_len, kv_len]. Positions past q_len or kv_len count for neither: the kernels hide padded keys with
+    the band's ragged-block mask, and padded queries are sliced off (or have P = 0)."""
+    q_len, kv_len = mask.shape[2:]
+
+    def reduce(padding: bool, op):
+        x = jnp.pad(mask, ((0, 0), (0, 0), (0, q_pad - q_len), (0, kv_pad - kv_len)), constant_values=padding)
+        return op(x.reshape(*mask.shape[:2], q_pad // block_q, block_q, kv_pad // block_kv, block_kv), axis=(3, 5))
+
+    return reduce(False, jnp.any), reduce(True, jnp.all)
+
+
+def sparse_classes(mask, block_mask, *, q_len: int, kv_len: int, block_q: int, block_kv: int, q_pad: int,
+                   kv_pad: int):  # fmt: skip
+    """The block classes (`dense_mask_classes`) of a dense bool mask [Bd, Hd, q_len, kv_len] and a `BlockMask`
+    together (either None; None if both are): the block mask's from the host (`block_sparse.tile_classes`,
+    constants), the dense mask's computed in XLA."""
+    parts = []
+    if mask is not None:
+        parts.append(dense_mask_classes(mask, block_q=block_q, block_kv=block_kv, q_pad=q_pad, kv_pad=kv_pad))
+    if block_mask is not None:
+        parts.append(
+            block_sparse.tile_classes(
+                block_mask, q_len=q_len, kv_len=kv_len, block_q=block_q, block_kv=block_kv, q_pad=q_pad, kv_pad=kv_pad
+            )
+        )
+    return and_classes(*parts)
+
+
+def and_classes(*classes):
+    """Block classes (each None or (anything, everything), broadcasting over [Bd, Hd]) of masks applied together:
+    a block may show something only if every mask's may (conservative), it shows everything if every mask's does."""
+    present = [c for c in classes if c is not None]
+    if not present:
+        return None
+    anything, everything = present[0]
+    for a, e in present[1:]:
+        anything, everything = jnp.logical_and(anything, a), jnp.logical_and(everything, e)
+    return anything, everything
+
+
+def intersect_ranges(a, b):
+    """Two masks' `mask_block_ranges` (int32 [Bd, Hd, num_tiles, 4], broadcasting over [Bd, Hd]; either None) as
+    those of both masks applied: the hulls' intersection and the full runs' (a run wholly visible to both). An
+    empty intersection keeps `narrow_to_mask_ranges`' rule: the tile visits one block, which a mask hides."""
+    if a is None or b is None:
+        return b if a is None else a
+    shape = jnp.broadcast_shapes(a.shape, b.shape)
+    a, b = jnp.broadcast_to(a, shape), jnp.broadcast_to(b, shape)
+    lo, hi = jnp.maximum(a[..., 0], b[..., 0]), jnp.minimum(a[..., 1], b[..., 1])
+    full_lo, full_hi = jnp.maximum(a[..., 2], b[..., 2]), jnp.minimum(a[..., 3], b[..., 3])
+    return jnp.stack([lo, hi, full_lo, jnp.maximum(full_hi, full_lo)], axis=-1)
+
+
+def outside_hull_hidden(visible, positions, hull, block: int):
+    """`visible` (a bool tile or None: all) with the positions (an int32 tile of the visited block's keys, or
+    queries in the dK/dV pass) outside the ranges' hull [lo, hi) of `block`-sized blocks hidden. A block mask
+    served by its ranges alone (`DenseMods.hide_outside_hull`) has no token mask: the one block a tile whose ranges
+    are empty (or disjoint from its band or segments) still visits must be hidden this way."""
+    inside = jnp.logical_and(positions >= hull[0] * block, positions < hull[1] * block)
+    return inside if visible is None else jnp.logical_and(visible, inside)
 
 
 def program_mask(mask, rows, cols, *, batch, head, q_idx, kv_idx, q_axis: int, max_position: int,

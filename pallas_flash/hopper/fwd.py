@@ -67,7 +67,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_flash import blocks, masks, mods
+from pallas_flash import block_sparse, blocks, masks, mods
+from pallas_flash.block_sparse import BlockMask
 from pallas_flash.blocks import LOG2E
 from pallas_flash.hopper.common import (
     HEAD_DIM_TILE,
@@ -79,11 +80,13 @@ from pallas_flash.hopper.common import (
     dense_tiles,
     dot_t,
     drain_ring,
+    intersect_ranges,
     load_own_ids,
     mask_block_ranges,
     masked_edge_loops,
     mod_values,
     narrow_to_mask_ranges,
+    outside_hull_hidden,
     pack_mod_stacks,
     pad_axis,
     padded_head_dim,
@@ -93,6 +96,7 @@ from pallas_flash.hopper.common import (
     register_ops,
     round_up,
     segment_block_ranges,
+    sparse_classes,
     stack_index,
     stream_kv_blocks,
     tile_visible,
@@ -201,7 +205,8 @@ def kernel_dropout(rate: float, broadcast: bool, seed, batch: int):
 
 class TileRows(typing.NamedTuple):
     """What a consumer knows of its query rows for the whole tile: (batch, head) indices, first row, segment
-    ids (or None), the programs' row values and, with dropout, the rows' hashes (`KernelDropout.row_hash`)."""
+    ids (or None), the programs' row values, with dropout the rows' hashes (`KernelDropout.row_hash`), and with
+    `DenseMods.hide_outside_hull` the hull (lo, hi) of the tile's block ranges."""
 
     batch: typing.Any
     head: typing.Any
@@ -209,6 +214,7 @@ class TileRows(typing.NamedTuple):
     q_seg: typing.Any
     values: ModValues
     dropout_hash: typing.Any = None
+    hull: typing.Any = None
 
 
 def _mod_scratch(rows, cols, config: HopperConfig):
@@ -279,7 +285,8 @@ def _kernel(
     int32 [batch, q_pad] / [batch, kv_pad] (padding ids never match), kv_ranges_ref None or with them the
     key blocks each query tile's ids may meet (`segment_block_ranges`), rows_ref/cols_ref None or the
     packed int32 values [Bd, Hd, n, q_pad] / [Bd, Hd, n, kv_pad] of `programs` (`pack_mod_stacks`),
-    mask_ranges_ref None or the mask program's `mask_block_ranges` per query tile, bias_ref/mask_ref None or
+    mask_ranges_ref None or the `mask_block_ranges` per query tile of the mask program, the dense mask and the
+    block mask (`intersect_ranges`), bias_ref/mask_ref None or
     `dense`'s arrays [Bd, Hd, q_pad, kv_pad] (`dense_operands`; their tiles ride the K ring), out_ref like
     q_ref, lse_ref [batch, heads, q_pad] (natural log). `dropout`: None, or dropout on P before P V, with
     seed_ref its seed table (`kernel_dropout`)."""
@@ -332,11 +339,22 @@ def _kernel(
             )
         return batch, head, tile_start, kv_lo, kv_hi, same
 
+    def hull(batch, head, tile_start):
+        """The hull (lo, hi) of the tile's block ranges, with `dense.hide_outside_hull` (else None)."""
+        if not dense.hide_outside_hull:
+            return None
+        b, h = stack_index(mask_ranges_ref, batch, head)
+        tile = lax.div(tile_start, NUM_CONSUMERS * block_q)
+        return mask_ranges_ref[b, h, tile, 0], mask_ranges_ref[b, h, tile, 1]
+
     # A row may see no key at all (segments, a window's left edge past the keys, a mask program or a dense mask,
     # or a score program's or a bias's -inf): keep its m = -inf safe.
-    rows_may_be_empty = has_segments or band.left is not None or programs.active or dense.active
-    # Blocks before the first unmasked one may need the mask: a band's left edge, segments, a mask program.
-    leading = band.left is not None or has_segments or mask_mod is not None
+    rows_may_be_empty = (
+        has_segments or band.left is not None or programs.active or dense.active or dense.hide_outside_hull
+    )
+    # Blocks before the first unmasked one may need the mask: a band's left edge, segments, block ranges (a mask
+    # program's, a dense or a block mask's).
+    leading = band.left is not None or has_segments or mask_ranges_ref is not None
     wg = lax.axis_index("wg")
 
     def take_turn():
@@ -386,7 +404,7 @@ def _kernel(
 
             return kv_seg, programs.values("col", read, masked=masked)
 
-        def tile_rows(batch, head, q_start, q_seg):
+        def tile_rows(batch, head, q_start, q_seg, tile_hull):
             """This consumer's `TileRows`: the programs' row values are loaded once per tile."""
             values = NO_VALUES
             if rows_ref is not None:
@@ -396,9 +414,10 @@ def _kernel(
                 plgpu.barrier_wait(rows_ready.at[wg])
                 values = programs.values("row", lambda r: load(rows_smem.at[wg, r], row), masked=True)
             if dropout is None:
-                return TileRows(batch, head, q_start, q_seg, values)
+                return TileRows(batch, head, q_start, q_seg, values, hull=tile_hull)
             q_pos = positions(q_start, block_q, row, interpreting=interpreting)
-            return TileRows(batch, head, q_start, q_seg, values, dropout.row_hash(seed_ref, batch, head, q_pos))
+            row_hash = dropout.row_hash(seed_ref, batch, head, q_pos)
+            return TileRows(batch, head, q_start, q_seg, values, row_hash, tile_hull)
 
         def dropped(p, rows, kv_step):
             """P V's operand: p with the dropped probabilities zeroed (the kept ones' scale waits for the
@@ -451,6 +470,8 @@ def _kernel(
                 if mask_mod is not None:
                     seen = program_mask(mask_mod, rows.values.mask, col_values.mask, **program_args)
                     visible = seen if visible is None else jnp.logical_and(visible, seen)
+                if rows.hull is not None:
+                    visible = outside_hull_hidden(visible, kv_pos, rows.hull, block_kv)
                 if visible is not None:  # None: traced for a loop that runs no iterations
                     s = jnp.where(visible, s, -jnp.inf)
             if dense_visible is not None:
@@ -465,10 +486,10 @@ def _kernel(
             alpha = jnp.exp2(m - shift)
             return jnp.exp2(s * c - lax.broadcast_in_dim(shift, s.shape, [0])), alpha, m_new
 
-        def block_tiles(slot):
+        def block_tiles(slot, *, masked):
             """This consumer's dense tiles of the block in ring slot `slot` (`dense_tiles`), read before K's slot
-            is released."""
-            return dense_tiles(ring, slot, wg=wg, rows=block_q, load=load)
+            is released; the mask's only in a masked step (unmasked ones lie in its ranges' wholly visible run)."""
+            return dense_tiles(ring, slot, wg=wg, rows=block_q, load=load, read_mask=masked)
 
         def qk(slot, after_issue):
             """S = Q K[slot]^T in float32; `after_issue()` runs once its wgmma is issued (before the wait)."""
@@ -517,7 +538,7 @@ def _kernel(
             cols = block_values(slot, masked=True)
             my_turn()
             s = qk(slot, after_issue=pass_turn)  # K_{kv_lo} was waited for at the tile's start
-            tiles = block_tiles(slot)
+            tiles = block_tiles(slot, masked=True)
             plgpu.barrier_arrive(k_free.at[slot])
             p, alpha, m = probabilities(s, m, masked=True, rows=rows, cols=cols, kv_step=kv_lo, tiles=tiles)
             l = l * alpha + p.sum(axis=1)  # O is still zero: nothing to rescale
@@ -531,7 +552,7 @@ def _kernel(
                 my_turn()
                 if interpreting:  # the same steps, one product at a time
                     s = qk(slot, after_issue=pass_turn)
-                    tiles = block_tiles(slot)
+                    tiles = block_tiles(slot, masked=masked)
                     plgpu.barrier_arrive(k_free.at[slot])
                     p, alpha, m = probabilities(s, m, masked=masked, rows=rows, cols=cols, kv_step=kv_step, tiles=tiles)
                     acc = pv(acc, p_prev, prev, after_issue=lambda: None)
@@ -543,7 +564,7 @@ def _kernel(
                         plgpu.wgmma(o_ref, p_prev, v_smem.at[prev])
                         pass_turn()
                         s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S_j done, P V may run on
-                        tiles = block_tiles(slot)
+                        tiles = block_tiles(slot, masked=masked)
                         plgpu.barrier_arrive(k_free.at[slot])
                         softmax = probabilities(s, m, masked=masked, rows=rows, cols=cols, kv_step=kv_step, tiles=tiles)
                         return (o_ref[...], *softmax)
@@ -593,7 +614,7 @@ def _kernel(
                     layout=row,
                     load=load,
                 )
-            rows = tile_rows(batch, head, q_start, q_seg)
+            rows = tile_rows(batch, head, q_start, q_seg, hull(batch, head, tile_start))
 
             def slot_of(kv_step):
                 return lax.rem(ring_steps + kv_step - kv_lo, num_stages)
@@ -607,7 +628,7 @@ def _kernel(
                 cols = block_values(slot, masked=masked)
                 # Our QK^T is queued: the other consumer may issue its PV.
                 s = qk(slot, after_issue=lambda: plgpu.barrier_arrive(turn))
-                tiles = block_tiles(slot)
+                tiles = block_tiles(slot, masked=masked)
                 plgpu.barrier_arrive(k_free.at[slot])
                 plgpu.barrier_wait(turn)
                 p, alpha, m_new = probabilities(s, m, masked=masked, rows=rows, cols=cols, kv_step=kv_step, tiles=tiles)
@@ -958,6 +979,27 @@ def mask_ranges(
     return mask_block_ranges(anything, everything)
 
 
+def sparse_operands(
+    mod_operands, mask, block_mask, config: HopperConfig, *, q_len: int, kv_len: int, q_pad: int, kv_pad: int
+):
+    """`_mod_operands`' (rows, columns, mask program's ranges) with the ranges narrowed to those of a dense bool
+    mask [Bd, Hd, q_len, kv_len] and a `BlockMask` (either None) at the forward's tiles (`intersect_ranges`)."""
+    classes = sparse_classes(
+        mask,
+        block_mask,
+        q_len=q_len,
+        kv_len=kv_len,
+        block_q=NUM_CONSUMERS * config.block_q,
+        block_kv=config.block_kv,
+        q_pad=q_pad,
+        kv_pad=kv_pad,
+    )
+    if classes is None:
+        return mod_operands
+    rows, cols, ranges = mod_operands
+    return rows, cols, intersect_ranges(ranges, mask_block_ranges(*classes))
+
+
 def _mod_operands(score_mod, score_stacks, mask_mod, mask_stacks, ranges, *, q_pad: int, kv_pad: int):
     """((packed row values, packed column values, mask ranges), KernelMods) for the kernel (each None where
     absent), after checking that the stacks and ranges go with the programs."""
@@ -985,6 +1027,7 @@ def _mod_operands(score_mod, score_stacks, mask_mod, mask_stacks, ranges, *, q_p
         "dropout_rate",
         "broadcast_dropout",
         "logits_soft_cap",
+        "block_mask",
         "interpret",
     ),
 )
@@ -1010,6 +1053,7 @@ def hopper_forward(
     bias=None,
     mask=None,
     logits_soft_cap: float | None = None,
+    block_mask: BlockMask | None = None,
     interpret=None,
 ):
     """Attention forward on Hopper. Shapes and results as `reference.attention_reference`:
@@ -1030,13 +1074,16 @@ def hopper_forward(
     1, Hd heads or 1), read tile by tile on every visited block: logits = soft_cap(scale * q.k) + bias, then the
     score_mod; a False mask entry hides the key. logits_soft_cap: None, or c > 0: the soft cap c * tanh(x / c)
     before the bias (with neither, fold it into the score_mod instead, as the API does). Without a config, the
-    default's ring shrinks until the dense tiles fit shared memory (`HopperConfig.fit`).
+    default's ring shrinks until the dense tiles fit shared memory (`HopperConfig.fit`). A query tile visits only
+    the key blocks the mask leaves something visible in, and reads no mask tile in those it leaves wholly visible.
+    block_mask: None, or a `BlockMask` that the block ranges serve exactly at these tiles
+    (`block_sparse.exact_by_ranges`; expand any other into `mask`): a tile visits only its kept blocks.
     `interpret`: None compiles for the GPU; an `InterpretGPUParams` (private in JAX 0.10-0.11:
     jax._src.pallas.mosaic_gpu.interpret.params) runs the kernel in the Mosaic GPU interpreter on CPU."""
     band = masks.Band.of(is_causal, local_window_size)
     q_len, kv_len, head_dim, head_dim_v = query.shape[1], key.shape[1], query.shape[3], value.shape[3]
     padded_dim, padded_dim_v = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
-    dense = DenseMods(bias is not None, mask is not None, logits_soft_cap)
+    dense = DenseMods(bias is not None, mask is not None, logits_soft_cap, hide_outside_hull=block_mask is not None)
     tile_bytes = dense_tile_bytes(None if bias is None else bias.dtype, mask is not None)
     config = config or default_config(padded_dim, kv_len, band, tile_bytes, padded_dim_v)
     own_tiles = tile_bytes or padded_dim_v != padded_dim  # the defaults fit shared memory without either
@@ -1048,6 +1095,20 @@ def hopper_forward(
             f"no forward tiles ({config or 'the default, shrunk'}) fit shared memory{dense_tiles} at head_dims "
             f"{head_dim} (query, key) and {head_dim_v} (value)"
         )
+    for name, x in (("bias", bias), ("mask", mask)):
+        if x is not None and (x.ndim != 4 or x.shape[2:] != (q_len, kv_len)):
+            raise ValueError(f"{name} must be [batch or 1, heads or 1, {q_len}, {kv_len}], got {x.shape}")
+    if block_mask is not None:
+        block_mask.check(query.shape[0], query.shape[2], q_len, kv_len)
+        reason = block_sparse.exact_by_ranges(
+            block_mask,
+            q_len=q_len,
+            kv_len=kv_len,
+            kv_heads=key.shape[2],
+            query_tiles=((NUM_CONSUMERS * config.block_q, config.block_kv),),
+        )
+        if reason is not None:
+            raise ValueError(f"block_mask is not served by block ranges at {config}: {reason}; pass it as mask=")
     q_pad = round_up(q_len, NUM_CONSUMERS * config.block_q)
     kv_pad = round_up(kv_len, config.block_kv)
     q = pad_axis(pad_axis(query, 1, q_pad), 3, padded_dim)
@@ -1059,10 +1120,10 @@ def hopper_forward(
     )
     if mask_ranges is not None and mask_ranges.shape[2:] != (q_pad // (NUM_CONSUMERS * config.block_q), 4):
         raise ValueError(f"mask_ranges {mask_ranges.shape} are not at this call's tiles ({config})")
+    mod_operands = sparse_operands(
+        mod_operands, mask, block_mask, config, q_len=q_len, kv_len=kv_len, q_pad=q_pad, kv_pad=kv_pad
+    )
     dropout, seed = kernel_dropout(dropout_rate, broadcast_dropout, dropout_seed, query.shape[0])
-    for name, x in (("bias", bias), ("mask", mask)):
-        if x is not None and (x.ndim != 4 or x.shape[2:] != (q_len, kv_len)):
-            raise ValueError(f"{name} must be [batch or 1, heads or 1, {q_len}, {kv_len}], got {x.shape}")
     out, lse = _forward_padded(
         q,
         k,

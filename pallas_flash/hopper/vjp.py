@@ -10,23 +10,30 @@ computed in XLA from the arrays it closes over, and the custom_vjp differentiate
 values (the kernels return their cotangents), so XLA's autodiff carries the gradient on to those arrays. Where
 the portable backward runs, it takes the programs and their arrays themselves and returns the arrays'
 cotangents directly.
+
+A dense mask and a `BlockMask` narrow the blocks each kernel tile visits to those they leave something visible in
+(their block classes, as a mask program's). A block mask whose kept blocks form one run per kernel tile, covering
+its tiles wholly, is served by those ranges alone (`block_sparse.exact_by_ranges`); any other is expanded into the
+dense mask, whose tiles then hide its dropped blocks inside a tile's run (`_serve_block_mask`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 
 import jax
 import jax.numpy as jnp
 
-from pallas_flash import device, masks
+from pallas_flash import block_sparse, device, masks
 from pallas_flash import mods as programs
+from pallas_flash.block_sparse import BlockMask
 from pallas_flash.config import KernelConfig
 from pallas_flash.hopper import bwd as hopper_bwd
 from pallas_flash.hopper import fwd as hopper_fwd
 from pallas_flash.hopper.common import SUPPORTED_DTYPES, padded_head_dim
-from pallas_flash.hopper.config import H100_SHARED_MEMORY, HopperBwdConfig, HopperConfig
+from pallas_flash.hopper.config import H100_SHARED_MEMORY, NUM_CONSUMERS, HopperBwdConfig, HopperConfig
 from pallas_flash.portable import vjp as portable
 
 _logger = logging.getLogger("pallas_flash")
@@ -38,12 +45,31 @@ def _window(band: masks.Band):
 
 
 def _hopper_config(
-    config: KernelConfig, head_dim: int, kv_len: int, band: masks.Band, tile_bytes: int = 0, head_dim_v=None
+    config: KernelConfig,
+    head_dim: int,
+    kv_len: int,
+    band: masks.Band,
+    tile_bytes: int = 0,
+    head_dim_v=None,
+    block_mask: BlockMask | None = None,
 ) -> HopperConfig | None:
     """The forward's tiles: config.hopper, else the default, shrunk to hold dense tiles of `tile_bytes` per logit
-    and value's `head_dim_v` (None: head_dim) (`hopper_fwd.default_config`; None where none fit)."""
+    and value's `head_dim_v` (None: head_dim) (`hopper_fwd.default_config`; None where none fit), and with a
+    `block_mask` served by its ranges to key blocks that divide its own (`_divide`)."""
+    if config.hopper is not None:
+        return config.hopper
     padded_v = padded_head_dim(head_dim_v or head_dim)
-    return config.hopper or hopper_fwd.default_config(padded_head_dim(head_dim), kv_len, band, tile_bytes, padded_v)
+    chosen = hopper_fwd.default_config(padded_head_dim(head_dim), kv_len, band, tile_bytes, padded_v)
+    if chosen is None or block_mask is None:
+        return chosen
+    return dataclasses.replace(chosen, block_kv=_divide(chosen.block_kv, block_mask.block_kv))
+
+
+def _divide(block: int, mask_block: int) -> int:
+    """A kernel block of at most `block` that divides a block mask's `mask_block` where one of 64 or more does (a
+    kernel tile then never straddles kept and dropped blocks), else `block`."""
+    smaller = block_sparse.kernel_block(block, mask_block)
+    return smaller if smaller >= 64 else block
 
 
 def _dense(mods: masks.ScoreMods, mod_arrays: masks.ModArrays) -> dict:
@@ -94,11 +120,13 @@ def unsupported_reason(
     config: KernelConfig,
     mods: masks.ScoreMods = masks.ScoreMods(),
     value=None,
+    block_mask: BlockMask | None = None,
 ) -> str | None:
     """None if the Hopper kernel serves this call on this machine, else why not (for the dispatcher).
     `unserved`: names of the call's features the Hopper kernel does not have; `mods`: its score modifiers,
     of which the kernel runs the score_mod and mask_mod where they can be staged; `value`: its shape (None:
-    key's); a head_dim of its own needs both Mosaic GPU kernels (the portable backward takes none)."""
+    key's); a head_dim of its own needs both Mosaic GPU kernels (the portable backward takes none);
+    `block_mask`: its `BlockMask` (None: none), counted as a dense mask where its ranges alone cannot serve it."""
     if not device.on_hopper_gpu():
         return (
             "the Mosaic GPU kernel needs an sm90 (Hopper) GPU (on CPU, JAX's Mosaic GPU interpreter runs its "
@@ -124,9 +152,12 @@ def unsupported_reason(
     )
     if max(head_dim, head_dim_v) > hopper_fwd.MAX_HEAD_DIM:
         return f"the Mosaic GPU kernel takes head_dim <= {hopper_fwd.MAX_HEAD_DIM}, got {dims}"
+    if block_mask is not None and _ranges_reason(block_mask, query, key, head_dim_v, band=band, config=config,
+                                                 mods=mods) is not None:  # fmt: skip
+        mods, block_mask = _with_dense_mask(mods, block_mask.shape[:2]), None
     tile_bytes = _tile_bytes(mods)
     dense = f" with the dense bias/mask tiles ({tile_bytes} bytes per logit)" if tile_bytes else ""
-    hopper_config = _hopper_config(config, head_dim, key.shape[1], band, tile_bytes, head_dim_v)
+    hopper_config = _hopper_config(config, head_dim, key.shape[1], band, tile_bytes, head_dim_v, block_mask)
     if hopper_config is None:
         return f"no forward tiles fit shared memory at {dims}{dense}"
     needed = hopper_config.smem_bytes(padded_head_dim(head_dim), 2, tile_bytes, padded_head_dim(head_dim_v))
@@ -134,20 +165,21 @@ def unsupported_reason(
     if needed > H100_SHARED_MEMORY:
         return f"{hopper_config} needs {needed} bytes of shared memory at {dims}{dense}"
     if head_dim_v != head_dim:  # the portable backward takes no value head_dim of its own: ours must serve it
-        if _backward_config(config, head_dim, key.shape[1], band, True, mods, tile_bytes, head_dim_v) is None:
+        if _backward_config(config, head_dim, key.shape[1], band, True, mods, tile_bytes, head_dim_v,
+                            block_mask=block_mask) is None:  # fmt: skip
             return f"the Mosaic GPU backward has no tiles for {dims}{dense}"
     return None
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12, 13))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12, 13, 14))
 def _attention(q, k, v, q_ids, kv_ids, score_stacks, mask_stacks, mask_ranges, mod_arrays, scale, band, config,
-               deterministic, mods):  # fmt: skip
+               deterministic, mods, block_mask):  # fmt: skip
     args = (q, k, v, q_ids, kv_ids, score_stacks, mask_stacks, mask_ranges, mod_arrays)
-    return _attention_fwd(*args, scale, band, config, deterministic, mods)[0]
+    return _attention_fwd(*args, scale, band, config, deterministic, mods, block_mask)[0]
 
 
 def _attention_fwd(q, k, v, q_ids, kv_ids, score_stacks, mask_stacks, mask_ranges, mod_arrays, scale, band, config,
-                   deterministic, mods):  # fmt: skip
+                   deterministic, mods, block_mask):  # fmt: skip
     del deterministic  # the forward is deterministic either way
     is_causal, window = _window(band)
     score_mod, mask_mod = _staged(mods)
@@ -160,7 +192,9 @@ def _attention_fwd(q, k, v, q_ids, kv_ids, score_stacks, mask_stacks, mask_range
         local_window_size=window,
         q_segment_ids=q_ids,
         kv_segment_ids=kv_ids,
-        config=_hopper_config(config, q.shape[-1], k.shape[1], band, _tile_bytes(mods, mod_arrays), v.shape[-1]),
+        config=_hopper_config(
+            config, q.shape[-1], k.shape[1], band, _tile_bytes(mods, mod_arrays), v.shape[-1], block_mask
+        ),
         score_mod=score_mod,
         score_stacks=score_stacks,
         mask_mod=mask_mod,
@@ -168,6 +202,7 @@ def _attention_fwd(q, k, v, q_ids, kv_ids, score_stacks, mask_stacks, mask_range
         mask_ranges=mask_ranges,
         **_dropout(mods, mod_arrays),
         **_dense(mods, mod_arrays),
+        **({} if block_mask is None else dict(block_mask=block_mask)),
     )
     return (out, lse), (q, k, v, q_ids, kv_ids, score_stacks, mask_stacks, mask_ranges, mod_arrays, out, lse)
 
@@ -190,10 +225,12 @@ def _backward_config(
     mods: masks.ScoreMods = masks.ScoreMods(),
     tile_bytes: int = 0,
     head_dim_v: int | None = None,
+    block_mask: BlockMask | None = None,
 ) -> HopperBwdConfig | None:
-    """The Hopper backward's tiles for this call (with a score or mask program, a variant that takes them; with
-    dense bias/mask tiles of `tile_bytes` per logit or value's `head_dim_v` (None: head_dim), the two passes
-    shrunk to hold them), or None where the portable backward runs instead."""
+    """The Hopper backward's tiles for this call (with a score or mask program or a `block_mask` served by its
+    ranges, a variant that takes them, the latter's blocks dividing the mask's where they can, `_divide`; with
+    dense bias/mask tiles of `tile_bytes` per logit or value's `head_dim_v` (None: head_dim), the two passes shrunk
+    to hold them), or None where the portable backward runs instead."""
     padded, padded_v = padded_head_dim(head_dim), padded_head_dim(head_dim_v or head_dim)
     reason = hopper_bwd.head_dims_reason(padded, padded_v)
     if reason is not None:
@@ -216,7 +253,15 @@ def _backward_config(
         # a soft cap the kernels apply themselves (before a dense bias) needs the two passes, as programs do
         programs = mods.score_mod is not None or mods.mask_mod is not None or mods.soft_cap is not None
         fit = dict(tile_bytes=tile_bytes, dbias=dbias, head_dim_v=padded_v)
-        chosen = hopper_bwd.default_config(padded, kv_len, band, deterministic, programs=programs, **fit)
+        chosen = hopper_bwd.default_config(
+            padded, kv_len, band, deterministic, programs=programs or block_mask is not None, **fit
+        )
+        if chosen is not None and block_mask is not None:
+            chosen = dataclasses.replace(
+                chosen,
+                block_kv_dq=_divide(chosen.block_kv_dq, block_mask.block_kv),
+                block_q_dkv=_divide(chosen.block_q_dkv, block_mask.block_q),
+            )
     if chosen is None:
         _logger.debug(
             "pallas_flash: no Hopper backward tiles hold the dense bias/mask tiles (%d bytes per logit) at head_dim "
@@ -233,10 +278,11 @@ def _zero_stacks(stacks):
     return tuple(None if x is None else masks.zero_cotangent(x) for x in stacks)
 
 
-def _attention_bwd(scale, band, config, deterministic, mods, residuals, cotangents):
+def _attention_bwd(scale, band, config, deterministic, mods, block_mask, residuals, cotangents):
     q, k, v, q_ids, kv_ids, score_stacks, mask_stacks, mask_ranges, mod_arrays, out, lse = residuals
     tile_bytes = _tile_bytes(mods, mod_arrays)
-    bwd_config = _backward_config(config, q.shape[-1], k.shape[1], band, deterministic, mods, tile_bytes, v.shape[-1])
+    bwd_config = _backward_config(config, q.shape[-1], k.shape[1], band, deterministic, mods, tile_bytes, v.shape[-1],
+                                  block_mask=block_mask)  # fmt: skip
     d_ranges = masks.integer_cotangent(mask_ranges)
     if bwd_config is not None:
         d_out, d_lse = cotangents
@@ -262,6 +308,7 @@ def _attention_bwd(scale, band, config, deterministic, mods, residuals, cotangen
             mask_stacks=mask_stacks,
             **_dropout(mods, mod_arrays),
             **_dense(mods, mod_arrays),
+            **({} if block_mask is None else dict(block_mask=block_mask)),
         )
         # The score program's arrays get their gradient through the float stacks (XLA's autodiff of
         # `Staged.stacks`); the integer ones and the mask program's have none.
@@ -293,6 +340,7 @@ def _attention_bwd(scale, band, config, deterministic, mods, residuals, cotangen
         interpret=False,
         q_segment_ids=q_ids,
         kv_segment_ids=kv_ids,
+        block_mask=block_mask,
         mods=mods,
         mod_arrays=mod_arrays,
     )
@@ -303,7 +351,8 @@ def _attention_bwd(scale, band, config, deterministic, mods, residuals, cotangen
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def _program_inputs(query, key, mods, mod_arrays, *, config, band, with_ranges: bool, head_dim_v=None):
+def _program_inputs(query, key, mods, mod_arrays, *, config, band, with_ranges: bool, head_dim_v=None,
+                    block_mask=None):  # fmt: skip
     """(score_stacks, mask_stacks, mask_ranges) of a call's programs, computed in XLA: each program's staged values
     (`mods.Staged.stacks`; the score's are differentiable in its closed-over arrays) and, `with_ranges`, the
     mask's block ranges at the forward's tiles (value's `head_dim_v` in them; only the forward reads them; else
@@ -330,7 +379,9 @@ def _program_inputs(query, key, mods, mod_arrays, *, config, band, with_ranges: 
                 heads=heads,
                 q_len=q_len,
                 kv_len=kv_len,
-                config=_hopper_config(config, head_dim, kv_len, band, _tile_bytes(mods, mod_arrays), head_dim_v),
+                config=_hopper_config(
+                    config, head_dim, kv_len, band, _tile_bytes(mods, mod_arrays), head_dim_v, block_mask
+                ),
             )
     return score_stacks, mask_stacks, mask_ranges
 
@@ -348,6 +399,7 @@ def flash_attention_hopper(
     deterministic: bool = True,
     mods: masks.ScoreMods = masks.ScoreMods(),
     mod_arrays: masks.ModArrays = masks.ModArrays(),
+    block_mask: BlockMask | None = None,
 ):
     """Shapes and results as `reference.attention_reference` (bf16/fp16 on sm90; a band (causal, local
     window) and segment ids (which carry per-example lengths too, see `api._segments`)); differentiable in
@@ -356,10 +408,16 @@ def flash_attention_hopper(
     `mods`: of the score modifiers, the kernels run a score_mod and a mask_mod (`unsupported_reason` says
     which ones they can stage), with their arrays in `mod_arrays` (score_consts, mask_consts; the score_mod's
     float arrays get gradients), and dropout (dropout_rate, broadcast_dropout, with mod_arrays.dropout_seed:
-    the keep mask of every implementation, `masks.dropout_keep_mask`)."""
+    the keep mask of every implementation, `masks.dropout_keep_mask`). `block_mask`: a `BlockMask` (None: none),
+    served by the kernels' block ranges or as a dense mask (`_serve_block_mask`)."""
+    block_mask, mods, mod_arrays = _serve_block_mask(
+        block_mask, query, key, value, band=band, config=config, mods=mods, mod_arrays=mod_arrays,
+        deterministic=deterministic
+    )  # fmt: skip
     score_stacks, mask_stacks, mask_ranges = _program_inputs(
-        query, key, mods, mod_arrays, config=config, band=band, with_ranges=True, head_dim_v=value.shape[-1]
-    )
+        query, key, mods, mod_arrays, config=config, band=band, with_ranges=True, head_dim_v=value.shape[-1],
+        block_mask=block_mask
+    )  # fmt: skip
     return _attention(
         query,
         key,
@@ -375,6 +433,7 @@ def flash_attention_hopper(
         config,
         deterministic,
         mods,
+        block_mask,
     )
 
 
@@ -395,13 +454,68 @@ def backward(
     deterministic: bool = True,
     mods: masks.ScoreMods = masks.ScoreMods(),
     mod_arrays: masks.ModArrays = masks.ModArrays(),
+    block_mask: BlockMask | None = None,
 ):
     """`flash_attention_hopper`'s backward on given residuals (out [batch, q_len, heads, head_dim], lse [batch,
     heads, q_len]) and cotangents: (dq, dk, dv). Arguments as `flash_attention_hopper`'s."""
+    block_mask, mods, mod_arrays = _serve_block_mask(
+        block_mask, query, key, value, band=band, config=config, mods=mods, mod_arrays=mod_arrays,
+        deterministic=deterministic
+    )  # fmt: skip
     score_stacks, mask_stacks, _ = _program_inputs(
         query, key, mods, mod_arrays, config=config, band=band, with_ranges=False
     )
     # The mask's block ranges (None here) steer only the forward; the backward returns their integer cotangent.
     residuals = (query, key, value, q_segment_ids, kv_segment_ids, score_stacks, mask_stacks, None, mod_arrays, out,
                  lse)  # fmt: skip
-    return _attention_bwd(scale, band, config, deterministic, mods, residuals, (d_out, d_lse))[:3]
+    return _attention_bwd(scale, band, config, deterministic, mods, block_mask, residuals, (d_out, d_lse))[:3]
+
+
+def _ranges_reason(block_mask: BlockMask, query, key, head_dim_v: int, *, band: masks.Band, config: KernelConfig,
+                   mods: masks.ScoreMods, mod_arrays=None, deterministic: bool = True) -> str | None:  # fmt: skip
+    """None if the kernels' block ranges alone serve `block_mask` exactly at the tiles this call runs (the forward's
+    and, where the Mosaic GPU backward runs, both its passes'), else why not (`block_sparse.exact_by_ranges`)."""
+    head_dim, kv_len = query.shape[-1], key.shape[1]
+    tile_bytes = _tile_bytes(mods, mod_arrays)
+    forward = _hopper_config(config, head_dim, kv_len, band, tile_bytes, head_dim_v, block_mask)
+    if forward is None:
+        return "no forward tiles fit"
+    query_tiles, key_tiles = [(NUM_CONSUMERS * forward.block_q, forward.block_kv)], []
+    bwd = _backward_config(config, head_dim, kv_len, band, deterministic, mods, tile_bytes, head_dim_v, block_mask)
+    if bwd is not None:
+        dq_tiles, dkdv_tiles, _ = hopper_bwd.pass_tiles(bwd)
+        query_tiles.append(dq_tiles)
+        key_tiles.append(dkdv_tiles)
+    return block_sparse.exact_by_ranges(
+        block_mask, q_len=query.shape[1], kv_len=kv_len, kv_heads=key.shape[2], query_tiles=query_tiles,
+        key_tiles=key_tiles
+    )  # fmt: skip
+
+
+def _with_dense_mask(mods: masks.ScoreMods, lead) -> masks.ScoreMods:
+    """`mods` with a dense mask over queries and keys (ANDed into any it has), `lead` the (batch, heads) sizes
+    (1: broadcast) of the mask added."""
+    dims = tuple(d > 1 for d in lead) + (True, True)
+    if mods.mask_dims is not None:
+        dims = tuple(a or b for a, b in zip(dims, mods.mask_dims))
+    return dataclasses.replace(mods, mask_dims=dims)
+
+
+def _serve_block_mask(block_mask, query, key, value, *, band, config, mods, mod_arrays, deterministic):
+    """(block_mask, mods, mod_arrays) as the kernels take a call's `BlockMask` (None: none): kept where their
+    block ranges alone serve it exactly (`_ranges_reason`), else expanded on the device into a token mask ANDed
+    into the dense mask (None then): exact for any pattern (strided, global + local), the dense mask's block
+    ranges still skip its dropped blocks, at the cost of its int8 tiles in the rings."""
+    if block_mask is None:
+        return None, mods, mod_arrays
+    reason = _ranges_reason(block_mask, query, key, value.shape[-1], band=band, config=config, mods=mods,
+                            mod_arrays=mod_arrays, deterministic=deterministic)  # fmt: skip
+    if reason is None:
+        return block_mask, mods, mod_arrays
+    _logger.debug("pallas_flash: the block mask runs as a dense mask in the Mosaic GPU kernels: %s", reason)
+    tokens = jnp.asarray(block_mask.mask)
+    tokens = jnp.repeat(jnp.repeat(tokens, block_mask.block_q, axis=2), block_mask.block_kv, axis=3)
+    tokens = tokens[:, :, : query.shape[1], : key.shape[1]]
+    if mods.mask_dims is not None:
+        tokens = jnp.logical_and(mod_arrays.mask, tokens)
+    return None, _with_dense_mask(mods, block_mask.shape[:2]), mod_arrays._replace(mask=tokens)
