@@ -340,3 +340,27 @@ HOPPER_BACKWARD_VARIANTS = {  # HopperBwdConfig fields over the default's, per b
     ),
     "one_pass": dict(dq_atomic=True, dq_ordered=False, num_stages_dkv=2),
 }
+
+
+# ---- the Hopper backward in the Mosaic GPU interpreter ----------------------------------------------------------
+
+
+def interpreted_hopper_backward(q, k, v, out, lse, d_out, d_lse, **kwargs):
+    """`hopper.bwd.hopper_backward(q, k, v, out, lse, d_out, d_lse, **kwargs)` (kwargs carry `interpret`), after
+    checking that the interpreter's race detection found no race in either kernel (dK/dV, then dQ)."""
+    from pallas_flash import _compat
+    from pallas_flash.hopper import bwd as hopper_bwd
+
+    with _compat.mosaic_gpu_race_states() as kernels:
+        results = jax.block_until_ready(hopper_bwd.hopper_backward(q, k, v, out, lse, d_out, d_lse, **kwargs))
+    assert [state.races_found for state in kernels] == [False, False]
+    return results
+
+
+def assert_gradients_close(grads, want, inputs=None, names=("dq", "dk", "dv"), dtype=jnp.bfloat16):
+    """Each gradient within `dtype`'s gradient tolerance of the reference's, and (given the `inputs` they belong
+    to) of its input's shape and dtype."""
+    for i, (name, grad, ref) in enumerate(zip(names, grads, want)):
+        if inputs is not None:
+            assert grad.shape == inputs[i].shape and grad.dtype == inputs[i].dtype, name
+        assert_close(grad, ref, dtype, table=GRADIENT, what=name)

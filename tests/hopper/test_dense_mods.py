@@ -19,7 +19,15 @@ from pallas_flash.hopper import bwd as hopper_bwd
 from pallas_flash.hopper import fwd as hopper_fwd
 from pallas_flash.hopper import vjp as hopper_vjp
 from pallas_flash.hopper.config import H100_SHARED_MEMORY, HopperBwdConfig, HopperConfig
-from tests.helpers import abstract_inputs, lower_for_cuda, make_backward_inputs, make_inputs, packed_ids
+from tests.helpers import (
+    abstract_inputs,
+    assert_gradients_close,
+    interpreted_hopper_backward,
+    lower_for_cuda,
+    make_backward_inputs,
+    make_inputs,
+    packed_ids,
+)
 from tests.tolerances import GRADIENT, assert_close
 
 SCALE = 0.125
@@ -176,28 +184,11 @@ def test_dense_backward_in_mosaic_gpu_interpreter(case):
     (out, lse), vjp = jax.vjp(lambda q, k, v, b: _reference(q, k, v, b, mask=mask, options=options), q, k, v, bias)
     want = vjp((d_out.astype(jnp.float32), d_lse))
     params = _compat.mosaic_gpu_interpret_params(detect_races=True) or pytest.skip("no interpreter")
-    with _compat.mosaic_gpu_race_states() as kernels:  # one state per kernel: dK/dV, then dQ
-        dq, dk, dv, _, _, dbias = jax.block_until_ready(
-            hopper_bwd.hopper_backward(
-                q,
-                k,
-                v,
-                out.astype(q.dtype),
-                lse,
-                d_out,
-                d_lse,
-                scale=SCALE,
-                config=config,
-                bias=bias,
-                mask=mask,
-                interpret=params,
-                **_kernel_options(shape, options),
-            )
-        )
-    assert len(kernels) == 2 and not any(state.races_found for state in kernels)
-    assert dbias.shape == bias.shape and dbias.dtype == bias.dtype
-    for name, got, ref in zip(("dq", "dk", "dv", "dbias"), (dq, dk, dv, dbias), want):
-        assert_close(got, ref, jnp.bfloat16, table=GRADIENT, what=name)
+    dq, dk, dv, _, _, dbias = interpreted_hopper_backward(
+        q, k, v, out.astype(q.dtype), lse, d_out, d_lse,
+        scale=SCALE, config=config, bias=bias, mask=mask, interpret=params, **_kernel_options(shape, options),
+    )  # fmt: skip
+    assert_gradients_close((dq, dk, dv, dbias), want, (q, k, v, bias), names=("dq", "dk", "dv", "dbias"))
 
 
 @pytest.mark.interpreter

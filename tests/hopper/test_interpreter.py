@@ -14,8 +14,15 @@ from pallas_flash import _compat, masks, reference
 from pallas_flash.hopper import bwd as hopper_bwd
 from pallas_flash.hopper import fwd as hopper_fwd
 from pallas_flash.hopper.config import HopperBwdConfig, HopperConfig
-from tests.helpers import make_backward_inputs, make_inputs, packed_ids, packed_segment_ids
-from tests.tolerances import GRADIENT, assert_close
+from tests.helpers import (
+    assert_gradients_close,
+    interpreted_hopper_backward,
+    make_backward_inputs,
+    make_inputs,
+    packed_ids,
+    packed_segment_ids,
+)
+from tests.tolerances import assert_close
 
 pytestmark = pytest.mark.interpreter
 
@@ -217,28 +224,12 @@ def test_backward_in_mosaic_gpu_interpreter(case, pipelining):
         *(x.astype(jnp.float32) for x in (q, k, v)),
     )
     want = vjp((d_out.astype(jnp.float32), d_lse))
-    with _compat.mosaic_gpu_race_states() as kernels:  # one state per kernel: dK/dV, then dQ
-        grads = jax.block_until_ready(
-            hopper_bwd.hopper_backward(
-                q,
-                k,
-                v,
-                out.astype(q.dtype),
-                lse,
-                d_out,
-                d_lse,
-                scale=scale,
-                is_causal=is_causal,
-                local_window_size=window,
-                config=HopperBwdConfig(**PIPELINING[pipelining]),
-                interpret=params,
-                **ids,
-            )
-        )
-    assert [state.races_found for state in kernels] == [False, False]
-    for name, ours, ref, x in zip(("dq", "dk", "dv"), grads, want, (q, k, v)):
-        assert ours.shape == x.shape and ours.dtype == x.dtype
-        assert_close(ours, ref, jnp.bfloat16, table=GRADIENT, what=name)
+    grads = interpreted_hopper_backward(
+        q, k, v, out.astype(q.dtype), lse, d_out, d_lse,
+        scale=scale, is_causal=is_causal, local_window_size=window,
+        config=HopperBwdConfig(**PIPELINING[pipelining]), interpret=params, **ids,
+    )  # fmt: skip
+    assert_gradients_close(grads, want, (q, k, v))
     if window is not None:
         assert np.isneginf(lse).any(), "this case is meant to contain rows that see no key"
 

@@ -13,7 +13,15 @@ import pallas_flash as pf
 from pallas_flash import _compat, masks, mods, reference
 from pallas_flash.hopper import bwd as hopper_bwd
 from pallas_flash.hopper.config import HopperBwdConfig
-from tests.helpers import abstract_inputs, lower_for_cuda, make_backward_inputs, make_inputs, packed_ids
+from tests.helpers import (
+    abstract_inputs,
+    assert_gradients_close,
+    interpreted_hopper_backward,
+    lower_for_cuda,
+    make_backward_inputs,
+    make_inputs,
+    packed_ids,
+)
 from tests.tolerances import GRADIENT, assert_close
 
 MOSAIC_CALL = "stablehlo.custom_call @mosaic_gpu"
@@ -98,29 +106,12 @@ def test_backward_with_programs_in_mosaic_gpu_interpreter(case):
     staged_score, staged_mask = mods.stage(score)[0], mods.stage(mask)[0]
     dims = dict(batch=batch, heads=heads, q_len=q_len, kv_len=kv_len)
     score_stacks, stacks_vjp = jax.vjp(lambda c: staged_score.stacks(c, **dims), score_consts)
-    with _compat.mosaic_gpu_race_states() as kernels:  # one state per kernel: dK/dV, then dQ
-        dq, dk, dv, d_rows, d_cols = jax.block_until_ready(
-            hopper_bwd.hopper_backward(
-                q,
-                k,
-                v,
-                out.astype(q.dtype),
-                lse,
-                d_out,
-                d_lse,
-                scale=scale,
-                config=config,
-                score_mod=staged_score,
-                score_stacks=score_stacks,
-                mask_mod=staged_mask,
-                mask_stacks=staged_mask.stacks(mask_consts, **dims),
-                interpret=params,
-            )
-        )
-    assert [state.races_found for state in kernels] == [False, False]
-    for name, ours, ref_grad, x in zip(("dq", "dk", "dv"), (dq, dk, dv), want, (q, k, v)):
-        assert ours.shape == x.shape and ours.dtype == x.dtype
-        assert_close(ours, ref_grad, jnp.bfloat16, table=GRADIENT, what=name)
+    dq, dk, dv, d_rows, d_cols = interpreted_hopper_backward(
+        q, k, v, out.astype(q.dtype), lse, d_out, d_lse,
+        scale=scale, config=config, score_mod=staged_score, score_stacks=score_stacks, mask_mod=staged_mask,
+        mask_stacks=staged_mask.stacks(mask_consts, **dims), interpret=params,
+    )  # fmt: skip
+    assert_gradients_close((dq, dk, dv), want, (q, k, v))
     cotangents = tuple(None if s is None else jnp.zeros_like(s) for s in score_stacks)
     cotangents = (cotangents[0], d_rows, cotangents[2], d_cols)
     (d_consts,) = stacks_vjp(cotangents)
