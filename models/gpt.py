@@ -66,6 +66,7 @@ class GPT(TiedTokenModel):
             max_len=max_len,
             kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim,
+            value_head_dim=cfg.v_head_dim,
             dtype=jnp.dtype(cfg.dtype),
             page_size=page_size,
             block_table=block_table,

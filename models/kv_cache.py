@@ -82,6 +82,7 @@ class KVCache(typing.NamedTuple):
         kv_heads: int,
         head_dim: int,
         dtype,
+        value_head_dim: int | None = None,
         page_size: int | None = None,
         block_table: jax.Array | None = None,
         num_pages: int | None = None,
@@ -89,7 +90,7 @@ class KVCache(typing.NamedTuple):
         """An empty cache for `batch` sequences of up to `max_len` tokens. With `page_size`, a pool of pages:
         either `num_pages` pages with a given `block_table` int32 [batch, ceil(max_len / page_size)] (from
         `allocate_pages`), or by default ceil(max_len / page_size) pages for each sequence (sequence b's i-th
-        page is b * pages_per_sequence + i)."""
+        page is b * pages_per_sequence + i). Values have value_head_dim (None: head_dim)."""
         if page_size is None:
             shape = (batch, max_len, kv_heads, head_dim)
             table = None
@@ -104,7 +105,8 @@ class KVCache(typing.NamedTuple):
                 )
             shape = (num_pages, page_size, kv_heads, head_dim)
             table = jnp.asarray(block_table, jnp.int32)
-        layers = tuple(LayerCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(num_layers))
+        value_shape = shape[:-1] + (head_dim if value_head_dim is None else value_head_dim,)
+        layers = tuple(LayerCache(jnp.zeros(shape, dtype), jnp.zeros(value_shape, dtype)) for _ in range(num_layers))
         return cls(layers, jnp.zeros((batch,), jnp.int32), table)
 
     @property

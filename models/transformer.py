@@ -62,6 +62,9 @@ class TransformerConfig:
     dtype: str = "float32"
     param_dtype: str = "float32"
     remat: bool = False
+    # None: the query/key head_dim (embed_dim / num_heads); else the value heads' own width (as DeepSeek's MLA:
+    # query/key 192, value 128), which the attention output and its projection take.
+    value_head_dim: int | None = None
     # None: one device. A mesh with axes ("data", "context"): inputs arrive with the batch split along "data"
     # and the sequence along "context", and flash attention runs on each device's shard as ring attention.
     mesh: Mesh | None = None
@@ -76,6 +79,13 @@ class TransformerConfig:
             raise ValueError(f"embed_dim {self.embed_dim} must be a multiple of num_heads {self.num_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim (embed_dim / num_heads) is {self.head_dim}; rotary embeddings need it even")
+        if self.value_head_dim is not None:
+            require_positive_ints(self, "value_head_dim")
+            if self.value_head_dim != self.head_dim and self.attention == "dense":
+                raise ValueError(
+                    f"value_head_dim {self.value_head_dim} differs from head_dim {self.head_dim}: Flax's dense "
+                    "attention (attention='dense') takes one head_dim; use 'flash' or a callable"
+                )
         if not 0.0 <= self.dropout_rate < 1.0:
             raise ValueError(f"dropout_rate must be in [0, 1), got {self.dropout_rate!r}")
         if self.norm not in NORMS:
@@ -105,6 +115,11 @@ class TransformerConfig:
     @property
     def head_dim(self) -> int:
         return self.embed_dim // self.num_heads
+
+    @property
+    def v_head_dim(self) -> int:
+        """The value heads' width: value_head_dim, or head_dim."""
+        return self.head_dim if self.value_head_dim is None else self.value_head_dim
 
     def attention_fn(self) -> Callable:
         """The configured attention as a Flax `attention_fn`."""
@@ -201,19 +216,20 @@ class Attention(nnx.Module):
         self.cfg = cfg
         self.is_causal = is_causal
         self.attention_fn = cfg.attention_fn()
-        d, h = cfg.head_dim, cfg.num_heads
+        d, dv, h = cfg.head_dim, cfg.v_head_dim, cfg.num_heads
         self.query = _dense(cfg, cfg.embed_dim, h * d, rngs=rngs)
         self.key = _dense(cfg, cfg.embed_dim, cfg.num_kv_heads * d, rngs=rngs)
-        self.value = _dense(cfg, cfg.embed_dim, cfg.num_kv_heads * d, rngs=rngs)
-        self.out = _dense(cfg, h * d, cfg.embed_dim, rngs=rngs, std=INIT_STD / math.sqrt(2 * cfg.num_layers))
+        self.value = _dense(cfg, cfg.embed_dim, cfg.num_kv_heads * dv, rngs=rngs)
+        self.out = _dense(cfg, h * dv, cfg.embed_dim, rngs=rngs, std=INIT_STD / math.sqrt(2 * cfg.num_layers))
 
     def _project(self, x: jax.Array, positions: jax.Array | None = None):
-        """q [batch, seq, heads, head_dim] and k, v [batch, seq, kv_heads, head_dim], q and k rotated."""
+        """q [batch, seq, heads, head_dim], k [batch, seq, kv_heads, head_dim] and v [batch, seq, kv_heads,
+        v_head_dim], q and k rotated."""
         cfg = self.cfg
         batch, seq, _ = x.shape
         q = self.query(x).reshape(batch, seq, cfg.num_heads, cfg.head_dim)
         k = self.key(x).reshape(batch, seq, cfg.num_kv_heads, cfg.head_dim)
-        v = self.value(x).reshape(batch, seq, cfg.num_kv_heads, cfg.head_dim)
+        v = self.value(x).reshape(batch, seq, cfg.num_kv_heads, cfg.v_head_dim)
         return rotary(q, positions), rotary(k, positions), v
 
     def _attend(self, q, k, v, mask):
@@ -238,7 +254,7 @@ class Attention(nnx.Module):
         """x [batch, seq, embed_dim]; mask broadcastable to [batch, heads, seq, seq] (True = attend)."""
         batch, seq, _ = x.shape
         out = self._attend(*self._project(x), mask)
-        return self.out(out.reshape(batch, seq, self.cfg.num_heads * self.cfg.head_dim))
+        return self.out(out.reshape(batch, seq, self.cfg.num_heads * self.cfg.v_head_dim))
 
     def cached(self, x: jax.Array, layer: LayerCache, step: CacheStep) -> tuple[jax.Array, LayerCache]:
         """Causal self-attention of x [batch, seq, embed_dim] (tokens at `step.positions`) with a KV cache:
@@ -251,7 +267,7 @@ class Attention(nnx.Module):
             out = self._attend(q, k, v, None)
         else:
             out = _decode_in_pieces(q, layer, step)
-        return self.out(out.reshape(batch, seq, self.cfg.num_heads * self.cfg.head_dim)), layer
+        return self.out(out.reshape(batch, seq, self.cfg.num_heads * self.cfg.v_head_dim)), layer
 
 
 def _decode_in_pieces(q: jax.Array, layer: LayerCache, step: CacheStep) -> jax.Array:
@@ -260,6 +276,7 @@ def _decode_in_pieces(q: jax.Array, layer: LayerCache, step: CacheStep) -> jax.A
     queries sit at the end of the first step.lengths - seq + (i + 1) * piece keys, so each sees its own
     causal prefix even though the whole chunk's keys are already written."""
     batch, seq, heads, dim = q.shape
+    dim_v = layer.values.shape[-1]
     if seq <= MAX_QUERY_LEN:
         return flash_decode(q, layer.keys, layer.values, lengths=step.lengths, block_table=step.block_table)
     piece = max(p for p in range(1, MAX_QUERY_LEN + 1) if seq % p == 0)
@@ -270,7 +287,7 @@ def _decode_in_pieces(q: jax.Array, layer: LayerCache, step: CacheStep) -> jax.A
         part, lengths = args
         return flash_decode(part, layer.keys, layer.values, lengths=lengths, block_table=step.block_table)
 
-    return lax.map(attend, (pieces, ends)).swapaxes(0, 1).reshape(batch, seq, heads, dim)
+    return lax.map(attend, (pieces, ends)).swapaxes(0, 1).reshape(batch, seq, heads, dim_v)
 
 
 class MLP(nnx.Module):

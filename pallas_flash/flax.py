@@ -90,7 +90,8 @@ def make_attention_fn(
 
         Args:
           query: [batch..., q_len, heads, head_dim] (any number of leading batch dims, including none).
-          key, value: [batch..., kv_len, kv_heads, head_dim], heads % kv_heads == 0.
+          key: [batch..., kv_len, kv_heads, head_dim], heads % kv_heads == 0; value: [batch..., kv_len,
+            kv_heads, head_dim_v] (its own head_dim, as in MLA, or the same).
           bias, mask: broadcastable to [batch..., heads, q_len, kv_len]; a key is hidden where mask is
             False (or 0). A query whose keys are all masked gets the mean of the values, as in Flax.
           broadcast_dropout, dropout_rng, dropout_rate, deterministic: attention dropout with Flax's
@@ -105,7 +106,7 @@ def make_attention_fn(
             run by Flax's own dense attention.
           is_causal: query i sees key j <= i (passed by `nnx.MultiHeadAttention`); combined with `mask`.
         Returns:
-          [batch..., q_len, heads, head_dim] in `dtype`.
+          [batch..., q_len, heads, head_dim_v] in `dtype`.
         """
         if mask_is_causal and mask is not None:
             _log_once(
@@ -209,12 +210,12 @@ def _dense_reasons(query, key, value, *, module, einsums):
         reasons.append(("einsum", "custom `qk_attn_weights_einsum`/`attn_weights_value_einsum` replace the matmuls"))
     if not any(query.dtype == d for d in SUPPORTED_DTYPES):
         reasons.append(("dtype", f"dtype {query.dtype} is not served by the flash kernels"))
-    if not (MIN_HEAD_DIM <= query.shape[-1] <= MAX_HEAD_DIM) or value.shape[-1] != query.shape[-1]:
+    if not all(MIN_HEAD_DIM <= x.shape[-1] <= MAX_HEAD_DIM for x in (query, value)):
         reasons.append(
             (
                 "head_dim",
                 f"head_dim {query.shape[-1]} (value {value.shape[-1]}) is outside the "
-                f"kernels' {MIN_HEAD_DIM}..{MAX_HEAD_DIM} or differs between query and value",
+                f"kernels' {MIN_HEAD_DIM}..{MAX_HEAD_DIM}",
             )
         )
     return reasons
@@ -292,7 +293,7 @@ def _flash(
         heads, kv_heads = query.shape[-2], key.shape[-2]
         uniform = jnp.repeat(jnp.mean(fold(value).astype(jnp.float32), axis=1), heads // kv_heads, axis=1)
         out = jnp.where(sees_none[..., None], uniform[:, None].astype(out.dtype), out)
-    return out.reshape(query.shape)
+    return out.reshape(query.shape[:-1] + value.shape[-1:])
 
 
 def _causal_and(mask, q_len, kv_len):
@@ -303,7 +304,8 @@ def _causal_and(mask, q_len, kv_len):
 def _dense(query, key, value, *, bias, mask, dropout_rate, dropout_rng, broadcast_dropout, module):
     """Dense attention in float32 with Flax's semantics: the exact fallback.
 
-    query [batch..., q_len, heads, head_dim], key/value [batch..., kv_len, kv_heads, head_dim].
+    query [batch..., q_len, heads, head_dim], key [batch..., kv_len, kv_heads, head_dim], value [batch...,
+    kv_len, kv_heads, head_dim_v].
     """
     *batch, q_len, heads, head_dim = query.shape
     kv_len, kv_heads = key.shape[-3], key.shape[-2]

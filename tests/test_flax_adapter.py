@@ -130,6 +130,21 @@ def test_function_extra_batch_dims_gqa_bias_mask(kv_heads, dtype):
         assert_close(out, ref, dtype)
 
 
+def test_value_head_dim_of_its_own_runs_in_the_kernels(caplog):
+    """A value head_dim unlike query/key's (MLA-style: 32 and 16) goes to flash_attention, nothing logged, with
+    Flax's result: out [batch, q_len, heads, head_dim_v]."""
+    query, key = (_normal(i, (BATCH, Q_LEN, HEADS, 32)) for i in range(2))
+    value = _normal(2, (BATCH, Q_LEN, HEADS, 16))
+    mask = _mask("random", Q_LEN, Q_LEN)
+    with caplog.at_level(logging.WARNING, logger="pallas_flash"):
+        out = jax.jit(pf.attention_fn)(query, key, value, mask=mask)
+    assert caplog.records == [] and out.shape == (BATCH, Q_LEN, HEADS, 16)
+    # Flax's own attention takes one head_dim: the oracle is written out (hidden logits at the lowest float).
+    logits = jnp.einsum("bqhd,bkhd->bhqk", query, key, precision="highest") / np.sqrt(32)
+    weights = jax.nn.softmax(jnp.where(mask, logits, jnp.finfo(jnp.float32).min), axis=-1)
+    assert_close(out, jnp.einsum("bhqk,bkhd->bqhd", weights, value, precision="highest"), jnp.float32)
+
+
 @pytest.mark.parametrize("broadcast_dropout", [True, False])
 def test_dropout_runs_in_the_kernels(broadcast_dropout, caplog):
     """Dropout is served by flash_attention (nothing logged), with its counter-based keep mask: the same as

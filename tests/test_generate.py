@@ -301,3 +301,26 @@ def test_decode_loop_casts_only_what_linear_layers_cast_anyway():
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 16)), jnp.int32)
     forward = jax.jit(lambda state: nnx.merge(graphdef, state)(tokens))
     np.testing.assert_array_equal(forward(cast), forward(state))
+
+
+@pytest.mark.parametrize("page_size", [None, 8])
+def test_cache_with_a_value_head_dim_of_its_own(page_size):
+    """Value heads wider than the query/key heads (as MLA's differ): the cache holds them at their own width,
+    and a prefill and a speculative decode step give the full forward pass's logits."""
+    model = GPT(dataclasses.replace(PRESETS["tiny"], value_head_dim=32), rngs=nnx.Rngs(0))
+    tokens = np.random.default_rng(1).integers(0, 256, (2, 20)).astype(np.int32)
+    full = _full_forward(model)[0](nnx.split(model)[1], jnp.asarray(tokens))
+
+    @nnx.jit
+    def run(model, prompts, chunk):
+        cache = model.init_cache(2, 32, page_size=page_size)
+        logits, cache = model.prefill(prompts, jnp.array([9, 14]), cache)
+        chunk_logits, cache = model.decode_step(chunk, cache)
+        return logits, chunk_logits, cache.layers[0].values.shape[-1]
+
+    prompts = np.where(np.arange(16)[None] < np.array([[9], [14]]), tokens[:, :16], 0)
+    chunk = np.stack([tokens[0, 9:12], tokens[1, 14:17]])
+    logits, chunk_logits, value_width = run(model, jnp.asarray(prompts), jnp.asarray(chunk))
+    assert value_width == 32
+    assert relative_error(logits, np.stack([full[0, 8], full[1, 13]])) <= OUTPUT[jnp.float32]
+    assert relative_error(chunk_logits, np.stack([full[0, 9:12], full[1, 14:17]])) <= OUTPUT[jnp.float32]

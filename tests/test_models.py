@@ -126,6 +126,23 @@ def test_token_lookup_is_the_tables_rows(lookup, dtype, monkeypatch):
     np.testing.assert_allclose(np.asarray(got, np.float64), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_value_heads_of_their_own_width():
+    """Value heads wider than the query/key heads (as MLA's differ): the flash model's logits and gradients are
+    the dense float32 reference's (flash_attention's "xla"); Flax's dense attention, which takes one head_dim, is
+    refused by name."""
+    cfg = dataclasses.replace(gpt.PRESETS["tiny"], value_head_dim=32)  # head_dim 16
+    inputs = (_tokens(256),)
+    models = [
+        gpt.GPT(dataclasses.replace(cfg, attention_implementation=impl), rngs=nnx.Rngs(0))
+        for impl in ("xla_chunked", "xla")
+    ]
+    (logits, grads), (ref_logits, ref_grads) = (_loss_and_grads(m, inputs) for m in models)
+    assert models[0].stack.blocks[0].attention.value.kernel.shape == (64, 2 * 32)  # kv_heads * value_head_dim
+    assert _relative(logits, ref_logits) <= OUTPUT[jnp.float32] and _relative(grads, ref_grads) <= GRADIENT[jnp.float32]
+    with pytest.raises(ValueError, match="value_head_dim 32 differs from head_dim 16"):
+        dataclasses.replace(cfg, attention="dense")
+
+
 def test_padding_is_hidden():
     """Changing padded tokens changes nothing at real positions (so the mask reaches the attention)."""
     _, cfg, _ = CASES["encoder_padded"]

@@ -339,8 +339,13 @@ def _parse_optional_str(text: str) -> str | None:
     return None if text.lower() == "none" else text
 
 
+def _parse_optional_int(text: str) -> int | None:
+    return None if text.lower() == "none" else int(text)
+
+
 def _converter(hint):
-    """argparse `type` for a dataclass field's annotation (bool, int, float, str, `str | None`, unions)."""
+    """argparse `type` for a dataclass field's annotation (bool, int, float, str, `int | None`, `str | None`,
+    unions)."""
     if hint is bool:
         return _parse_bool
     if hint in (int, float, str):
@@ -348,7 +353,7 @@ def _converter(hint):
     args = typing.get_args(hint)
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         if type(None) in args:
-            return _parse_optional_str
+            return _parse_optional_int if int in args else _parse_optional_str
         return str  # e.g. `str | Callable`: only the string form exists on a command line
     raise TypeError(f"no command-line form for a field of type {hint!r}")
 
@@ -377,6 +382,7 @@ MODEL_FIELD_HELP: dict[str, tuple[str, tuple[str, ...]]] = {
     "dtype": ("compute dtype", DTYPES),
     "param_dtype": ("parameter dtype", DTYPES),
     "remat": ("recompute each block's activations in the backward pass: less memory, more compute", ()),
+    "value_head_dim": ("width of the value heads (as DeepSeek's MLA); none: head_dim", ()),
     "vocab_size": ("vocabulary size; at least 256, as the data are bytes", ()),
 }
 
