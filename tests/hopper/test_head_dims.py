@@ -145,8 +145,14 @@ BACKWARD_CASES = {
 }
 
 
+# `slow` for CI time (the overlapped loops at a value head_dim of its own; run them with -m slow):
+SLOW_BACKWARD_CASES = {"128_64_segments_overlap"}
+
+
 @pytest.mark.interpreter
-@pytest.mark.parametrize("case", BACKWARD_CASES)
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=pytest.mark.slow if c in SLOW_BACKWARD_CASES else ()) for c in BACKWARD_CASES]
+)
 def test_backward_at_head_dims_in_mosaic_gpu_interpreter(case):
     """Both passes from the reference's residuals (dK/dV with V and dO at value's head_dim, dQ with dP's contraction
     over it; at head_dim 256 each consumer's half of the columns): dq, dk, dv (and the score program's closed-over
