@@ -67,6 +67,7 @@ from pallas_flash.hopper.bwd_dkdv import dkdv_pass
 from pallas_flash.hopper.bwd_dq import dq_pass
 from pallas_flash.hopper.bwd_ordered import dq_split
 from pallas_flash.hopper.common import (
+    KERNEL_STATIC_ARGNAMES,
     DenseMods,
     and_classes,
     coarsen_block_classes,
@@ -251,22 +252,7 @@ def _bias_cotangent(dbias, bias):
     return jnp.sum(dbias, axis=broadcast, keepdims=True).astype(bias.dtype)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "scale",
-        "is_causal",
-        "local_window_size",
-        "config",
-        "score_mod",
-        "mask_mod",
-        "dropout_rate",
-        "broadcast_dropout",
-        "logits_soft_cap",
-        "block_mask",
-        "interpret",
-    ),
-)
+@functools.partial(jax.jit, static_argnames=KERNEL_STATIC_ARGNAMES)
 def hopper_backward(
     q,
     k,

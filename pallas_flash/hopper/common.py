@@ -301,6 +301,22 @@ def wgmma_operand(ref):
     return value
 
 
+# The options `hopper_forward` and `hopper_backward` take as static: the call's, so that both trace once per them.
+KERNEL_STATIC_ARGNAMES = (
+    "scale",
+    "is_causal",
+    "local_window_size",
+    "config",
+    "score_mod",
+    "mask_mod",
+    "dropout_rate",
+    "broadcast_dropout",
+    "logits_soft_cap",
+    "block_mask",
+    "interpret",
+)
+
+
 # ---- a dense bias and mask (arrays over both queries and keys) in the kernels ---------------------------------
 
 

@@ -72,6 +72,7 @@ from pallas_flash.block_sparse import BlockMask
 from pallas_flash.blocks import LOG2E
 from pallas_flash.hopper.common import (
     HEAD_DIM_TILE,
+    KERNEL_STATIC_ARGNAMES,
     DenseMods,
     biased_logits,
     dense_operands,
@@ -1015,22 +1016,7 @@ def _mod_operands(score_mod, score_stacks, mask_mod, mask_stacks, ranges, *, q_p
     return (rows, cols, ranges), KernelMods(score_mod, mask_mod, row_offsets, col_offsets)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "scale",
-        "is_causal",
-        "local_window_size",
-        "config",
-        "score_mod",
-        "mask_mod",
-        "dropout_rate",
-        "broadcast_dropout",
-        "logits_soft_cap",
-        "block_mask",
-        "interpret",
-    ),
-)
+@functools.partial(jax.jit, static_argnames=KERNEL_STATIC_ARGNAMES)
 def hopper_forward(
     query,
     key,
