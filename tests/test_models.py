@@ -8,9 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import Mesh
 
 from models import encoder, gpt, vit
 from models.transformer import TransformerConfig
+from pallas_flash import parallel
 from pallas_flash.flax import attention_fn
 from tests.tolerances import GRADIENT, OUTPUT
 
@@ -242,12 +244,34 @@ def test_per_example_gradients_under_vmap():
         ("dtype", "float64", "dtype must be"),
         ("dropout_rate", 1.0, "dropout_rate"),
         ("deterministic_gradients", "no", "deterministic_gradients must be a bool"),
+        ("context_layout", "striped", "context_layout must be one of"),
     ],
 )
 @pytest.mark.parametrize("config_cls", [TransformerConfig, gpt.GPTConfig, encoder.EncoderConfig, vit.ViTConfig])
 def test_config_errors(config_cls, field, value, match):
     with pytest.raises(ValueError, match=match):
         config_cls(**{field: value})
+
+
+def test_zigzag_needs_flash():
+    with pytest.raises(ValueError, match="context_layout 'zigzag' needs attention='flash'"):
+        gpt.GPTConfig(attention="dense", context_layout="zigzag")
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_a_mesh_computes_the_logits_of_one_device(layout):
+    """On a (data 1, context 2) mesh the ring serves attention; with the zig-zag layout the model takes its
+    tokens permuted (`parallel.zigzag_order`), rotates them at their global positions and returns logits in the
+    same order: the one-device logits, permuted."""
+    mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "context"))
+    config = gpt.PRESETS["tiny"]
+    one = gpt.GPT(config, rngs=nnx.Rngs(0))
+    sharded = gpt.GPT(dataclasses.replace(config, mesh=mesh, context_layout=layout), rngs=nnx.Rngs(0))
+    tokens = _tokens(256)
+    order = parallel.zigzag_order(SEQ, 2) if layout == "zigzag" else np.arange(SEQ)
+    want = one(tokens)[:, order]
+    got = sharded(tokens[:, order])
+    assert _relative(got, want) <= OUTPUT[jnp.float32]
 
 
 @pytest.mark.parametrize(

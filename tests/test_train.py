@@ -98,6 +98,8 @@ def test_cli_overrides_every_level():
         (["--mesh", "data=2,data=2"], "mesh"),
         (["--mesh", "data=3"], "batch_size"),
         (["--mesh", "context=3"], "seq_len"),
+        (["--mesh", "context=2", "--seq_len", "66"], "seq_len"),  # zig-zag: 2 chunks per device
+        (["--context_layout", "striped"], "context_layout"),
     ],
 )
 def test_bad_values_name_the_field(args, field, capsys):
@@ -174,6 +176,9 @@ def test_answer_groups_split_by_window_and_distance():
     distances = np.array([[0, 1, 0, 3, 0, 8, 2, 20]])
     groups = {k: np.asarray(v)[0].tolist() for k, v in loop.answer_groups(distances, far_distance=8).items()}
     assert groups["seen_answer"] == [0, 1, 0, 1, 0, 0, 1, 0]
+    order = np.array([0, 1, 6, 7, 2, 3, 4, 5])  # a permuted window (zig-zag over 2 devices) with its positions
+    permuted = {k: np.asarray(v)[0].tolist() for k, v in loop.answer_groups(distances[:, order], 8, order).items()}
+    assert permuted == {k: np.asarray(v)[order].tolist() for k, v in groups.items()}
     assert groups["unseen_answer"] == [0, 0, 0, 0, 0, 1, 0, 1]
     assert groups["far_answer"] == [0, 0, 0, 0, 0, 0, 0, 1]
     buckets = [name for name in groups if name.startswith("answer_d")]
@@ -754,19 +759,22 @@ def one_device_records(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "attention, mesh, strategy",
+    "attention, mesh, strategy, layout",
     [
-        pytest.param("flash", "data=1,context=2", None, marks=pytest.mark.slow),
-        ("flash", "data=2,context=2", "ring"),
-        pytest.param("dense", "data=2,context=2", None, marks=pytest.mark.slow),
+        pytest.param("flash", "data=1,context=2", None, "contiguous", marks=pytest.mark.slow),
+        ("flash", "data=2,context=2", "ring", "zigzag"),
+        pytest.param("dense", "data=2,context=2", None, "zigzag", marks=pytest.mark.slow),
     ],
 )
-def test_a_mesh_trains_the_losses_of_one_device(attention, mesh, strategy, one_device_records, tmp_path, monkeypatch):
-    """Batch over "data", sequence over "context": the same train and validation losses as one device, up to
-    float32 summation order. Flash's default strategy at this length gathers K/V; "ring" forces the ring."""
+def test_a_mesh_trains_the_losses_of_one_device(
+    attention, mesh, strategy, layout, one_device_records, tmp_path, monkeypatch
+):
+    """Batch over "data", sequence over "context" (for flash in `layout`; dense keeps natural order): the same
+    train and validation losses as one device, up to float32 summation order. Flash's default strategy at this
+    length gathers K/V; "ring" forces the ring."""
     if strategy:
         monkeypatch.setattr(parallel, "choose_strategy", lambda *_: strategy)
-    records = _train_records(tmp_path, "--attention", attention, "--mesh", mesh)
+    records = _train_records(tmp_path, "--attention", attention, "--mesh", mesh, "--context_layout", layout)
     for ours, reference in zip(_curves(records), _curves(one_device_records(attention))):
         assert ours.shape == reference.shape
         assert_close(ours, reference, np.float32)
@@ -776,13 +784,14 @@ def test_a_mesh_trains_the_losses_of_one_device(attention, mesh, strategy, one_d
 
 def test_a_checkpoint_resumes_on_another_mesh(tmp_path):
     """Checkpoints hold replicated parameters and record the model without its mesh: a one-device run continues
-    on a mesh, with dropout drawing the same masks (the RNG is partitionable)."""
+    on a mesh, with dropout drawing the same masks (the RNG is partitionable; in natural token order: the zig-zag
+    layout draws the same masks for its permuted tokens, so other tokens get them)."""
     args = MESH_RUN + ["--checkpoint_every", "2", "--run_dir", str(tmp_path), "--model.dropout_rate", "0.1"]
     train_main.main(args)
     reference = _losses(tmp_path / "metrics.jsonl")
     shutil.rmtree(tmp_path / "checkpoints" / "4")
     (tmp_path / "run.json").unlink()
-    train_main.main(args + ["--mesh", "data=2,context=2", "--resume"])
+    train_main.main(args + ["--mesh", "data=2,context=2", "--context_layout", "contiguous", "--resume"])
     resumed = _losses(tmp_path / "metrics.jsonl")
     assert sorted(resumed) == [1, 2, 3, 4]
     assert_close([resumed[s] for s in (3, 4)], [reference[s] for s in (3, 4)], np.float32)

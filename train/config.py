@@ -2,10 +2,10 @@
 
 Every field is a flag (`--steps 50`, `--seq_len 256`, `--model.num_layers 4`; dashes work too) whose
 `--help` line is the field's one-line meaning, its default (the tiny preset's, and the other presets' where
-they differ) and its choices. Three model fields are not flags because the trainer sets them: `attention` (from
+they differ) and its choices. Four model fields are not flags because the trainer sets them: `attention` (from
 `--attention`), `max_seq_len` (the context the run trains at, `--seq_len`, or a probe's context in the
-longest-context search) and `mesh` (the devices of `--mesh`; records leave it out, so a checkpoint resumes on
-any mesh).
+longest-context search), `mesh` (the devices of `--mesh`) and `context_layout` (`--context_layout`, for flash
+attention on a mesh); records leave the last two out, so a checkpoint resumes on any mesh.
 """
 
 from __future__ import annotations
@@ -22,12 +22,13 @@ from models.gpt import PRESETS as MODEL_PRESETS
 from models.gpt import GPTConfig
 from models.transformer import CONTEXT_AXIS, DATA_AXIS, MLPS, NORMS
 from pallas_flash.api import IMPLEMENTATIONS
+from pallas_flash.parallel import LAYOUTS
 from train.data import SLOT_LEN, VOCAB_SIZE
 
 ATTENTIONS = ("flash", "dense", "both")
 BUILTIN_DATA = ("stdlib", "recall")
 DTYPES = ("float32", "bfloat16", "float16")
-TRAINER_SET_MODEL_FIELDS = ("attention", "max_seq_len", "mesh")
+TRAINER_SET_MODEL_FIELDS = ("attention", "max_seq_len", "mesh", "context_layout")
 MESH_AXES = (DATA_AXIS, CONTEXT_AXIS)
 RUNS_ROOT = pathlib.Path("runs")
 
@@ -74,6 +75,12 @@ class TrainConfig:
         "devices to train on, data=D,context=C (D*C devices; an axis left out is 1): each batch split over D, "
         "each sequence over C by ring attention (batch_size a multiple of D, seq_len of C); none: one device",
         ("data=D,context=C",),
+    )
+    context_layout: str = _field(
+        "zigzag",
+        "order of each sequence on the mesh's context axis (flash attention; dense keeps natural order): zigzag "
+        "gives every device the same causal work (device r holds chunks r and 2C-1-r of 2C), contiguous the r-th slice",
+        LAYOUTS,
     )
     attention: str = _field(
         "flash", "attention to train with; both: flash and dense on the same data, then a comparison report", ATTENTIONS
@@ -134,6 +141,7 @@ class TrainConfig:
         require(self.grad_clip > 0, "grad_clip", "must be positive")
         require(0 < self.val_fraction < 1, "val_fraction", "must be in (0, 1)")
         require(self.attention in ATTENTIONS, "attention", f"must be one of {ATTENTIONS}")
+        require(self.context_layout in LAYOUTS, "context_layout", f"must be one of {LAYOUTS}")
         require(
             self.data in BUILTIN_DATA or pathlib.Path(self.data).is_file(),
             "data",
@@ -164,18 +172,20 @@ class TrainConfig:
                 "batch_size",
                 f"must be a multiple of mesh data={shape[DATA_AXIS]}",
             )
+            shards = shape[CONTEXT_AXIS]
+            chunks = 2 * shards if self.context_layout == "zigzag" and shards > 1 else shards
             require(
-                self.seq_len % shape[CONTEXT_AXIS] == 0,
+                self.seq_len % chunks == 0,
                 "seq_len",
-                f"must be a multiple of mesh context={shape[CONTEXT_AXIS]}",
+                f"must be a multiple of {chunks} (mesh context={shards}, context_layout {self.context_layout})",
             )
         if self.model.vocab_size < 256:
             raise ValueError(f"model.vocab_size={self.model.vocab_size}: must be at least 256 for byte-level data")
         for field in TRAINER_SET_MODEL_FIELDS:
             if getattr(self.model, field) != getattr(GPTConfig(), field):
                 raise ValueError(
-                    f"model.{field} is set by the trainer (--attention, --seq_len, --mesh); leave it at "
-                    f"its default {getattr(GPTConfig(), field)!r}"
+                    f"model.{field} is set by the trainer (--attention, --seq_len, --mesh, --context_layout); "
+                    f"leave it at its default {getattr(GPTConfig(), field)!r}"
                 )
 
     @property
@@ -184,14 +194,18 @@ class TrainConfig:
         return parse_mesh(self.mesh) if self.mesh is not None else dict.fromkeys(MESH_AXES, 1)
 
     def model_config(self, attention: str, seq_len: int | None = None, mesh=None) -> GPTConfig:
-        """The model this run trains: the preset with the attention, context and device mesh filled in."""
-        return dataclasses.replace(self.model, attention=attention, max_seq_len=seq_len or self.seq_len, mesh=mesh)
+        """The model this run trains: the preset with the attention, context, device mesh and (flash on a mesh)
+        the context layout filled in."""
+        layout = self.context_layout if mesh is not None and attention == "flash" else "contiguous"
+        return dataclasses.replace(
+            self.model, attention=attention, max_seq_len=seq_len or self.seq_len, mesh=mesh, context_layout=layout
+        )
 
     def model_record(self, attention: str) -> dict:
         """The model as JSON, as records and checkpoints hold it: without the mesh, which `mesh` records, so a
         checkpoint continues on any mesh."""
         record = to_json(dataclasses.asdict(self.model_config(attention)))
-        del record["mesh"]
+        del record["mesh"], record["context_layout"]
         return record
 
     def run_record(self, attention: str, run_dir: pathlib.Path | str) -> dict:

@@ -32,6 +32,8 @@ from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from models.gpt import GPT
+from models.transformer import CONTEXT_AXIS
+from pallas_flash.parallel import zigzag_order
 from train import data as data_lib
 from train.checkpoint import Checkpointer
 from train.config import MESH_AXES, TrainConfig
@@ -72,11 +74,16 @@ def replicate(tree, mesh: Mesh | None):
     return tree if mesh is None else jax.device_put(tree, NamedSharding(mesh, P()))
 
 
-def shard_batch(batch: dict, mesh: Mesh | None) -> dict:
+def shard_batch(batch: dict, mesh: Mesh | None, layout: str = "contiguous") -> dict:
     """A batch's arrays, [batch, seq] or [batch], split along the mesh's data and context axes (as they are
-    without a mesh)."""
+    without a mesh); with the "zigzag" layout every [batch, seq] array's tokens are first permuted into the order
+    the model's ring expects (`pallas_flash.parallel.zigzag_order`). Losses and scores are sums over tokens, so
+    the permutation changes none of them."""
     if mesh is None:
         return batch
+    shards = mesh.shape[CONTEXT_AXIS]
+    if layout == "zigzag" and shards > 1:
+        batch = {k: v[:, zigzag_order(v.shape[1], shards)] if np.ndim(v) == 2 else v for k, v in batch.items()}
     return {k: jax.device_put(v, NamedSharding(mesh, P(*MESH_AXES[: np.ndim(v)]))) for k, v in batch.items()}
 
 
@@ -105,16 +112,17 @@ def _token_losses(model, batch, *, deterministic):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]), logits
 
 
-def answer_groups(distances: jax.Array, far_distance: int) -> dict[str, jax.Array]:
+def answer_groups(distances: jax.Array, far_distance: int, positions=None) -> dict[str, jax.Array]:
     """Masks [batch, seq] of the recalled values a recall evaluation scores, by name.
 
     `answer`: all of them; `near_answer` / `far_answer`: bound at most / more than `far_distance` tokens
     back; `seen_answer` / `unseen_answer`: the key's last showing inside / before the window, so recallable /
     not recallable at this context (target t is the window's token t + 1, so the showing's key is at t - d);
     `answer_d{lo}_{hi}`: lo < distance <= hi, edges at 1/4, 1/2, 1 and 2 times `far_distance`.
+    `positions`: each target's position in its window, int [seq] (None: 0..seq-1; permuted batches pass theirs).
     """
     is_answer = distances > 0
-    seen = distances <= jnp.arange(distances.shape[-1])
+    seen = distances <= (jnp.arange(distances.shape[-1]) if positions is None else positions)
     groups = {
         "answer": is_answer,
         "near_answer": is_answer & (distances <= far_distance),
@@ -152,7 +160,8 @@ def make_steps(graphdef, tx, far_distance: int = 0, mesh: Mesh | None = None):
         )
 
     def eval_step(params, rest, batch):
-        losses, logits = _token_losses(nnx.merge(graphdef, params, rest), batch, deterministic=True)
+        model = nnx.merge(graphdef, params, rest)
+        losses, logits = _token_losses(model, batch, deterministic=True)
         weights = batch.get("weights", jnp.ones(losses.shape[:1], jnp.float32))  # 0: a `pad_batch` repeat
         token_weights = jnp.broadcast_to(weights[:, None], losses.shape)
         window_losses = losses.mean(axis=-1)
@@ -165,7 +174,8 @@ def make_steps(graphdef, tx, far_distance: int = 0, mesh: Mesh | None = None):
         }
         if "distances" in batch:
             correct = (jnp.argmax(logits, axis=-1) == batch["targets"]).astype(jnp.float32)
-            for name, mask in answer_groups(batch["distances"], far_distance).items():
+            positions = model.config.sequence_positions(losses.shape[1])
+            for name, mask in answer_groups(batch["distances"], far_distance, positions).items():
                 mask = mask.astype(jnp.float32) * token_weights
                 sums |= {
                     f"{name}_loss": (losses * mask).sum(),
@@ -349,8 +359,9 @@ def train(cfg: TrainConfig, attention: str, run_dir: pathlib.Path) -> RunResult:
     # only at the end.
     (run_dir / "config.json").write_text(json.dumps(cfg.run_record(attention, run_dir), indent=1))
     mesh = make_mesh(cfg)
+    layout = cfg.model_config(attention, mesh=mesh).context_layout
     dataset = data_lib.make_dataset(cfg)
-    eval_batches = [shard_batch(pad_batch(b, cfg.mesh_shape["data"]), mesh) for b in dataset.eval_batches()]
+    eval_batches = [shard_batch(pad_batch(b, cfg.mesh_shape["data"]), mesh, layout) for b in dataset.eval_batches()]
     graphdef, params, rest = init_model(cfg, attention, mesh=mesh)
     tx = make_optimizer(cfg)
     opt_state = replicate(tx.init(params), mesh)
@@ -389,7 +400,9 @@ def train(cfg: TrainConfig, attention: str, run_dir: pathlib.Path) -> RunResult:
         ]
 
     compile_start = time.perf_counter()
-    train_step = train_step.lower(params, opt_state, rest, shard_batch(dataset.train_batch(start_step), mesh)).compile()
+    train_step = train_step.lower(
+        params, opt_state, rest, shard_batch(dataset.train_batch(start_step), mesh, layout)
+    ).compile()
     compile_s = time.perf_counter() - compile_start
     step_bytes = compiled_bytes(train_step)
     tokens_per_step = cfg.batch_size * cfg.seq_len
@@ -424,7 +437,7 @@ def train(cfg: TrainConfig, attention: str, run_dir: pathlib.Path) -> RunResult:
     with stop_requests() as stop:
         last_time = time.perf_counter()
         for step in range(start_step, cfg.steps):
-            batch = shard_batch(dataset.train_batch(step), mesh)
+            batch = shard_batch(dataset.train_batch(step), mesh, layout)
             params, opt_state, rest, metrics = train_step(params, opt_state, rest, batch)
             pending.append(metrics)
             done = step + 1
@@ -481,7 +494,8 @@ def try_context(cfg: TrainConfig, attention: str, seq_len: int) -> dict:
         train_step, _ = make_steps(graphdef, tx, mesh=mesh)
         rng = np.random.default_rng((cfg.seed, seq_len))
         tokens = rng.integers(1, data_lib.VOCAB_SIZE, size=(search_batch_size(cfg), seq_len + 1), dtype=np.int32)
-        batch = shard_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, mesh)
+        layout = cfg.model_config(attention, seq_len, mesh).context_layout
+        batch = shard_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, mesh, layout)
         compiled = train_step.lower(params, opt_state, rest, batch).compile()
         probe["step_bytes"] = compiled_bytes(compiled)
         start = time.perf_counter()
