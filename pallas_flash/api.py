@@ -503,7 +503,8 @@ def flash_attention(
         (forward and backward); their tiles shrink to divide the mask's blocks.
       bias: float array broadcastable to [batch, heads, q_len, kv_len] (rank <= 4, each dim 1 or full, e.g.
         Flax's [batch, heads, q_len, kv_len] or [1, heads, 1, kv_len]), added to the logits. It is read
-        tile by tile, never broadcast in memory; differentiable (its gradient has the bias's own shape).
+        tile by tile, never broadcast in memory; differentiable (its gradient has the bias's own shape, and is
+        computed only where the bias is differentiated).
       mask: bool array broadcastable the same way; False hides the key (True = attend).
       alibi_slopes: float [heads] or [batch, heads]: adds -slope * |key_pos - query_pos| to the logits
         (FlashAttention-2's convention; with is_causal that is slope * (key_pos - query_pos)). Treated as

@@ -252,7 +252,7 @@ def _bias_cotangent(dbias, bias):
     return jnp.sum(dbias, axis=broadcast, keepdims=True).astype(bias.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=KERNEL_STATIC_ARGNAMES)
+@functools.partial(jax.jit, static_argnames=(*KERNEL_STATIC_ARGNAMES, "bias_grad"))
 def hopper_backward(
     q,
     k,
@@ -279,6 +279,7 @@ def hopper_backward(
     mask=None,
     logits_soft_cap: float | None = None,
     block_mask: BlockMask | None = None,
+    bias_grad: bool = True,
     interpret=None,
 ):
     """Gradients of attention on Hopper from the forward's residuals.
@@ -295,7 +296,8 @@ def hopper_backward(
     score_stacks[3] (None where that stack is None; zeros unless `score_mod.needs_grad`).
     bias, mask, logits_soft_cap: the forward's dense bias and mask and soft cap (`hopper_fwd.hopper_forward`;
     two passes only: the default config takes them, shrunk to fit); with a bias a sixth result, dbias: the
-    gradient of the bias in its own shape and dtype (dS summed over the dims it broadcasts over). Each pass
+    gradient of the bias in its own shape and dtype (dS summed over the dims it broadcasts over; None with
+    `bias_grad=False`, which spares the float32 [batch, heads, q, kv] dS buffer and its writes). Each pass
     visits only the blocks the mask leaves something visible in (and reads no mask tile in those it leaves wholly
     visible). block_mask: None, or a `BlockMask` the block ranges serve exactly at both passes' tiles
     (`block_sparse.exact_by_ranges`; expand any other into `mask`), two passes only.
@@ -311,9 +313,10 @@ def hopper_backward(
     if reason is not None:
         raise ValueError(reason)
     has_programs = score_mod is not None or mask_mod is not None or block_mask is not None
-    dense = DenseMods(bias is not None, mask is not None, logits_soft_cap, hide_outside_hull=block_mask is not None)
+    hull = block_mask is not None
+    dense = DenseMods(bias is not None, mask is not None, logits_soft_cap, hide_outside_hull=hull, bias_grad=bias_grad)
     tile_bytes = dense_tile_bytes(None if bias is None else bias.dtype, mask is not None)
-    fit = dict(tile_bytes=tile_bytes, dbias=dense.bias, head_dim_v=padded_dim_v)
+    fit = dict(tile_bytes=tile_bytes, dbias=dense.writes_dbias, head_dim_v=padded_dim_v)
     config = config or default_config(padded_dim, kv_len, band, deterministic=True, programs=has_programs, **fit)
     if config is None:
         raise ValueError(
@@ -428,5 +431,7 @@ def hopper_backward(
             d_rows_float,
             d_cols_float,
         )
-        return results if bias is None else (*results, _bias_cotangent(dbias, bias))
+        if bias is None:
+            return results
+        return (*results, _bias_cotangent(dbias, bias) if bias_grad else None)
     return dq[:, :q_len, :, :head_dim], dk[:, :kv_len, :, :head_dim], dv[:, :kv_len, :, :head_dim_v], None, None

@@ -514,7 +514,7 @@ def dq_pass(
         seed_ref = None if dropout is None else refs.pop(0)
         dq_ref = refs.pop(0)
         d_rows_ref = refs.pop(0) if num_d_rows else None
-        dbias_ref = refs.pop(0) if dense.bias else None
+        dbias_ref = refs.pop(0) if dense.writes_dbias else None
         # Row values per consumer, the column values' ring, their barriers; the float row gradients' staging.
         mod_scratch = (
             None if rows is None else plgpu.SMEM((NUM_CONSUMERS, rows.shape[2], block_q), jnp.int32),
@@ -561,7 +561,7 @@ def dq_pass(
                 jnp.float32,
                 transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)),
             )
-            if dense.bias
+            if dense.writes_dbias
             else None,
             # split_columns: both consumers are done reading Q; both wrote their halves of dQ
             (plgpu.Barrier(num_arrivals=NUM_CONSUMERS),) * 2 if config.split_columns else None,
@@ -581,7 +581,7 @@ def dq_pass(
         operands += (dropout_seed,)
     extras = (
         jax.ShapeDtypeStruct((batch, heads, num_d_rows, q_pad), jnp.float32) if num_d_rows else None,
-        jax.ShapeDtypeStruct((batch, heads, q_pad, k.shape[1]), jnp.float32) if dense.bias else None,
+        jax.ShapeDtypeStruct((batch, heads, q_pad, k.shape[1]), jnp.float32) if dense.writes_dbias else None,
     )
     out_type = jax.ShapeDtypeStruct(q.shape, q.dtype)
     has_extras = any(x is not None for x in extras)

@@ -330,16 +330,22 @@ class DenseMods:
     program instead). A mask's tile is read only on masked blocks: the kernels narrow their blocks to its block
     ranges (`sparse_classes`), whose wholly visible run needs none. hide_outside_hull: a `BlockMask` is served by
     those ranges alone (`block_sparse.exact_by_ranges`): masked blocks outside the ranges' hull are hidden
-    (`outside_hull_hidden`)."""
+    (`outside_hull_hidden`). bias_grad: the backward's dQ pass writes dS for the bias's gradient (a float32
+    [batch, heads, q, kv] buffer); off where the bias is a constant of the differentiated function."""
 
     bias: bool = False
     mask: bool = False
     soft_cap: float | None = None
     hide_outside_hull: bool = False
+    bias_grad: bool = True
 
     @property
     def active(self) -> bool:
         return self.bias or self.mask
+
+    @property
+    def writes_dbias(self) -> bool:
+        return self.bias and self.bias_grad
 
     @property
     def forms_logits(self) -> bool:

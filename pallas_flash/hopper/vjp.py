@@ -25,6 +25,7 @@ import logging
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from pallas_flash import block_sparse, device, masks
 from pallas_flash import mods as programs
@@ -226,17 +227,19 @@ def _backward_config(
     tile_bytes: int = 0,
     head_dim_v: int | None = None,
     block_mask: BlockMask | None = None,
+    bias_grad: bool = True,
 ) -> HopperBwdConfig | None:
     """The Hopper backward's tiles for this call (with a score or mask program or a `block_mask` served by its
     ranges, a variant that takes them, the latter's blocks dividing the mask's where they can, `_divide`; with
     dense bias/mask tiles of `tile_bytes` per logit or value's `head_dim_v` (None: head_dim), the two passes shrunk
-    to hold them), or None where the portable backward runs instead."""
+    to hold them, and the dS staging of a bias's gradient unless `bias_grad` is False), or None where the portable
+    backward runs instead."""
     padded, padded_v = padded_head_dim(head_dim), padded_head_dim(head_dim_v or head_dim)
     reason = hopper_bwd.head_dims_reason(padded, padded_v)
     if reason is not None:
         _logger.debug("pallas_flash: %s; the portable backward runs", reason)
         return None
-    dbias = mods.bias_dims is not None
+    dbias = mods.bias_dims is not None and bias_grad
     if config.hopper_bwd is not None:
         if HopperBwdConfig.needs_split_columns(padded, padded_v) and not config.hopper_bwd.split_columns:
             _logger.debug(
@@ -278,14 +281,28 @@ def _zero_stacks(stacks):
     return tuple(None if x is None else masks.zero_cotangent(x) for x in stacks)
 
 
+def _attention_fwd_rule(*args):
+    """The custom_vjp's forward with symbolic zeros: the primal inputs arrive as `CustomVJPPrimal`s, whose
+    `perturbed` says whether the bias needs a gradient at all; the residuals carry that as () (it does) or None."""
+    diff, static = args[:9], args[9:]
+    bias = diff[8].bias
+    bias_grad = bias is not None and bias.perturbed
+    values = jax.tree.map(lambda p: p.value, diff, is_leaf=lambda p: isinstance(p, CustomVJPPrimal))
+    result, residuals = _attention_fwd(*values, *static)
+    return result, (*residuals, () if bias_grad else None)
+
+
 def _attention_bwd(scale, band, config, deterministic, mods, block_mask, residuals, cotangents):
-    q, k, v, q_ids, kv_ids, score_stacks, mask_stacks, mask_ranges, mod_arrays, out, lse = residuals
+    q, k, v, q_ids, kv_ids, score_stacks, mask_stacks, mask_ranges, mod_arrays, out, lse, bias_grad = residuals
+    bias_grad = bias_grad is not None
+    d_out, d_lse = cotangents  # symbolic zeros where an output is unused (the lse, mostly): d_lse None skips it
+    d_out = jnp.zeros(out.shape, out.dtype) if isinstance(d_out, SymbolicZero) else d_out
+    d_lse = None if isinstance(d_lse, SymbolicZero) else d_lse
     tile_bytes = _tile_bytes(mods, mod_arrays)
     bwd_config = _backward_config(config, q.shape[-1], k.shape[1], band, deterministic, mods, tile_bytes, v.shape[-1],
-                                  block_mask=block_mask)  # fmt: skip
+                                  block_mask=block_mask, bias_grad=bias_grad)  # fmt: skip
     d_ranges = masks.integer_cotangent(mask_ranges)
     if bwd_config is not None:
-        d_out, d_lse = cotangents
         is_causal, window = _window(band)
         score_mod, mask_mod = _staged(mods)
         dq, dk, dv, d_rows, d_cols, *dbias = hopper_bwd.hopper_backward(
@@ -309,6 +326,7 @@ def _attention_bwd(scale, band, config, deterministic, mods, block_mask, residua
             **_dropout(mods, mod_arrays),
             **_dense(mods, mod_arrays),
             **({} if block_mask is None else dict(block_mask=block_mask)),
+            **({} if mods.bias_dims is None else dict(bias_grad=bias_grad)),
         )
         # The score program's arrays get their gradient through the float stacks (XLA's autodiff of
         # `Staged.stacks`); the integer ones and the mask program's have none.
@@ -325,7 +343,7 @@ def _attention_bwd(scale, band, config, deterministic, mods, block_mask, residua
             tuple(d_score),
             _zero_stacks(mask_stacks),
             d_ranges,
-            mod_arrays.cotangents(*dbias),  # dbias in the bias's own shape and dtype
+            mod_arrays.cotangents(*dbias),  # dbias in the bias's own shape and dtype (None: a zero)
         )
     dq, dk, dv, d_q_ids, d_kv_ids, d_mods = portable.backward(
         q,
@@ -333,7 +351,7 @@ def _attention_bwd(scale, band, config, deterministic, mods, block_mask, residua
         v,
         out,
         lse,
-        cotangents,
+        (d_out, jnp.zeros(lse.shape, lse.dtype) if d_lse is None else d_lse),
         scale=scale,
         band=band,
         config=config,
@@ -348,7 +366,7 @@ def _attention_bwd(scale, band, config, deterministic, mods, block_mask, residua
     return dq, dk, dv, d_q_ids, d_kv_ids, _zero_stacks(score_stacks), _zero_stacks(mask_stacks), d_ranges, d_mods
 
 
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention.defvjp(_attention_fwd_rule, _attention_bwd, symbolic_zeros=True)
 
 
 def _program_inputs(query, key, mods, mod_arrays, *, config, band, with_ranges: bool, head_dim_v=None,
@@ -466,8 +484,9 @@ def backward(
         query, key, mods, mod_arrays, config=config, band=band, with_ranges=False
     )
     # The mask's block ranges (None here) steer only the forward; the backward returns their integer cotangent.
+    # Only dq, dk and dv are returned: no bias gradient (the last None).
     residuals = (query, key, value, q_segment_ids, kv_segment_ids, score_stacks, mask_stacks, None, mod_arrays, out,
-                 lse)  # fmt: skip
+                 lse, None)  # fmt: skip
     return _attention_bwd(scale, band, config, deterministic, mods, block_mask, residuals, (d_out, d_lse))[:3]
 
 

@@ -265,24 +265,51 @@ def test_dense_forward_lowers_for_gpu(which, overlap):
 
 @pytest.mark.lowering
 @pytest.mark.parametrize("variant", ["plain", "overlap"])
-@pytest.mark.parametrize("which", ["bias", "mask"])
+@pytest.mark.parametrize("which", ["bias", "mask", "constant_bias"])
 def test_dense_backward_lowers_for_gpu(which, variant):
-    """Both passes with a dense bias (the dQ pass's dbias stores included; a soft cap) or mask go through Mosaic
-    GPU's lowering, ragged and GQA, with the plain steps (delta_in_dp) and with both overlapped loops."""
+    """Both passes with a dense bias (the dQ pass's dbias stores included, or not for a constant bias; a soft cap)
+    or mask go through Mosaic GPU's lowering, ragged and GQA, with the plain steps (delta_in_dp) and with both
+    overlapped loops."""
     shape = (2, 300, 333, 4, 2, 64)
     q, k, lse, _ = abstract_inputs(shape, False)
     config = HopperBwdConfig(delta_in_dp=True)
     if variant == "overlap":
         config = HopperBwdConfig(num_stages_dkv=3, num_stages_dq=3, dq_overlap=True, dkv_overlap=True)
-    cap = 20.0 if which == "bias" else None
+    cap = 20.0 if which != "mask" else None
 
     def backward(q, k, v, out, lse, d_out, bias, mask):
         return hopper_bwd.hopper_backward(
-            q, k, v, out, lse, d_out, None, scale=0.1, config=config, bias=bias, mask=mask, logits_soft_cap=cap
-        )
+            q, k, v, out, lse, d_out, None, scale=0.1, config=config, bias=bias, mask=mask, logits_soft_cap=cap,
+            bias_grad=which != "constant_bias",
+        )  # fmt: skip
 
-    text = lower_for_cuda(backward, q, k, k, q, lse, q, *_dense_abstract(shape, which))
+    text = lower_for_cuda(backward, q, k, k, q, lse, q, *_dense_abstract(shape, "bias" if "bias" in which else which))
     assert text.count(MOSAIC_CALL) == 2
+    dbias_buffer = "tensor<2x4x384x384xf32>"  # the dQ pass's dS: [batch, heads, q_pad, kv_pad] float32
+    assert (dbias_buffer in text) == (which == "bias")
+
+
+@pytest.mark.parametrize("differentiated", [(0, 1, 2), (0, 3)])
+def test_only_a_differentiated_bias_gets_its_gradient_computed(monkeypatch, differentiated):
+    """The Hopper custom_vjp asks the backward for dbias only where the bias is differentiated (symbolic zeros):
+    a bias held constant spares the float32 [batch, heads, q, kv] dS buffer. Traced, not run."""
+    calls, hopper_backward = [], hopper_bwd.hopper_backward
+
+    def backward(*args, **kwargs):
+        calls.append(kwargs.get("bias_grad"))
+        return hopper_backward(*args, **kwargs)
+
+    monkeypatch.setattr(device, "on_hopper_gpu", lambda: True)
+    monkeypatch.setattr(hopper_vjp.hopper_bwd, "hopper_backward", backward)
+    shape = (1, 128, 128, 2, 2, 64)
+    q, k, v, _ = make_inputs(shape, jnp.bfloat16, seed=34)
+    bias = _bias(shape, (True, True), jnp.float32)
+
+    def loss(q, k, v, b):
+        return pf.flash_attention(q, k, v, bias=b, implementation="mosaic").astype(jnp.float32).sum()
+
+    jax.make_jaxpr(jax.grad(loss, differentiated))(q, k, v, bias)
+    assert calls == [3 in differentiated]
 
 
 # ---- configs and dispatch (CPU, nothing runs) -------------------------------------------------------------------
