@@ -67,6 +67,7 @@ from pallas_flash.hopper.bwd_dkdv import dkdv_pass
 from pallas_flash.hopper.bwd_dq import dq_pass
 from pallas_flash.hopper.bwd_ordered import dq_split
 from pallas_flash.hopper.common import (
+    HEAD_DIM_TILE,
     KERNEL_STATIC_ARGNAMES,
     DenseMods,
     and_classes,
@@ -79,22 +80,20 @@ from pallas_flash.hopper.common import (
     round_up,
     sparse_classes,
 )
-from pallas_flash.hopper.config import H100_SHARED_MEMORY, HopperBwdConfig
+from pallas_flash.hopper.config import H100_SHARED_MEMORY, NUM_CONSUMERS, HopperBwdConfig
 from pallas_flash.hopper.fwd import KernelMods, dense_tile_bytes, kernel_dropout
 
 
-def head_dims_reason(head_dim: int, head_dim_v: int | None = None) -> str | None:
-    """Why the Hopper backward cannot serve these (padded) head dims of query and key and of value (None:
-    head_dim), else None: where a consumer's dK and dV do not fit its registers (`split_columns` then) and half
-    of a head_dim is not whole 64-column tiles."""
-    if HopperBwdConfig.needs_split_columns(head_dim, head_dim_v) and not HopperBwdConfig.can_split_columns(
-        head_dim, head_dim_v
-    ):
-        return (
-            f"the Hopper backward at head_dims {head_dim} (query, key) and {head_dim_v or head_dim} (value, padded) "
-            "needs split_columns, whose halves of each head_dim must be whole 64-column tiles"
-        )
-    return None
+def backward_head_dims(head_dim: int, head_dim_v: int | None = None) -> tuple[int, int]:
+    """The (query/key, value) head dims the backward computes at for these head dims (value's None: head_dim):
+    each padded to the 64-element tile; where a consumer's dK and dV then need `split_columns` (they would not fit
+    its registers) but half a head_dim is not whole 64-column tiles (192, 160), both padded on to multiples of
+    128: zero columns change no gradient, and the Hopper passes at 256 serve them (the portable backward ran
+    192 at ~150 TFLOP/s on the H100)."""
+    dims = padded_head_dim(head_dim), padded_head_dim(head_dim_v or head_dim)
+    if HopperBwdConfig.needs_split_columns(*dims) and not HopperBwdConfig.can_split_columns(*dims):
+        dims = tuple(round_up(d, NUM_CONSUMERS * HEAD_DIM_TILE) for d in dims)
+    return dims
 
 
 def _fold_vmap(fn):
@@ -185,10 +184,8 @@ def default_config(
     takes none (its dQ has no per-query pass to sum a score program's row gradients in, and its ordered adds no
     per-head block ranges). With dense tiles (`tile_bytes` per logit, `fwd.dense_tile_bytes`; `dbias`: with a
     bias's gradient) the two passes too (the dQ pass writes dbias); with them or a value head_dim of its own
-    shrunk until they fit (`HopperBwdConfig.fit`): None where none do, or where the head dims are not served
-    (`head_dims_reason`)."""
-    if head_dims_reason(head_dim, head_dim_v) is not None:
-        return None
+    shrunk until they fit (`HopperBwdConfig.fit`): None where none do. Head dims as `backward_head_dims` gives
+    them."""
     config = HopperBwdConfig.default(
         head_dim, deterministic, kv_len=kv_len, is_causal=band.is_causal, head_dim_v=head_dim_v
     )
@@ -308,10 +305,7 @@ def hopper_backward(
     kv_len, kv_heads, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
     if heads % kv_heads:
         raise ValueError(f"key has {kv_heads} heads; query's {heads} heads must be a multiple of it")
-    padded_dim, padded_dim_v = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
-    reason = head_dims_reason(padded_dim, padded_dim_v)
-    if reason is not None:
-        raise ValueError(reason)
+    padded_dim, padded_dim_v = backward_head_dims(head_dim, head_dim_v)
     has_programs = score_mod is not None or mask_mod is not None or block_mask is not None
     hull = block_mask is not None
     dense = DenseMods(bias is not None, mask is not None, logits_soft_cap, hide_outside_hull=hull, bias_grad=bias_grad)

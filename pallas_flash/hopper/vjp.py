@@ -1,9 +1,9 @@
 """The Hopper implementation ("mosaic") as one differentiable function, and the rule that says whether it can serve a
 call: the Mosaic GPU forward (`fwd`) and a backward on the same residuals (q, k, v, o, lse): the Mosaic GPU backward
-(`bwd`), or the portable backward kernels for head dims it does not serve (`bwd.head_dims_reason`: 192) or where
-`HopperBwdConfig.portable` asks for them. Value may have a head_dim of its own (DeepSeek's MLA) where both Mosaic GPU
-kernels serve it (the portable ones do not). Both forwards return the same natural-log LSE, so the portable backward
-cannot tell which forward ran.
+(`bwd`, at `bwd.backward_head_dims`), or the portable backward kernels where no Hopper tiles hold a call's dense
+tiles or `HopperBwdConfig.portable` asks for them. Value may have a head_dim of its own (DeepSeek's MLA) where both
+Mosaic GPU kernels serve it (the portable ones do not). Both forwards return the same natural-log LSE, so the
+portable backward cannot tell which forward ran.
 
 A score_mod / mask_mod (`masks.ScoreMods`) runs staged (`mods.stage`): its per-query and per-key values are
 computed in XLA from the arrays it closes over, and the custom_vjp differentiates the score program's float
@@ -234,11 +234,7 @@ def _backward_config(
     dense bias/mask tiles of `tile_bytes` per logit or value's `head_dim_v` (None: head_dim), the two passes shrunk
     to hold them, and the dS staging of a bias's gradient unless `bias_grad` is False), or None where the portable
     backward runs instead."""
-    padded, padded_v = padded_head_dim(head_dim), padded_head_dim(head_dim_v or head_dim)
-    reason = hopper_bwd.head_dims_reason(padded, padded_v)
-    if reason is not None:
-        _logger.debug("pallas_flash: %s; the portable backward runs", reason)
-        return None
+    padded, padded_v = hopper_bwd.backward_head_dims(head_dim, head_dim_v)
     dbias = mods.bias_dims is not None and bias_grad
     if config.hopper_bwd is not None:
         if HopperBwdConfig.needs_split_columns(padded, padded_v) and not config.hopper_bwd.split_columns:

@@ -142,11 +142,14 @@ BACKWARD_CASES = {
     "256_split_causal": ((1, 100, 130, 2, 1, 256, 256), dict(is_causal=True), None, False),
     # split_columns with value head_dim 128 and a score program's row and column gradients (one consumer stores)
     "256_128_split_score_program": ((1, 130, 100, 2, 1, 256, 128), dict(), None, True),
+    # square 192, computed at 256 (zero columns: `backward_head_dims`), causal, GQA, ragged
+    "192_padded_to_256_causal": ((1, 100, 130, 2, 1, 192, 192), dict(is_causal=True), None, False),
 }
 
 
-# `slow` for CI time (the overlapped loops at a value head_dim of its own; run them with -m slow):
-SLOW_BACKWARD_CASES = {"128_64_segments_overlap"}
+# `slow` for CI time (the overlapped loops at a value head_dim of its own; square 192 runs 256's kernels with zero
+# columns; run them with -m slow):
+SLOW_BACKWARD_CASES = {"128_64_segments_overlap", "192_padded_to_256_causal"}
 
 
 @pytest.mark.interpreter
@@ -189,7 +192,7 @@ def test_backward_at_head_dims_in_mosaic_gpu_interpreter(case):
 
 # ---- lowering -----------------------------------------------------------------------------------------------
 
-LOWERING_DIMS = [(192, 128), (128, 64), (256, 256), (256, 128)]
+LOWERING_DIMS = [(192, 128), (128, 64), (256, 256), (256, 128), (192, 192)]
 
 
 def _abstract(head_dims, batch=2, q_len=300, kv_len=333, heads=4, kv_heads=2):
@@ -273,11 +276,21 @@ def test_default_tiles_fit_at_head_dims(head_dims):
     assert backward.split_columns == (head_dim == 256)
 
 
-def test_unsplittable_head_dims_are_refused_by_name(monkeypatch):
-    """Query/key 192 with value 256: a consumer's dK and dV need split_columns, whose half of 192 is not a whole
-    64-column tile; the Mosaic GPU implementation refuses it naming both head dims (the portable backward takes
-    no value head_dim of its own), and serves MLA's (192, 128) and (128, 64) and (256, 128) on sm90 (faked)."""
-    assert "head_dims 192 (query, key) and 256 (value" in hopper_bwd.head_dims_reason(192, 256)
+@pytest.mark.parametrize(
+    "head_dims, computed",
+    [((192, 192), (256, 256)), ((160, 160), (256, 256)), ((192, 256), (256, 256)), ((192, 128), (192, 128)),
+     ((256, 128), (256, 128)), ((96, 96), (128, 128)), ((80, 64), (128, 64))],
+)  # fmt: skip
+def test_the_backward_pads_head_dims_it_cannot_split(head_dims, computed):
+    """Where a consumer's dK and dV need split_columns but half a head_dim is not whole 64-column tiles (192,
+    160), the backward computes at the next multiples of 128; elsewhere at the 64-element tile."""
+    assert hopper_bwd.backward_head_dims(*head_dims) == computed
+
+
+def test_head_dims_without_tiles_are_refused_by_name(monkeypatch):
+    """Query/key 192 with value 256: no forward tiles fit, and the Mosaic GPU implementation says so naming both head
+    dims; it serves MLA's (192, 128), (128, 64), (256, 128) and square 192 (its backward padded to 256) on sm90
+    (faked)."""
     with pytest.raises(ValueError, match="split_columns"):
         HopperBwdConfig(split_columns=True, dq_atomic=True)
     monkeypatch.setattr(device, "on_hopper_gpu", lambda: True)
@@ -288,7 +301,7 @@ def test_unsplittable_head_dims_are_refused_by_name(monkeypatch):
         return hopper_vjp.unsupported_reason(q, q, band=masks.Band.of(True, None), config=KernelConfig(), value=v)
 
     assert "head_dims 192 (query, key) and 256 (value)" in reason(192, 256)
-    assert reason(192, 128) is None and reason(128, 64) is None and reason(256, 128) is None
+    assert all(reason(*dims) is None for dims in [(192, 128), (128, 64), (256, 128), (192, 192)])
 
 
 # ---- on the GPU ---------------------------------------------------------------------------------------------------
@@ -296,10 +309,13 @@ def test_unsplittable_head_dims_are_refused_by_name(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("head_dims", [(192, 128), (128, 64), (256, 256), (96, 96)], ids=lambda d: f"{d[0]}-{d[1]}")
+@pytest.mark.parametrize(
+    "head_dims", [(192, 128), (128, 64), (256, 256), (96, 96), (192, 192)], ids=lambda d: f"{d[0]}-{d[1]}"
+)
 def test_head_dims_on_hopper(head_dims, is_causal):
     """On sm90, flash_attention(implementation="mosaic") and its gradients at MLA's head dims, at head_dim 256 (the
-    Hopper backward, split_columns) and 96 (padded to 128), ragged, GQA, against the float32 reference."""
+    Hopper backward, split_columns), 96 (padded to 128) and square 192 (the backward at 256), ragged, GQA, against
+    the float32 reference."""
     if not device.on_hopper_gpu():
         pytest.skip("needs an sm90 GPU")
     shape = (2, 333, 460, 4, 2, *head_dims)
