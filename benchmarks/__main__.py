@@ -31,7 +31,8 @@ HELP = {
     "backends": "PyTorch SDPA's backend comparison: math (pf:xla), flash (pf:pallas, pf:mosaic), memory-efficient "
     "(pf:xla_chunked), and cuDNN",
     "sparse": "block-sparse time against the same call with a full block mask (local and strided masks)",
-    "bar": "issues 6 and 7's bar: flash_attention's defaults against cuDNN, interleaved pairs with ~95%% intervals",
+    "bar": "the bar: flash_attention's defaults against cuDNN (JAX's, PyTorch SDPA's), interleaved pairs with ~95%% "
+    "intervals",
     "flex": "score_mod, mask_mod and sinks against our plain kernel, cuDNN and torch flex_attention (bf16, B*N = 16k, "
     "H=16, D=128, N=8k), and block-mask construction",
     "ring": "context parallelism on every local device (zig-zag and contiguous rings, all-gather) against one GPU "
@@ -95,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bar = argparse.ArgumentParser(add_help=False)
     bar.add_argument("--causal", default="false,true", help="false, true or false,true")
+    bar.add_argument(
+        "--baselines",
+        help="comma list of cudnn (jax.nn's, the default) and torch_cudnn (PyTorch SDPA's cuDNN backend, same process)",
+    )
     bar.add_argument("--nondeterministic", action="store_true", help="ours with deterministic=False")
     forced = bar.add_mutually_exclusive_group()
     for flag, text in (
@@ -240,6 +245,9 @@ def run_bar(args, argv: list[str], parser) -> str:
     passes = _csv(args.passes) or ["fwd", "fwdbwd"]
     if set(passes) - {"fwd", "bwd", "fwdbwd"}:
         parser.error(f"unknown pass in {args.passes!r}; choose from fwd, bwd, fwdbwd")
+    baselines = _csv(args.baselines) or ["cudnn"]
+    if set(baselines) - {"cudnn", "torch_cudnn"}:
+        parser.error(f"--baselines takes cudnn and torch_cudnn, got {args.baselines!r}")
     backward = args.backward
     if args.bwd is not None and backward != "default":
         parser.error("--bwd excludes --one-pass, --dq-ordered and --two-pass (set dq_atomic/dq_ordered in it)")
@@ -257,6 +265,7 @@ def run_bar(args, argv: list[str], parser) -> str:
             head_dims=[32] if args.smoke else _csv(args.head_dims, int) or [128, 64],
             seqs=[128] if args.smoke else _csv(args.seqs, int) or [2048, 8192, 16384],
             causals=[c == "true" for c in causals],
+            baselines=baselines,
             nondeterministic=args.nondeterministic,
             backward=backward,
             hopper=args.hopper,

@@ -1,4 +1,4 @@
-"""The bar suite (issues 6 and 7): `flash_attention` with its defaults against cuDNN, timed in interleaved pairs.
+"""The bar suite: `flash_attention` with its defaults against cuDNN, timed in interleaved pairs.
 
 The bar: at least 1.0x cuDNN at head_dim 64 and 128, N = 2k, 8k and 16k, causal and not, forward and
 forward+backward; bf16, B*N = 16k tokens, H*D = 2048. For each point both functions are compiled, their outputs
@@ -7,6 +7,11 @@ input set (cuDNN's backward may sum with atomics unless XLA_FLAGS has --xla_gpu_
 in each record: it decides whether our deterministic default or `--nondeterministic` is the like-for-like run),
 then timed by `benchmarks.timing.paired_ratio`. Each record holds the median ratio cuDNN ms / ours (> 1: ours is
 faster), its ~95% interval and the verdict: "ahead" (interval above 1), "behind" (below 1) or "parity".
+
+Baselines (`--baselines`, each its own rows): "cudnn", `jax.nn.dot_product_attention(implementation="cudnn")`;
+"torch_cudnn", PyTorch's `scaled_dot_product_attention` held to its cuDNN backend (`sdpa_kernel`), in the same
+process on [B, H, N, D] copies of the inputs (its own layout), each call ended by a CUDA synchronize; its rows are
+skipped without torch or CUDA.
 
 Variants, each its own row: `--hopper` forward tiles instead of the default; `--bwd` HopperBwdConfig field
 overrides of the call's default backward; `--one-pass`, `--dq-ordered`, `--two-pass` force a Hopper backward at
@@ -19,9 +24,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import pallas_flash as pf
@@ -114,32 +120,101 @@ def kernel_config(head_dim, seq, causal, deterministic, hopper=None, bwd=None, b
     return dataclasses.replace(pf.KernelConfig.default(head_dim), hopper=hopper, hopper_bwd=hopper_bwd)
 
 
+class Timed(NamedTuple):
+    """A function ready to time: fn(*args[i]) for each argument set, and `arrays(result)`, what its pass checks
+    (the output, or dq, dk, dv) as float32 NumPy arrays in our [batch, seq, heads, head_dim] layout."""
+
+    fn: Callable
+    args: list
+    arrays: Callable
+    label: str
+
+
+def jax_timed(fn, pass_, inputs, label: str) -> Timed:
+    compiled, args = compile_pass(fn, pass_, inputs)
+    arrays = lambda result: [np.asarray(x, np.float32) for x in jax.tree.leaves(outputs(pass_, result))]
+    return Timed(compiled, args, arrays, label)
+
+
+class _Synced:
+    """A torch result that `jax.block_until_ready` (and so `benchmarks.timing`) waits for: it synchronizes CUDA."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def block_until_ready(self):
+        import torch
+
+        torch.cuda.synchronize()
+        return self
+
+
+class NoPeer(Exception):
+    """A baseline that cannot run here (no torch, no CUDA)."""
+
+
+def torch_cudnn_timed(point, pass_, inputs) -> Timed:
+    """PyTorch's scaled_dot_product_attention on its cuDNN backend, on [B, H, N, D] copies of `inputs`."""
+    try:
+        import torch
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError as e:
+        raise NoPeer(f"torch is not importable ({e})") from None
+    if not torch.cuda.is_available():
+        raise NoPeer("torch sees no CUDA device")
+    dtype, grad = getattr(torch, point.dtype), pass_ != "fwd"
+
+    def attend(q, k, v):
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=point.causal)
+
+    def fwdbwd(q, k, v, ct):
+        loss = (attend(q, k, v).float() * ct.float()).sum()
+        return _Synced(torch.autograd.grad(loss, (q, k, v)))
+
+    def tensor(x, requires_grad):  # [B, N, H, D] -> [B, H, N, D], contiguous
+        x = torch.from_numpy(np.asarray(x, np.float32)).cuda().to(dtype).transpose(1, 2).contiguous()
+        return x.requires_grad_(requires_grad)
+
+    if pass_ not in ("fwd", "fwdbwd"):
+        raise NoPeer(f"the torch baseline times fwd and fwdbwd, not {pass_}")
+    args = [tuple(tensor(x, grad and i < 3) for i, x in enumerate(s)) for s in inputs]
+    fn = (lambda q, k, v, ct: _Synced(attend(q, k, v))) if pass_ == "fwd" else fwdbwd
+    value = lambda r: r.value if isinstance(r.value, tuple) else (r.value,)
+    arrays = lambda r: [x.detach().transpose(1, 2).float().cpu().numpy() for x in value(r)]
+    label = f"torch {torch.__version__} SDPA cuDNN {torch.backends.cudnn.version()}"
+    return Timed(fn, args, arrays, label)
+
+
+def baseline_timed(name: str, point, pass_, inputs) -> Timed:
+    """A baseline by name: "cudnn" or "xla" (`jax.nn`), "torch_cudnn" (`torch_cudnn_timed`)."""
+    if name == "torch_cudnn":
+        return torch_cudnn_timed(point, pass_, inputs)
+    return jax_timed(attend(name, point.causal), pass_, inputs, name)
+
+
 def max_abs_difference(a, b) -> float:
-    return max(
-        float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32))))
-        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
-    )
+    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
 
 
-def repeatable(compiled, args, calls: int = REPEAT_CALLS) -> bool:
+def repeatable(timed: Timed, calls: int = REPEAT_CALLS) -> bool:
     """Whether `calls` calls on the same inputs give bitwise the same outputs (a backward that sums with atomics
     usually does not)."""
-    first = [np.asarray(x) for x in jax.tree.leaves(compiled(*args))]
+    first = timed.arrays(timed.fn(*timed.args[0]))
     for _ in range(calls - 1):
-        again = [np.asarray(x) for x in jax.tree.leaves(compiled(*args))]
+        again = timed.arrays(timed.fn(*timed.args[0]))
         if not all(np.array_equal(a, b) for a, b in zip(first, again)):
             return False
     return True
 
 
-def measure_variant(point, pass_, inputs, theirs, *, ours_impl, config, deterministic, reps, min_sample_s) -> dict:
-    """One variant of ours at one point and pass against the compiled baseline `theirs` (compiled, argument
-    sets): outputs compared, bitwise repeatability of both, paired timing. Returns the record's measured fields."""
-    theirs, theirs_args = theirs
-    ours, ours_args = compile_pass(attend(ours_impl, point.causal, deterministic, config), pass_, inputs)
-    difference = max_abs_difference(outputs(pass_, ours(*ours_args[0])), outputs(pass_, theirs(*theirs_args[0])))
-    repeats = dict(ours=repeatable(ours, ours_args[0]), baseline=repeatable(theirs, theirs_args[0]))
-    p = timing.paired_ratio(ours, ours_args, theirs, theirs_args, reps=reps, min_sample_s=min_sample_s)
+def measure_variant(point, pass_, ours: Timed, theirs: Timed, *, reps, min_sample_s) -> dict:
+    """One variant of ours at one point and pass against a baseline: outputs compared, bitwise repeatability of
+    both, paired timing. Returns the record's measured fields."""
+    difference = max_abs_difference(ours.arrays(ours.fn(*ours.args[0])), theirs.arrays(theirs.fn(*theirs.args[0])))
+    repeats = dict(ours=repeatable(ours), baseline=repeatable(theirs))
+    p = timing.paired_ratio(ours.fn, ours.args, theirs.fn, theirs.args, reps=reps, min_sample_s=min_sample_s)
     return dict(
         status="ok",
         note="",
@@ -162,6 +237,7 @@ def run(
     head_dims,
     seqs,
     causals,
+    baselines=None,
     nondeterministic=False,
     backward="default",
     hopper=None,
@@ -173,17 +249,22 @@ def run(
     stamp=None,
     on_record=None,
 ) -> list[dict]:
-    """Measure the bar; returns one record per (pass, head_dim, N, causal, variant), each with the fields of `stamp`
-    (environment, command, date). `on_record(records)` is called after each record (the caller writes them, so a
-    cut-off run keeps what it measured). With `smoke`: tiny float32 shapes, xla_chunked against XLA."""
+    """Measure the bar; returns one record per (pass, head_dim, N, causal, variant, baseline), each with the fields
+    of `stamp` (environment, command, date). `baselines`: names for `baseline_timed` (None: cuDNN through JAX).
+    `on_record(records)` is called after each record (the caller writes them, so a cut-off run keeps what it
+    measured). With `smoke`: tiny float32 shapes, xla_chunked against XLA (and any torch baseline skipped)."""
     deterministic = not nondeterministic
     shape, dtype = (dict(tokens=256, width=64), "float32") if smoke else ({}, "bfloat16")
-    ours_impl, theirs_impl = ("xla_chunked", "xla") if smoke else (None, "cudnn")
+    ours_impl = "xla_chunked" if smoke else None
+    baselines = list(baselines or ["cudnn"])
+    if smoke:
+        baselines = ["xla" if b == "cudnn" else b for b in baselines]
     reps = reps or (5 if smoke else 21)
     min_sample_s = (0.0 if smoke else 20.0 if min_sample_ms is None else min_sample_ms) / 1e3
     variants = [(h, b) for h in parse_hopper_configs(hopper) for b in parse_bwd_overrides(bwd)]
     records, start = [], time.perf_counter()
-    print("\n".join(report.bar_header(theirs_impl)), flush=True)
+    for name in baselines:
+        print("\n".join(report.bar_header(name)) if len(baselines) == 1 else f"baseline: {name}", flush=True)
     for pass_, head_dim, seq, causal in itertools.product(passes, head_dims, seqs, causals):
         if time_budget and time.perf_counter() - start > time_budget:
             print(
@@ -192,50 +273,58 @@ def run(
             break
         point = anchor_point("bar", seq, head_dim, causal, dtype, **shape)
         inputs = [random_inputs(point, seed) for seed in range(3)]
-        theirs = compile_pass(attend(theirs_impl, causal), pass_, inputs)
+        peers = {}
+        for name in baselines:
+            try:
+                if smoke and name == "torch_cudnn":
+                    raise NoPeer("the torch baseline runs on a CUDA GPU only")
+                peers[name] = baseline_timed(name, point, pass_, inputs)
+            except NoPeer as e:
+                peers[name] = e
         for hopper_config, overrides in variants:
-            record = dict(
-                suite="bar",
-                impl=ours_impl or "pallas_flash",
-                baseline=theirs_impl,
-                point=point.key(),
-                batch=point.batch,
-                seq_q=seq,
-                seq_k=seq,
-                heads=point.heads,
-                kv_heads=point.kv_heads,
-                head_dim=head_dim,
-                causal=causal,
-                dtype=dtype,
-                variant=describe(hopper_config) + describe_bwd(overrides),
-                bwd_overrides=overrides or {},
-                backward=backward,
-                deterministic=deterministic,
-                smoke=smoke,
-                **(stamp or {}),
-            )
-            record["pass"] = pass_
             config = kernel_config(head_dim, seq, causal, deterministic, hopper_config, overrides, backward)
             try:
-                record.update(
-                    measure_variant(
-                        point,
-                        pass_,
-                        inputs,
-                        theirs,
-                        ours_impl=ours_impl,
-                        config=config,
-                        deterministic=deterministic,
-                        reps=reps,
-                        min_sample_s=min_sample_s,
-                    )
-                )
+                ours = jax_timed(attend(ours_impl, causal, deterministic, config), pass_, inputs, "ours")
             except Exception as error:  # a swept variant that does not compile (registers, shared memory)
                 if hopper_config is None and not overrides:
                     raise
-                record.update(status="skip", note=f"{type(error).__name__}: {str(error).splitlines()[0][:160]}")
-            records.append(record)
-            print(report.bar_row(record), flush=True)
-            if on_record:
-                on_record(records)
+                ours = error
+            for name, theirs in peers.items():
+                record = dict(
+                    suite="bar",
+                    impl=ours_impl or "pallas_flash",
+                    baseline=name,
+                    baseline_label=None if isinstance(theirs, Exception) else theirs.label,
+                    point=point.key(),
+                    batch=point.batch,
+                    seq_q=seq,
+                    seq_k=seq,
+                    heads=point.heads,
+                    kv_heads=point.kv_heads,
+                    head_dim=head_dim,
+                    causal=causal,
+                    dtype=dtype,
+                    variant=describe(hopper_config) + describe_bwd(overrides),
+                    bwd_overrides=overrides or {},
+                    backward=backward,
+                    deterministic=deterministic,
+                    smoke=smoke,
+                    **(stamp or {}),
+                )
+                record["pass"] = pass_
+                if isinstance(theirs, Exception) or isinstance(ours, Exception):
+                    error = theirs if isinstance(theirs, Exception) else ours
+                    record.update(status="skip", note=f"{type(error).__name__}: {str(error).splitlines()[0][:160]}")
+                else:
+                    try:
+                        record.update(measure_variant(point, pass_, ours, theirs, reps=reps, min_sample_s=min_sample_s))
+                    except Exception as error:  # a swept variant that fails to run
+                        if hopper_config is None and not overrides:
+                            raise
+                        record.update(status="skip", note=f"{type(error).__name__}: {str(error).splitlines()[0][:160]}")
+                records.append(record)
+                print(report.bar_row(record) if len(baselines) == 1 else f"[{name}] {report.bar_row(record)}",
+                      flush=True)  # fmt: skip
+                if on_record:
+                    on_record(records)
     return records

@@ -260,18 +260,24 @@ def bar_row(r) -> str:
 
 
 def _bar_table(records):
-    base = records[0].get("baseline", "baseline")
-    lines = [
-        f"### bar: ours against {base}, timed in interleaved pairs",
-        "",
-        *_header(records),
-        "",
-        *bar_header(base),
-        *(bar_row(r) for r in records),
-    ]
-    superseded = sorted({r["superseded_by"] for r in records if r.get("superseded_by")})
-    notes = [f"- superseded: measured again later ({s})" for s in superseded]
-    return lines + ([""] + notes if notes else []) + [""]
+    """One table per baseline (cuDNN through JAX, through PyTorch's SDPA), each with its own header."""
+    lines = []
+    for base in dict.fromkeys(r.get("baseline", "baseline") for r in records):
+        rows = [r for r in records if r.get("baseline", "baseline") == base]
+        labels = sorted({r["baseline_label"] for r in rows if r.get("baseline_label") not in (None, base)})
+        lines += [
+            f"### bar: ours against {base}, timed in interleaved pairs",
+            "",
+            *_header(rows),
+            *([f"- {base}: {', '.join(labels)}"] if labels else []),
+            "",
+            *bar_header(base),
+            *(bar_row(r) for r in rows),
+        ]
+        superseded = sorted({r["superseded_by"] for r in rows if r.get("superseded_by")})
+        notes = [f"- superseded: measured again later ({s})" for s in superseded]
+        lines += ([""] + notes if notes else []) + [""]
+    return lines
 
 
 def flex_header() -> list[str]:
@@ -597,15 +603,20 @@ def _plot_bar(plt, rows, suite):
     fig, axes = plt.subplots(
         len(passes), len(head_dims), figsize=(4.6 * len(head_dims), 3.4 * len(passes)), squeeze=False, sharey=True
     )
-    series = sorted({(r["causal"], _bar_label(r)) for r in rows}, key=lambda s: (s[1] != "default", s))
+    baselines = list(dict.fromkeys(r.get("baseline", "baseline") for r in rows))
+    series = sorted(
+        {(r["causal"], _bar_label(r), r.get("baseline", "baseline")) for r in rows},
+        key=lambda s: (s[1] != "default", baselines.index(s[2]), s),
+    )
     for i, pass_ in enumerate(passes):
         for j, d in enumerate(head_dims):
             ax = axes[i][j]
-            for k, (causal, label) in enumerate(series):
+            for k, (causal, label, base) in enumerate(series):
                 pts = sorted(
                     (seqs.index(r["seq_q"]), r["ratio_to_baseline"], *r["ratio_interval"])
                     for r in rows
-                    if (r["pass"], r["head_dim"], r["causal"], _bar_label(r)) == (pass_, d, causal, label)
+                    if (r["pass"], r["head_dim"], r["causal"], _bar_label(r), r.get("baseline", "baseline"))
+                    == (pass_, d, causal, label, base)
                 )
                 if not pts:
                     continue
@@ -614,6 +625,7 @@ def _plot_bar(plt, rows, suite):
                 ys = [y for _, y, _, _ in pts]
                 err = [[y - lo for _, y, lo, _ in pts], [hi - y for _, y, _, hi in pts]]
                 name = ("causal" if causal else "not causal") + ("" if label == "default" else f", {label}")
+                name += f" vs {base}" if len(baselines) > 1 else ""
                 ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, linestyle="-" if causal else "--", label=name)
             ax.axhline(1.0, color="gray", linewidth=0.8)
             ax.set_xticks(range(len(seqs)))
@@ -621,13 +633,13 @@ def _plot_bar(plt, rows, suite):
             ax.set_title(f"{'fwd+bwd' if pass_ == 'fwdbwd' else pass_}, D={d}", fontsize=9)
             ax.grid(alpha=0.3)
             if j == 0:
-                ax.set_ylabel(f"{rows[0].get('baseline', 'baseline')} ms / ours ms")
+                ax.set_ylabel(f"{' or '.join(baselines)} ms / ours ms")
             if i == len(passes) - 1:
                 ax.set_xlabel(f"sequence length N (batch x N = {rows[0]['batch'] * rows[0]['seq_q']} tokens)")
             if ax.get_legend_handles_labels()[0]:
                 ax.legend(fontsize=7)
     fig.suptitle(
-        f"{rows[0]['device']}, {rows[0]['dtype']}: ratio to {rows[0].get('baseline', 'the baseline')} "
+        f"{rows[0]['device']}, {rows[0]['dtype']}: ratio to {' and '.join(baselines)} "
         "(> 1: ours faster), median of interleaved pairs, ~95% interval",
         fontsize=10,
     )

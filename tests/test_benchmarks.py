@@ -11,7 +11,7 @@ import re
 import pytest
 
 from benchmarks import __main__ as harness
-from benchmarks import bar, decode, flex, ring, suites, timing
+from benchmarks import bar, decode, flex, report, ring, suites, timing
 from benchmarks.inputs import PASSES
 
 REQUIRED = {
@@ -109,6 +109,17 @@ def test_bar_pairs_every_point(smoke):
         low, high = r["ratio_interval"]
         assert low <= r["ratio_to_baseline"] <= high and r["verdict"] == timing.verdict(low, high)
         assert r["bitwise_repeatable"] == {"ours": True, "baseline": True}  # XLA on CPU: no atomics
+
+
+def test_bar_takes_several_baselines_and_skips_those_that_cannot_run():
+    """Each baseline gets its own row per point; PyTorch's SDPA (GPU only) is a skip row saying why, not a crash,
+    and the markdown gives each baseline its own table."""
+    rows = bar.run(passes=["fwd"], head_dims=[32], seqs=[128], causals=[False], baselines=["cudnn", "torch_cudnn"],
+                   smoke=True)  # fmt: skip
+    assert [(r["baseline"], r["status"]) for r in rows] == [("xla", "ok"), ("torch_cudnn", "skip")]
+    assert "CUDA GPU" in rows[1]["note"] and rows[0]["max_abs_difference"] < 1e-4
+    text = report.markdown([dict(r, device="cpu", jax_version="x", command="c", date="d") for r in rows])
+    assert "ours against xla" in text and "ours against torch_cudnn" in text
 
 
 def test_flex_pairs_every_modifier_with_our_plain_call(smoke):
@@ -320,6 +331,7 @@ def test_default_output_folder_is_under_runs(tmp_path, monkeypatch):
         (["seed", "--passes", "up"], "up"),
         (["bar", "--passes", "up"], "up"),
         (["bar", "--causal", "maybe"], "maybe"),
+        (["bar", "--baselines", "cudnn,flash"], "--baselines takes"),
         (["bar", "--hopper", "64,x,2"], "--hopper: want"),
         (["bar", "--bwd", "dq_overlaps=1"], "--bwd: want"),
         (["bar", "--bwd", "", "--two-pass"], "--bwd excludes"),
