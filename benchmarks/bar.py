@@ -33,6 +33,7 @@ import numpy as np
 import pallas_flash as pf
 from benchmarks import report, timing
 from benchmarks.inputs import FLOP_FACTOR, anchor_point, compile_pass, fwd_flops, outputs, random_inputs
+from benchmarks.timing import TorchSynced
 from pallas_flash.hopper.config import HopperBwdConfig, HopperConfig
 
 REPEAT_CALLS = 5  # calls per side on one input set for the bitwise-repeatability column
@@ -136,19 +137,6 @@ def jax_timed(fn, pass_, inputs, label: str) -> Timed:
     return Timed(compiled, args, arrays, label)
 
 
-class _Synced:
-    """A torch result that `jax.block_until_ready` (and so `benchmarks.timing`) waits for: it synchronizes CUDA."""
-
-    def __init__(self, value):
-        self.value = value
-
-    def block_until_ready(self):
-        import torch
-
-        torch.cuda.synchronize()
-        return self
-
-
 class NoPeer(Exception):
     """A baseline that cannot run here (no torch, no CUDA)."""
 
@@ -171,7 +159,7 @@ def torch_cudnn_timed(point, pass_, inputs) -> Timed:
 
     def fwdbwd(q, k, v, ct):
         loss = (attend(q, k, v).float() * ct.float()).sum()
-        return _Synced(torch.autograd.grad(loss, (q, k, v)))
+        return TorchSynced(torch.autograd.grad(loss, (q, k, v)))
 
     def tensor(x, requires_grad):  # [B, N, H, D] -> [B, H, N, D], contiguous
         x = torch.from_numpy(np.asarray(x, np.float32)).cuda().to(dtype).transpose(1, 2).contiguous()
@@ -180,7 +168,7 @@ def torch_cudnn_timed(point, pass_, inputs) -> Timed:
     if pass_ not in ("fwd", "fwdbwd"):
         raise NoPeer(f"the torch baseline times fwd and fwdbwd, not {pass_}")
     args = [tuple(tensor(x, grad and i < 3) for i, x in enumerate(s)) for s in inputs]
-    fn = (lambda q, k, v, ct: _Synced(attend(q, k, v))) if pass_ == "fwd" else fwdbwd
+    fn = (lambda q, k, v, ct: TorchSynced(attend(q, k, v))) if pass_ == "fwd" else fwdbwd
     value = lambda r: r.value if isinstance(r.value, tuple) else (r.value,)
     arrays = lambda r: [x.detach().transpose(1, 2).float().cpu().numpy() for x in value(r)]
     label = f"torch {torch.__version__} SDPA cuDNN {torch.backends.cudnn.version()}"

@@ -45,6 +45,7 @@ import pallas_flash as pf
 from benchmarks import report, timing
 from benchmarks.impls import Unsupported
 from benchmarks.inputs import DTYPES, FLOP_FACTOR, Point, compile_pass, random_inputs
+from benchmarks.timing import TorchSynced
 from pallas_flash import mods
 from pallas_flash.device import on_nvidia_gpu
 from tests import tolerances
@@ -282,19 +283,6 @@ def cudnn(case, point, pass_, inputs, arrays):
     return _jax_timed("cudnn", fn, point, pass_, inputs, dynamic)
 
 
-class _Synced:
-    """A torch result that `jax.block_until_ready` (and so `benchmarks.timing`) waits for: it synchronizes CUDA."""
-
-    def __init__(self, value):
-        self.value = value
-
-    def block_until_ready(self):
-        import torch
-
-        torch.cuda.synchronize()
-        return self
-
-
 def _torch():
     """torch, where flex_attention can run on CUDA (else Unsupported saying why)."""
     try:
@@ -326,7 +314,7 @@ def torch_flex(case, point, pass_, inputs, arrays_np):
 
     def fwdbwd(q, k, v, ct):
         loss = (attend(q, k, v).float() * ct.float()).sum()
-        return _Synced(torch.autograd.grad(loss, (q, k, v)))
+        return TorchSynced(torch.autograd.grad(loss, (q, k, v)))
 
     dtype = getattr(torch, point.dtype)
     grad = pass_ != "fwd"
@@ -336,7 +324,7 @@ def torch_flex(case, point, pass_, inputs, arrays_np):
         return x.requires_grad_(requires_grad)
 
     args = [tuple(tensor(x, grad and i < 3) for i, x in enumerate(s)) for s in inputs]
-    fn = (lambda q, k, v, ct: _Synced(attend(q, k, v))) if pass_ == "fwd" else fwdbwd
+    fn = (lambda q, k, v, ct: TorchSynced(attend(q, k, v))) if pass_ == "fwd" else fwdbwd
     output = lambda: fn(*args[0]).value.transpose(1, 2).float().cpu().numpy()
     return Timed(f"torch {torch.__version__} flex_attention", fn, args, output)
 
@@ -500,7 +488,7 @@ def torch_block_mask(ids: np.ndarray, block: int):
     batch, seq = ids.shape
     t_ids = torch.from_numpy(ids).cuda()
     mask_mod = lambda b, h, q, k: t_ids[b, q] == t_ids[b, k]
-    build = lambda: _Synced(create_block_mask(mask_mod, batch, None, seq, seq, device="cuda", BLOCK_SIZE=block))
+    build = lambda: TorchSynced(create_block_mask(mask_mod, batch, None, seq, seq, device="cuda", BLOCK_SIZE=block))
     return build, f"torch {torch.__version__} create_block_mask"
 
 

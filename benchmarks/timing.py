@@ -43,6 +43,20 @@ def verdict(low: float, high: float) -> str:
     return "ahead" if low > 1.0 else "behind" if high < 1.0 else "parity"
 
 
+class TorchSynced:
+    """A torch result that `jax.block_until_ready` (so every timing here) waits for: it synchronizes CUDA. The
+    suites' PyTorch peers return their results in it."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def block_until_ready(self):
+        import torch
+
+        torch.cuda.synchronize()
+        return self
+
+
 def warm_up(fn, arg_sets) -> None:
     for args in arg_sets:
         jax.block_until_ready(fn(*args))
