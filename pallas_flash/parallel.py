@@ -116,11 +116,6 @@ class _Plan:
         return (FULL, CAUSAL, SKIP) if self.layout == "contiguous" else (CAUSAL, KV_FIRST_HALF, Q_SECOND_HALF)
 
 
-def _empty(query):
-    batch, q_len, heads, _ = query.shape
-    return jnp.zeros(query.shape, query.dtype), jnp.full((batch, heads, q_len), -jnp.inf, jnp.float32)
-
-
 def _band_mask(band, q_pos, kv_pos):
     """The band on global positions as a mask_mod (the POSITIONS case): q_pos / kv_pos int32 [q_len] / [kv_len]."""
     left, right = band.left, band.right
@@ -155,45 +150,61 @@ def _cols(x, start, stop):
 
 
 def _step(plan, case, q, k, v, q_ids, kv_ids, q_pos, kv_pos):
-    """(out, lse) of the local queries against the K/V held now, for one static case."""
-    if case == SKIP:
-        return _empty(q)
+    """(out, lse) of the local queries against the K/V held now, for a case that involves every local query."""
     if case == KV_FIRST_HALF:  # every local query sees the first key chunk whole, the second not at all
         half = k.shape[1] // 2
         options = _options(plan, FULL, q_ids, _cols(kv_ids, 0, half), q_pos, kv_pos)
         return flash_attention(q, k[:, :half], v[:, :half], return_lse=True, **options)
-    if case == Q_SECOND_HALF:  # the second query chunk sees every key held; the first sees none
-        half = q.shape[1] // 2
-        options = _options(plan, FULL, _cols(q_ids, half, None), kv_ids, q_pos, kv_pos)
-        out, lse = flash_attention(q[:, half:], k, v, return_lse=True, **options)
-        first_out, first_lse = _empty(q[:, :half])
-        return jnp.concatenate([first_out, out], axis=1), jnp.concatenate([first_lse, lse], axis=2)
     return flash_attention(q, k, v, return_lse=True, **_options(plan, case, q_ids, kv_ids, q_pos, kv_pos))
 
 
-def _step_grad(plan, case, q, k, v, q_ids, kv_ids, q_pos, kv_pos, out, lse, d_out, d_lse):
-    """(dq, dk, dv): the part of the ring's gradient that flows through the K/V held now, for one static case,
-    from the ring's merged (out, lse) and their cotangents (`attention_backward`); sliced as `_step` slices."""
+def _merge_step(plan, case, acc, q, k, v, q_ids, kv_ids, q_pos, kv_pos):
+    """`acc` (out float32, lse) merged with the local queries' attention to the K/V held now, for one static case;
+    rows no key held is visible to are left as they are."""
     if case == SKIP:
-        return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
+        return acc
+    if case == Q_SECOND_HALF:  # the second query chunk sees every key held; the first sees none
+        half = q.shape[1] // 2
+        options = _options(plan, FULL, _cols(q_ids, half, None), kv_ids, q_pos, kv_pos)
+        part = flash_attention(q[:, half:], k, v, return_lse=True, **options)
+        out, lse = _merge((acc[0][:, half:], acc[1][:, :, half:]), part)
+        return acc[0].at[:, half:].set(out), acc[1].at[:, :, half:].set(lse)
+    return _merge(acc, _step(plan, case, q, k, v, q_ids, kv_ids, q_pos, kv_pos))
+
+
+def _add(acc, part, start=0):
+    """acc with `part` added to its sequence rows [start, start + len): in float32, rounded once to acc's dtype."""
+    stop = start + part.shape[1]
+    return acc.at[:, start:stop].set(
+        (acc[:, start:stop].astype(jnp.float32) + part.astype(jnp.float32)).astype(acc.dtype)
+    )
+
+
+def _step_grad(plan, case, grads, q, k, v, q_ids, kv_ids, q_pos, kv_pos, out, lse, d_out, d_lse):
+    """`grads` (dq, dk, dv accumulators) plus the part of the ring's gradient that flows through the K/V held now,
+    for one static case, from the ring's merged (out, lse) and their cotangents (`attention_backward`); sliced as
+    `_step` slices, each part added to the rows it covers only."""
+    dq, dk, dv = grads
+    if case == SKIP:
+        return grads
     if case == KV_FIRST_HALF:  # the second key chunk is seen by no local query: zero gradient
         half = k.shape[1] // 2
         options = _options(plan, FULL, q_ids, _cols(kv_ids, 0, half), q_pos, kv_pos)
-        dq, dk, dv = attention_backward(q, k[:, :half], v[:, :half], out, lse, d_out, d_lse, **options)
-        pad = lambda x: jnp.concatenate([x, jnp.zeros_like(x)], axis=1)  # zig-zag chunks: equal lengths
-        return dq, pad(dk), pad(dv)
+        parts = attention_backward(q, k[:, :half], v[:, :half], out, lse, d_out, d_lse, **options)
+        return _add(dq, parts[0]), _add(dk, parts[1]), _add(dv, parts[2])
     if case == Q_SECOND_HALF:  # the first query chunk sees no key held: zero gradient
         half = q.shape[1] // 2
         options = _options(plan, FULL, _cols(q_ids, half, None), kv_ids, q_pos, kv_pos)
         rows = (out[:, half:], lse[:, :, half:], d_out[:, half:], d_lse[:, :, half:])
-        dq, dk, dv = attention_backward(q[:, half:], k, v, *rows, **options)
-        return jnp.concatenate([jnp.zeros_like(dq), dq], axis=1), dk, dv
+        parts = attention_backward(q[:, half:], k, v, *rows, **options)
+        return _add(dq, parts[0], half), _add(dk, parts[1]), _add(dv, parts[2])
     options = _options(plan, case, q_ids, kv_ids, q_pos, kv_pos)
-    return attention_backward(q, k, v, out, lse, d_out, d_lse, **options)
+    parts = attention_backward(q, k, v, out, lse, d_out, d_lse, **options)
+    return tuple(_add(g, p) for g, p in zip(grads, parts))
 
 
 def _switch(plan, step, case, *args):
-    """`step` (`_step` or `_step_grad`) for a traced case: one branch per case the plan can meet."""
+    """`step` (`_merge_step` or `_step_grad`) for a traced case: one branch per case the plan can meet."""
     cases = plan.cases()
     if len(cases) == 1:
         return step(plan, cases[0], *args)
@@ -237,8 +248,8 @@ def _ring_forward(plan, axis_name, q, k, v, q_ids, kv_ids):
         if t + 1 < plan.num_shards:  # issued before this step's kernel: the transfer runs under it
             arriving = _rotate(held, axis_name, plan.num_shards)
         shard, source, q_pos, kv_pos = _positions(plan, axis_name, q_len, k.shape[1], t)
-        part = _switch(plan, _step, plan.case(shard, source), q, held[0], held[1], q_ids, held[2], q_pos, kv_pos)
-        acc = _merge(acc, part)
+        step = (q, held[0], held[1], q_ids, held[2], q_pos, kv_pos)
+        acc = _switch(plan, _merge_step, plan.case(shard, source), acc, *step)
         if t + 1 < plan.num_shards:
             held = arriving
     return acc[0].astype(q.dtype), acc[1]
@@ -253,25 +264,28 @@ def _ring_bwd(plan, axis_name, residuals, cotangents):
     """Each step's part of the gradient from the backward kernels on the merged (out, lse) and their cotangents:
     with the whole row's lse, a step's probabilities exp(S - lse) are exactly its keys' share of the merged
     softmax, and delta = rowsum(d out * out) - d lse is the whole row's, so no step's forward runs again (as
-    ring-flash-attention). dK/dV accumulate in float32 and travel with their K/V, arriving home after the last
-    step's rotation."""
+    ring-flash-attention). dK/dV travel with their K/V, arriving home after the last step's rotation.
+
+    Each gradient sums one part per step, each rounded to its input's dtype by the kernels. On two devices the
+    accumulators keep the inputs' dtypes: a bf16 sum of two parts, formed in float32 and rounded once, has the
+    bits of a float32 accumulator's rounded result, at half the bytes held and sent. From three devices on they
+    are float32, which keeps the running sums unrounded."""
     q, k, v, q_ids, kv_ids, out, lse = residuals
     d_out, d_lse = cotangents
-    dq = jnp.zeros(q.shape, jnp.float32)
-    held, grads = (k, v, kv_ids), (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    dtype = (lambda x: x.dtype) if plan.num_shards == 2 else (lambda x: jnp.float32)
+    dq, dk, dv = (jnp.zeros(x.shape, dtype(x)) for x in (q, k, v))
+    held = (k, v, kv_ids)
     for t in range(plan.num_shards):
         if t + 1 < plan.num_shards:
             arriving = _rotate(held, axis_name, plan.num_shards)
         shard, source, q_pos, kv_pos = _positions(plan, axis_name, q.shape[1], k.shape[1], t)
         step = (q, held[0], held[1], q_ids, held[2], q_pos, kv_pos, out, lse, d_out, d_lse)
-        dq_t, dk_t, dv_t = _switch(plan, _step_grad, plan.case(shard, source), *step)
-        dq = dq + dq_t.astype(jnp.float32)
-        grads = (grads[0] + dk_t.astype(jnp.float32), grads[1] + dv_t.astype(jnp.float32))
-        grads = _rotate(grads, axis_name, plan.num_shards)  # toward the next holder of these K/V (home, last)
+        dq, dk, dv = _switch(plan, _step_grad, plan.case(shard, source), (dq, dk, dv), *step)
+        dk, dv = _rotate((dk, dv), axis_name, plan.num_shards)  # toward the next holder of these K/V (home, last)
         if t + 1 < plan.num_shards:
             held = arriving
     no_grad = lambda ids: None if ids is None else np.zeros(ids.shape, jax.dtypes.float0)
-    return dq.astype(q.dtype), grads[0].astype(k.dtype), grads[1].astype(v.dtype), no_grad(q_ids), no_grad(kv_ids)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), no_grad(q_ids), no_grad(kv_ids)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
