@@ -285,6 +285,11 @@ class Attention(nnx.Module):
         """Causal self-attention of x [batch, seq, embed_dim] (tokens at `step.positions`) with a KV cache:
         their keys and values are written into `layer`, then a prefill (tokens from position 0) attends
         with the configured attention, a decode step or an appended chunk with `flash_decode` over the cache."""
+        if self.cfg.sequence_positions(2 * self.cfg.context_shards) is not None:
+            raise ValueError(
+                "the KV cache keeps tokens in natural order; a model with context_layout 'zigzag' on a mesh takes "
+                "them permuted: generate with the same parameters in a model without the mesh (or contiguous)"
+            )
         batch, seq, _ = x.shape
         q, k, v = self._project(x, step.positions)
         layer = layer.write(k, v, step)

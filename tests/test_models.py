@@ -272,6 +272,9 @@ def test_a_mesh_computes_the_logits_of_one_device(layout):
     want = one(tokens)[:, order]
     got = sharded(tokens[:, order])
     assert _relative(got, want) <= OUTPUT[jnp.float32]
+    if layout == "zigzag":  # the KV cache's natural order would be read as zig-zag order: refused
+        with pytest.raises(ValueError, match="KV cache keeps tokens in natural order"):
+            sharded.prefill(tokens, jnp.full((BATCH,), SEQ), sharded.init_cache(BATCH, SEQ))
 
 
 @pytest.mark.parametrize(
