@@ -179,8 +179,8 @@ def test_attention_backward_takes_value_head_dim():
     ],
 )
 def test_kernels_refuse_value_head_dim_by_name(impl, head_dims, words, monkeypatch):
-    """Forced, each kernel names both head_dims where it cannot serve them (on sm90, faked, for "mosaic": its
-    backward has no tiles for query/key 192 with value 256)."""
+    """Forced, each kernel names both head_dims where it cannot serve them (on sm90, faked, for "mosaic": no
+    forward tiles fit query/key 192 with value 256)."""
     monkeypatch.setattr(device, "on_hopper_gpu", lambda: True)
     q, k, v, _, _ = _inputs(5, 1, 8, 8, 2, 2, *head_dims, jnp.bfloat16)
     with pytest.raises(ValueError, match=rf"implementation='{impl}' cannot serve this call: .*{words}"):
