@@ -172,8 +172,9 @@ BACKWARD_CASES = {
 }
 
 
-# `slow` for CI time (a bias after a soft cap in the overlapped loops; run them with -m slow):
-SLOW_BACKWARD_CASES = {"bias_soft_cap_segments_overlap"}
+# `slow` for CI time (run them with -m slow); outside it the flash_attention test below runs both passes on a dense
+# bias and mask through the custom_vjp.
+SLOW_BACKWARD_CASES = {"bias_soft_cap_segments_overlap", "bias_mask_causal_gqa"}
 
 
 @pytest.mark.interpreter

@@ -76,8 +76,9 @@ def _programs(case, shape=None):
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize(
-    "case", [pytest.param(c, marks=pytest.mark.slow if c == "soft_cap_key_bias_overlap" else ()) for c in CASES]
-)  # outside `slow` one case (CI's time); the GPU test runs soft cap and the overlaps
+    "case", [pytest.param(c, marks=pytest.mark.slow) for c in CASES]
+)  # `slow` (CI's time): outside it the dropout backward with a score_mod (test_dropout) and attention_backward with
+# a mask_mod (test_api) run programs through both passes; the GPU test runs soft cap and the overlaps
 def test_backward_with_programs_in_mosaic_gpu_interpreter(case):
     """Both passes with a score and a mask program (recomputed modified scores, dS taken back through the score
     program, the mask program's block ranges and unmasked runs, row values resident / riding the K ring in

@@ -177,7 +177,9 @@ API_CASES = {
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("case", API_CASES)
+@pytest.mark.parametrize(  # the ranges-alone case is `slow` (CI's time): the dense-mask test covers those ranges
+    "case", [pytest.param(c, marks=pytest.mark.slow if API_CASES[c][3] else ()) for c in API_CASES]
+)
 def test_flash_attention_serves_a_block_mask_on_hopper(case, monkeypatch):
     """On sm90 (faked), flash_attention runs the Hopper kernels on a block mask, by its block ranges or expanded into
     the dense mask: out and gradients against the reference (implementation="xla")."""
