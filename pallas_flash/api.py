@@ -419,6 +419,7 @@ def _score_mods(query, key, bias, mask, alibi_slopes, logits_soft_cap, dropout_r
         seed = masks.dropout_seed(dropout_rng)
     mods = masks.ScoreMods(
         bias_dims=bias_dims,
+        bias_dtype=None if bias is None else jnp.dtype(bias.dtype).name,
         mask_dims=mask_dims,
         alibi=alibi_slopes is not None,
         soft_cap=logits_soft_cap,

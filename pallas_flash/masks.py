@@ -120,6 +120,7 @@ class ScoreMods:
       broadcast), or None without one. alibi: slopes given. soft_cap: logits_soft_cap or None.
     dropout_rate: in [0, 1). broadcast_dropout: one keep mask shared by every batch element and head.
     score_mod / mask_mod: traced `mods.Program`s or None (their closed-over arrays travel in `ModArrays`).
+    bias_dtype: the bias's dtype name (None without one): dispatch sizes the kernels' bias tiles by it.
     """
 
     bias_dims: tuple | None = None
@@ -130,6 +131,7 @@ class ScoreMods:
     broadcast_dropout: bool = False
     score_mod: typing.Any = None  # a mods.Program of kind "score", applied after bias and ALiBi
     mask_mod: typing.Any = None  # a mods.Program of kind "mask", ANDed with the other masks
+    bias_dtype: str | None = None
 
     @property
     def active(self) -> bool:

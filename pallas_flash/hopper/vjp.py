@@ -83,11 +83,11 @@ def _dense(mods: masks.ScoreMods, mod_arrays: masks.ModArrays) -> dict:
 
 
 def _tile_bytes(mods: masks.ScoreMods, mod_arrays: masks.ModArrays | None = None) -> int:
-    """Bytes per logit of the dense tiles the kernels' rings carry; without the arrays (dispatch sees only
-    `mods`) a bias is counted at 4 bytes, the most its dtype takes."""
+    """Bytes per logit of the dense tiles the kernels' rings carry (dispatch, without the arrays, reads the bias's
+    dtype from `mods`; 4 bytes where it was not recorded)."""
     bias_dtype = None
     if mods.bias_dims is not None:
-        bias_dtype = jnp.float32 if mod_arrays is None else mod_arrays.bias.dtype
+        bias_dtype = mod_arrays.bias.dtype if mod_arrays is not None else (mods.bias_dtype or jnp.float32)
     return hopper_fwd.dense_tile_bytes(bias_dtype, mods.mask_dims is not None)
 
 

@@ -7,6 +7,7 @@ Interpreter tiles are the smallest the kernels take: 128 query rows (two consume
 backward's likewise); every case has ragged lengths (a padded key tail, padded query rows)."""
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -349,6 +350,21 @@ def test_dense_tiles_that_cannot_fit_are_refused():
             y, y, y, y, jnp.zeros((1, 1, 128)), y, None, scale=1.0, config=HopperBwdConfig(128, 64, dq_atomic=True),
             mask=jnp.ones((1, 1, 128, 128), bool),
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("bias_dtype, served", [(jnp.bfloat16, True), (jnp.float32, False)])
+def test_dispatch_sizes_bias_tiles_by_the_bias_dtype(monkeypatch, caplog, bias_dtype, served):
+    """At head_dim 192 a bf16 bias and a mask over both axes (3 bytes per logit) fit the forward's tiles, a float32
+    bias with them (5) does not: flash_attention's dispatch reads the bias's dtype (on sm90, faked; traced only)."""
+    monkeypatch.setattr(device, "on_hopper_gpu", lambda: True)
+    q = jax.ShapeDtypeStruct((1, 256, 2, 192), jnp.bfloat16)
+    bias = jax.ShapeDtypeStruct((1, 1, 256, 256), bias_dtype)
+    mask = jax.ShapeDtypeStruct((1, 1, 256, 256), jnp.bool_)
+    api._logged.clear()
+    with caplog.at_level(logging.DEBUG, logger="pallas_flash"):
+        jax.eval_shape(lambda q, b, m: pf.flash_attention(q, q, q, bias=b, mask=m), q, bias, mask)
+    ran = [r.getMessage() for r in caplog.records if "implementation=None ran" in r.getMessage()]
+    assert ran and ("ran 'mosaic'" in ran[0]) == served, ran
 
 
 def test_hopper_programs_keep_the_soft_cap_before_a_dense_bias():
