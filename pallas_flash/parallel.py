@@ -260,6 +260,11 @@ def _ring_fwd(plan, axis_name, q, k, v, q_ids, kv_ids):
     return (out, lse), (q, k, v, q_ids, kv_ids, out, lse)
 
 
+def _accumulator_dtype(num_shards: int, dtype):
+    """The dtype a ring's gradient accumulates in (`_ring_bwd`): the input's on two devices, else float32."""
+    return dtype if num_shards == 2 else jnp.float32
+
+
 def _ring_bwd(plan, axis_name, residuals, cotangents):
     """Each step's part of the gradient from the backward kernels on the merged (out, lse) and their cotangents:
     with the whole row's lse, a step's probabilities exp(S - lse) are exactly its keys' share of the merged
@@ -272,8 +277,7 @@ def _ring_bwd(plan, axis_name, residuals, cotangents):
     are float32, which keeps the running sums unrounded."""
     q, k, v, q_ids, kv_ids, out, lse = residuals
     d_out, d_lse = cotangents
-    dtype = (lambda x: x.dtype) if plan.num_shards == 2 else (lambda x: jnp.float32)
-    dq, dk, dv = (jnp.zeros(x.shape, dtype(x)) for x in (q, k, v))
+    dq, dk, dv = (jnp.zeros(x.shape, _accumulator_dtype(plan.num_shards, x.dtype)) for x in (q, k, v))
     held = (k, v, kv_ids)
     for t in range(plan.num_shards):
         if t + 1 < plan.num_shards:

@@ -134,6 +134,31 @@ def test_ring_backward_runs_no_forward(layout, monkeypatch):
     assert counts == {"flash_attention": steps, "attention_backward": steps}
 
 
+def test_two_device_accumulators_give_the_float32_bits(monkeypatch):
+    """On two devices the ring's bf16 gradients accumulate in bf16 (half the bytes held and rotated): each is a sum
+    of two parts formed in float32 and rounded once, bitwise what float32 accumulators give (zig-zag causal: every
+    step case, the half ones adding into half the rows)."""
+    mesh = _mesh(2)
+    q, k, v = (normal(i, (2, 64, 4, 16)).astype(jnp.bfloat16) for i in range(3))
+    w = normal(3, q.shape)
+
+    def grads():
+        def loss(q, k, v):
+            out = parallel.context_parallel_attention(
+                q, k, v, mesh=mesh, is_causal=True, layout="zigzag", strategy="ring", implementation="xla_chunked",
+                config=CONFIG,
+            )  # fmt: skip
+            return jnp.sum(out.astype(jnp.float32) * w)
+
+        return jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)
+
+    ours = grads()
+    monkeypatch.setattr(parallel, "_accumulator_dtype", lambda num_shards, dtype: jnp.float32)
+    for g, h in zip(ours, grads()):
+        assert g.dtype == h.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)), np.asarray(h.astype(jnp.float32)))
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 def test_all_gather_strategy(layout):
     _check(4, layout=layout, strategy="all_gather", docs=True, kv_heads=2)
