@@ -67,6 +67,9 @@ def abstract_inputs(shape, segments: bool):
     return q, k, lse, ids
 
 
+MOSAIC_CALL = "stablehlo.custom_call @mosaic_gpu"  # one Mosaic GPU kernel in `lower_for_cuda`'s text
+
+
 def lower_for_cuda(fn, *args) -> str:
     """The StableHLO text of `fn` jitted and lowered for CUDA on this machine (nothing runs)."""
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

@@ -11,11 +11,9 @@ import pallas_flash as pf
 from pallas_flash import _compat, decode, device
 from pallas_flash.hopper import decode as hopper_decode
 from pallas_flash.hopper.decode import DecodeConfig
-from tests.helpers import lower_for_cuda
+from tests.helpers import MOSAIC_CALL, lower_for_cuda
 from tests.test_decode import _inputs, _paged
 from tests.tolerances import assert_close
-
-MOSAIC_CALL = "stablehlo.custom_call @mosaic_gpu"
 
 
 def _cache(k, v, lengths, page_size):

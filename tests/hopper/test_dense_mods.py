@@ -21,6 +21,7 @@ from pallas_flash.hopper import fwd as hopper_fwd
 from pallas_flash.hopper import vjp as hopper_vjp
 from pallas_flash.hopper.config import H100_SHARED_MEMORY, HopperBwdConfig, HopperConfig
 from tests.helpers import (
+    MOSAIC_CALL,
     abstract_inputs,
     assert_gradients_close,
     interpreted_hopper_backward,
@@ -32,7 +33,6 @@ from tests.helpers import (
 from tests.tolerances import GRADIENT, assert_close
 
 SCALE = 0.125
-MOSAIC_CALL = "stablehlo.custom_call @mosaic_gpu"
 
 
 def _bias(shape, dims, dtype, seed=0):

@@ -22,6 +22,7 @@ from pallas_flash.hopper import vjp as hopper_vjp
 from pallas_flash.hopper.config import HopperBwdConfig, HopperConfig
 from tests.helpers import (
     HOPPER_BACKWARD_VARIANTS,
+    MOSAIC_CALL,
     abstract_inputs,
     assert_gradients_close,
     interpreted_hopper_backward,
@@ -35,7 +36,6 @@ from tests.tolerances import GRADIENT, OUTPUT, assert_close, relative_error
 
 SCALE = 0.125
 RATE = 0.3  # high enough that a wrong keep mask is far outside the tolerances
-MOSAIC_CALL = "stablehlo.custom_call @mosaic_gpu"
 
 
 def _seed(n):

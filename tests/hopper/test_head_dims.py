@@ -21,11 +21,10 @@ from pallas_flash.hopper import bwd as hopper_bwd
 from pallas_flash.hopper import fwd as hopper_fwd
 from pallas_flash.hopper import vjp as hopper_vjp
 from pallas_flash.hopper.config import H100_SHARED_MEMORY, HopperBwdConfig, HopperConfig
-from tests.helpers import assert_gradients_close, interpreted_hopper_backward, lower_for_cuda, packed_ids
+from tests.helpers import MOSAIC_CALL, assert_gradients_close, interpreted_hopper_backward, lower_for_cuda, packed_ids
 from tests.tolerances import GRADIENT, assert_close
 
 SCALE = 0.1
-MOSAIC_CALL = "stablehlo.custom_call @mosaic_gpu"
 
 
 def _inputs(shape, seed, dtype=jnp.bfloat16):

@@ -15,11 +15,9 @@ from pallas_flash.hopper import bwd as hopper_bwd
 from pallas_flash.hopper import fwd as hopper_fwd
 from pallas_flash.hopper import vjp as hopper_vjp
 from pallas_flash.hopper.config import HopperBwdConfig, HopperConfig
-from tests.helpers import HOPPER_BACKWARD_VARIANTS, abstract_inputs, lower_for_cuda
+from tests.helpers import HOPPER_BACKWARD_VARIANTS, MOSAIC_CALL, abstract_inputs, lower_for_cuda
 
 pytestmark = pytest.mark.lowering
-
-MOSAIC_CALL = "stablehlo.custom_call @mosaic_gpu"
 
 
 def _overlap_params():

@@ -14,6 +14,7 @@ from pallas_flash import _compat, masks, mods, reference
 from pallas_flash.hopper import bwd as hopper_bwd
 from pallas_flash.hopper.config import HopperBwdConfig
 from tests.helpers import (
+    MOSAIC_CALL,
     abstract_inputs,
     assert_gradients_close,
     interpreted_hopper_backward,
@@ -23,8 +24,6 @@ from tests.helpers import (
     packed_ids,
 )
 from tests.tolerances import GRADIENT, assert_close
-
-MOSAIC_CALL = "stablehlo.custom_call @mosaic_gpu"
 
 
 def _document_causal_alibi(shape):

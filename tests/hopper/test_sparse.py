@@ -20,6 +20,7 @@ from pallas_flash.hopper import fwd as hopper_fwd
 from pallas_flash.hopper import vjp as hopper_vjp
 from pallas_flash.hopper.config import HopperBwdConfig, HopperConfig
 from tests.helpers import (
+    MOSAIC_CALL,
     abstract_inputs,
     assert_gradients_close,
     interpreted_hopper_backward,
@@ -31,7 +32,6 @@ from tests.helpers import (
 from tests.tolerances import GRADIENT, assert_close
 
 SCALE = 0.125
-MOSAIC_CALL = "stablehlo.custom_call @mosaic_gpu"
 
 
 def _interpreter(detect_races: bool = True):
