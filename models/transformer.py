@@ -138,9 +138,14 @@ class TransformerConfig:
         """How many devices split each sequence: the mesh's context axis, 1 without a mesh."""
         return 1 if self.mesh is None else self.mesh.shape[CONTEXT_AXIS]
 
+    @property
+    def permutes_sequences(self) -> bool:
+        """Whether inputs arrive in zig-zag order (context_layout "zigzag" over more than one device)."""
+        return self.context_layout == "zigzag" and self.context_shards > 1
+
     def sequence_positions(self, seq: int):
         """The global positions of a [.., seq] input's tokens, int32 [seq] (None: 0..seq-1, natural order)."""
-        if self.context_layout == "contiguous" or self.context_shards == 1:
+        if not self.permutes_sequences:
             return None
         return jnp.asarray(zigzag_order(seq, self.context_shards), jnp.int32)
 
@@ -285,7 +290,7 @@ class Attention(nnx.Module):
         """Causal self-attention of x [batch, seq, embed_dim] (tokens at `step.positions`) with a KV cache:
         their keys and values are written into `layer`, then a prefill (tokens from position 0) attends
         with the configured attention, a decode step or an appended chunk with `flash_decode` over the cache."""
-        if self.cfg.sequence_positions(2 * self.cfg.context_shards) is not None:
+        if self.cfg.permutes_sequences:
             raise ValueError(
                 "the KV cache keeps tokens in natural order; a model with context_layout 'zigzag' on a mesh takes "
                 "them permuted: generate with the same parameters in a model without the mesh (or contiguous)"

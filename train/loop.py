@@ -31,9 +31,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
-from models.gpt import GPT
-from models.transformer import CONTEXT_AXIS
-from pallas_flash.parallel import zigzag_order
+from models.gpt import GPT, GPTConfig
 from train import data as data_lib
 from train.checkpoint import Checkpointer
 from train.config import MESH_AXES, TrainConfig
@@ -74,16 +72,16 @@ def replicate(tree, mesh: Mesh | None):
     return tree if mesh is None else jax.device_put(tree, NamedSharding(mesh, P()))
 
 
-def shard_batch(batch: dict, mesh: Mesh | None, layout: str = "contiguous") -> dict:
+def shard_batch(batch: dict, mesh: Mesh | None, model: GPTConfig | None = None) -> dict:
     """A batch's arrays, [batch, seq] or [batch], split along the mesh's data and context axes (as they are
-    without a mesh); with the "zigzag" layout every [batch, seq] array's tokens are first permuted into the order
-    the model's ring expects (`pallas_flash.parallel.zigzag_order`). Losses and scores are sums over tokens, so
-    the permutation changes none of them."""
+    without a mesh); where the `model` takes its sequences permuted (`permutes_sequences`: zig-zag on a mesh) every
+    [batch, seq] array's tokens are first put in that order. Losses and scores are sums over tokens, so the
+    permutation changes none of them."""
     if mesh is None:
         return batch
-    shards = mesh.shape[CONTEXT_AXIS]
-    if layout == "zigzag" and shards > 1:
-        batch = {k: v[:, zigzag_order(v.shape[1], shards)] if np.ndim(v) == 2 else v for k, v in batch.items()}
+    if model is not None and model.permutes_sequences:  # a permuted window's token order is its positions
+        batch = {k: v[:, np.asarray(model.sequence_positions(v.shape[1]))] if np.ndim(v) == 2 else v
+                 for k, v in batch.items()}  # fmt: skip
     return {k: jax.device_put(v, NamedSharding(mesh, P(*MESH_AXES[: np.ndim(v)]))) for k, v in batch.items()}
 
 
@@ -359,9 +357,9 @@ def train(cfg: TrainConfig, attention: str, run_dir: pathlib.Path) -> RunResult:
     # only at the end.
     (run_dir / "config.json").write_text(json.dumps(cfg.run_record(attention, run_dir), indent=1))
     mesh = make_mesh(cfg)
-    layout = cfg.model_config(attention, mesh=mesh).context_layout
+    model = cfg.model_config(attention, mesh=mesh)
     dataset = data_lib.make_dataset(cfg)
-    eval_batches = [shard_batch(pad_batch(b, cfg.mesh_shape["data"]), mesh, layout) for b in dataset.eval_batches()]
+    eval_batches = [shard_batch(pad_batch(b, cfg.mesh_shape["data"]), mesh, model) for b in dataset.eval_batches()]
     graphdef, params, rest = init_model(cfg, attention, mesh=mesh)
     tx = make_optimizer(cfg)
     opt_state = replicate(tx.init(params), mesh)
@@ -401,7 +399,7 @@ def train(cfg: TrainConfig, attention: str, run_dir: pathlib.Path) -> RunResult:
 
     compile_start = time.perf_counter()
     train_step = train_step.lower(
-        params, opt_state, rest, shard_batch(dataset.train_batch(start_step), mesh, layout)
+        params, opt_state, rest, shard_batch(dataset.train_batch(start_step), mesh, model)
     ).compile()
     compile_s = time.perf_counter() - compile_start
     step_bytes = compiled_bytes(train_step)
@@ -437,7 +435,7 @@ def train(cfg: TrainConfig, attention: str, run_dir: pathlib.Path) -> RunResult:
     with stop_requests() as stop:
         last_time = time.perf_counter()
         for step in range(start_step, cfg.steps):
-            batch = shard_batch(dataset.train_batch(step), mesh, layout)
+            batch = shard_batch(dataset.train_batch(step), mesh, model)
             params, opt_state, rest, metrics = train_step(params, opt_state, rest, batch)
             pending.append(metrics)
             done = step + 1
@@ -494,8 +492,8 @@ def try_context(cfg: TrainConfig, attention: str, seq_len: int) -> dict:
         train_step, _ = make_steps(graphdef, tx, mesh=mesh)
         rng = np.random.default_rng((cfg.seed, seq_len))
         tokens = rng.integers(1, data_lib.VOCAB_SIZE, size=(search_batch_size(cfg), seq_len + 1), dtype=np.int32)
-        layout = cfg.model_config(attention, seq_len, mesh).context_layout
-        batch = shard_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, mesh, layout)
+        model = cfg.model_config(attention, seq_len, mesh)
+        batch = shard_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, mesh, model)
         compiled = train_step.lower(params, opt_state, rest, batch).compile()
         probe["step_bytes"] = compiled_bytes(compiled)
         start = time.perf_counter()
