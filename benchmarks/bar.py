@@ -33,7 +33,6 @@ import numpy as np
 import pallas_flash as pf
 from benchmarks import report, timing
 from benchmarks.inputs import FLOP_FACTOR, anchor_point, compile_pass, fwd_flops, outputs, random_inputs
-from benchmarks.timing import TorchSynced
 from pallas_flash.hopper.config import HopperBwdConfig, HopperConfig
 
 REPEAT_CALLS = 5  # calls per side on one input set for the bitwise-repeatability column
@@ -151,24 +150,14 @@ def torch_cudnn_timed(point, pass_, inputs) -> Timed:
         raise NoPeer(f"torch is not importable ({e})") from None
     if not torch.cuda.is_available():
         raise NoPeer("torch sees no CUDA device")
-    dtype, grad = getattr(torch, point.dtype), pass_ != "fwd"
+    if pass_ not in ("fwd", "fwdbwd"):
+        raise NoPeer(f"the torch baseline times fwd and fwdbwd, not {pass_}")
 
     def attend(q, k, v):
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return F.scaled_dot_product_attention(q, k, v, is_causal=point.causal)
 
-    def fwdbwd(q, k, v, ct):
-        loss = (attend(q, k, v).float() * ct.float()).sum()
-        return TorchSynced(torch.autograd.grad(loss, (q, k, v)))
-
-    def tensor(x, requires_grad):  # [B, N, H, D] -> [B, H, N, D], contiguous
-        x = torch.from_numpy(np.asarray(x, np.float32)).cuda().to(dtype).transpose(1, 2).contiguous()
-        return x.requires_grad_(requires_grad)
-
-    if pass_ not in ("fwd", "fwdbwd"):
-        raise NoPeer(f"the torch baseline times fwd and fwdbwd, not {pass_}")
-    args = [tuple(tensor(x, grad and i < 3) for i, x in enumerate(s)) for s in inputs]
-    fn = (lambda q, k, v, ct: TorchSynced(attend(q, k, v))) if pass_ == "fwd" else fwdbwd
+    fn, args = timing.torch_pass(attend, pass_, inputs, point.dtype)
     value = lambda r: r.value if isinstance(r.value, tuple) else (r.value,)
     arrays = lambda r: [x.detach().transpose(1, 2).float().cpu().numpy() for x in value(r)]
     label = f"torch {torch.__version__} SDPA cuDNN {torch.backends.cudnn.version()}"

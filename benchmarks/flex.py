@@ -312,19 +312,7 @@ def torch_flex(case, point, pass_, inputs, arrays_np):
     def attend(q, k, v):
         return flex(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=point.scale)
 
-    def fwdbwd(q, k, v, ct):
-        loss = (attend(q, k, v).float() * ct.float()).sum()
-        return TorchSynced(torch.autograd.grad(loss, (q, k, v)))
-
-    dtype = getattr(torch, point.dtype)
-    grad = pass_ != "fwd"
-
-    def tensor(x, requires_grad):  # [B, N, H, D] -> [B, H, N, D]
-        x = torch.from_numpy(np.asarray(x, np.float32)).cuda().to(dtype).transpose(1, 2).contiguous()
-        return x.requires_grad_(requires_grad)
-
-    args = [tuple(tensor(x, grad and i < 3) for i, x in enumerate(s)) for s in inputs]
-    fn = (lambda q, k, v, ct: TorchSynced(attend(q, k, v))) if pass_ == "fwd" else fwdbwd
+    fn, args = timing.torch_pass(attend, pass_, inputs, point.dtype)
     output = lambda: fn(*args[0]).value.transpose(1, 2).float().cpu().numpy()
     return Timed(f"torch {torch.__version__} flex_attention", fn, args, output)
 

@@ -16,6 +16,7 @@ import time
 from typing import NamedTuple
 
 import jax
+import numpy as np
 
 
 class Timing(NamedTuple):
@@ -55,6 +56,26 @@ class TorchSynced:
 
         torch.cuda.synchronize()
         return self
+
+
+def torch_pass(attend, pass_: str, input_sets, dtype: str):
+    """A PyTorch attention `attend(q, k, v)` as a timed pass, on CUDA copies of (q, k, v, cotangent) input sets in
+    its own [B, H, N, D] layout and `dtype`: (fn, argument sets); fn returns a `TorchSynced` of the output (fwd),
+    or of dq, dk, dv, the gradient of sum(out * cotangent) (any other pass)."""
+    import torch
+
+    torch_dtype, grad = getattr(torch, dtype), pass_ != "fwd"
+
+    def tensor(x, requires_grad):  # [B, N, H, D] -> [B, H, N, D], contiguous
+        x = torch.from_numpy(np.asarray(x, np.float32)).cuda().to(torch_dtype).transpose(1, 2).contiguous()
+        return x.requires_grad_(requires_grad)
+
+    def fwdbwd(q, k, v, ct):
+        loss = (attend(q, k, v).float() * ct.float()).sum()
+        return TorchSynced(torch.autograd.grad(loss, (q, k, v)))
+
+    args = [tuple(tensor(x, grad and i < 3) for i, x in enumerate(s)) for s in input_sets]
+    return ((lambda q, k, v, ct: TorchSynced(attend(q, k, v))) if pass_ == "fwd" else fwdbwd), args
 
 
 def warm_up(fn, arg_sets) -> None:
