@@ -5,15 +5,17 @@ chunks of it, `to_zigzag`) and calls `ring_attention` on its shard with the axis
   * "ring": K/V (with the key segment ids) travel around the axis with `lax.ppermute`; at each step a device
     attends its queries to the K/V it holds, and the partial outputs merge through their LSE
     (`merge_attention_states`). The next step's transfer is issued before this step's kernel, so XLA overlaps
-    them. The backward is its own custom_vjp: K/V travel again with their dK/dV accumulators, which arrive home
-    after a full turn; each step's gradient is the backward kernels' on the merged out and lse (no step's forward
-    runs again). Fixed order everywhere: bitwise deterministic.
+    them. The backward is its own custom_vjp: K/V travel again, and the dK/dV of another device's K/V travel with
+    them from the first device that sees them, arriving home after the last step; each step's gradient is the
+    backward kernels' on the merged out and lse (no step's forward runs again). Fixed order everywhere: bitwise
+    deterministic.
   * "all_gather": K/V gathered once, then one local call (its gradient is reduce-scattered by autodiff). Cheaper
     for short sequences or small K/V (GQA/MQA), where a ring's steps are too short to hide their transfers.
-Causal attention with the contiguous layout leaves device r idle for the steps that bring later shards; the
-zig-zag layout (device r holds chunks r and 2n-1-r of 2n) gives every device the same work at every step, and
-its steps are static cases (causal on the diagonal, all queries against the first key chunk, the second query
-chunk against all keys). Windows and anything else position-dependent use a mask_mod on global positions.
+Causal attention with the contiguous layout leaves device r's work unused for the steps that bring later shards
+(it computes them and merges them with no weight, as every device runs the same calls); the
+zig-zag layout (device r holds chunks r and 2n-1-r of 2n) gives every device the same work at every step: causal
+on its own K/V, then two full chunk-against-chunk pieces per step (`_Pairs`), the same calls on every device.
+Windows and anything else position-dependent use a mask_mod on global positions.
 
 `context_parallel_attention` wraps this for plain `jit` callers with sequence-sharded arrays.
 """
@@ -84,7 +86,7 @@ def choose_strategy(seq_len: int, heads: int, kv_heads: int) -> str:
 
 # ---- one ring step ---------------------------------------------------------------------------------------------
 
-FULL, CAUSAL, SKIP, KV_FIRST_HALF, Q_SECOND_HALF, POSITIONS = range(6)
+FULL, CAUSAL, POSITIONS = range(3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,24 +98,17 @@ class _Plan:
     band: masks.Band
     options: tuple  # flash_attention keyword arguments, as sorted (name, value) pairs
 
-    def case(self, shard, source):
-        """The step case (traced int) for queries of `shard` against K/V of `source`."""
+    def own_case(self) -> int:
+        """How a device's queries see its own K/V (the first step): FULL, CAUSAL or POSITIONS."""
         if self.band.is_full:
-            return jnp.int32(FULL)
-        if not self.band.is_causal:
-            return jnp.int32(POSITIONS)
-        if self.layout == "contiguous":
-            return jnp.where(source < shard, FULL, jnp.where(source == shard, CAUSAL, SKIP)).astype(jnp.int32)
-        return jnp.where(source < shard, KV_FIRST_HALF, jnp.where(source == shard, CAUSAL, Q_SECOND_HALF)).astype(
-            jnp.int32
-        )
+            return FULL
+        return CAUSAL if self.band.is_causal else POSITIONS
 
-    def cases(self) -> tuple:
-        if self.band.is_full:
-            return (FULL,)
-        if not self.band.is_causal:
-            return (POSITIONS,)
-        return (FULL, CAUSAL, SKIP) if self.layout == "contiguous" else (CAUSAL, KV_FIRST_HALF, Q_SECOND_HALF)
+    @property
+    def splits_causal_steps(self) -> bool:
+        """Whether later steps are causal ones: each then sees another shard's K/V whole or not at all (per
+        chunk), which `_foreign_pairs` turns into full attention on equal-shaped chunk pairs."""
+        return self.band.is_causal
 
 
 def _band_mask(band, q_pos, kv_pos):
@@ -131,9 +126,8 @@ def _band_mask(band, q_pos, kv_pos):
     return mask_mod
 
 
-def _options(plan, case, q_ids, kv_ids, q_pos, kv_pos):
-    """flash_attention's (and attention_backward's) keyword arguments for a FULL, CAUSAL or POSITIONS step; the
-    half cases slice their inputs down to a FULL step."""
+def _options(plan, case, q_ids=None, kv_ids=None, q_pos=None, kv_pos=None):
+    """flash_attention's (and attention_backward's) keyword arguments for a FULL, CAUSAL or POSITIONS call."""
     options = dict(plan.options)
     if q_ids is not None:
         options.update(segment_ids=q_ids, kv_segment_ids=kv_ids)
@@ -144,85 +138,124 @@ def _options(plan, case, q_ids, kv_ids, q_pos, kv_pos):
     return options
 
 
-def _cols(x, start, stop):
-    """x[:, start:stop] (a slice of the sequence axis), None for None."""
-    return None if x is None else x[:, start:stop]
+@dataclasses.dataclass(frozen=True)
+class _Pairs:
+    """A causal step against another shard's K/V, as full attention of query rows to key rows in equal-shaped
+    pieces stacked on the batch axis, the same calls on every device whatever the shard pair (no branch on
+    the device index: XLA runs a traced switch on the GPU by reading its index back to the host, stalling
+    the queue at every step).
+
+      * contiguous: the local queries against the held K/V whole (one piece); `seen` says whether they are
+        visible at all (the source comes earlier), else the piece counts for nothing;
+      * zig-zag (local chunks a, b; held chunks c, d): b always sees c whole; a sees c when the source comes
+        earlier, else b sees d; nothing else is visible. Two pieces: (b, c) and (a, c) or (b, d).
+    """
+
+    seen: jax.Array  # bool: the source shard comes before this one
+    zigzag: bool
+
+    def rows(self, x, axis=1):
+        """The pieces' query rows (or key rows, `keys`) of a local [B, T, ...] array, stacked on the batch."""
+        if x is None:
+            return None
+        if not self.zigzag:
+            return x
+        half = x.shape[axis] // 2
+        start = jnp.where(self.seen, 0, half)
+        second = lax.slice_in_dim(x, half, 2 * half, axis=axis)
+        return jnp.concatenate([second, lax.dynamic_slice_in_dim(x, start, half, axis=axis)], axis=0)
+
+    def keys(self, x):
+        if x is None or not self.zigzag:
+            return x
+        half = x.shape[1] // 2
+        start = jnp.where(self.seen, 0, half)
+        first = x[:, :half]
+        return jnp.concatenate([first, lax.dynamic_slice_in_dim(x, start, half, axis=1)], axis=0)
+
+    def unstack(self, x):
+        """(first piece, second piece) of a stacked result ([2B, ...]); (x, None) for one piece."""
+        if not self.zigzag:
+            return x, None
+        batch = x.shape[0] // 2
+        return x[:batch], x[batch:]
 
 
-def _step(plan, case, q, k, v, q_ids, kv_ids, q_pos, kv_pos):
-    """(out, lse) of the local queries against the K/V held now, for a case that involves every local query."""
-    if case == KV_FIRST_HALF:  # every local query sees the first key chunk whole, the second not at all
-        half = k.shape[1] // 2
-        options = _options(plan, FULL, q_ids, _cols(kv_ids, 0, half), q_pos, kv_pos)
-        return flash_attention(q, k[:, :half], v[:, :half], return_lse=True, **options)
-    return flash_attention(q, k, v, return_lse=True, **_options(plan, case, q_ids, kv_ids, q_pos, kv_pos))
+def _pairs(plan, shard, source):
+    return _Pairs(seen=source < shard, zigzag=plan.layout == "zigzag")
 
 
-def _merge_step(plan, case, acc, q, k, v, q_ids, kv_ids, q_pos, kv_pos):
-    """`acc` (out float32, lse) merged with the local queries' attention to the K/V held now, for one static case;
-    rows no key held is visible to are left as they are."""
-    if case == SKIP:
-        return acc
-    if case == Q_SECOND_HALF:  # the second query chunk sees every key held; the first sees none
-        half = q.shape[1] // 2
-        options = _options(plan, FULL, _cols(q_ids, half, None), kv_ids, q_pos, kv_pos)
-        part = flash_attention(q[:, half:], k, v, return_lse=True, **options)
-        out, lse = _merge((acc[0][:, half:], acc[1][:, :, half:]), part)
-        return acc[0].at[:, half:].set(out), acc[1].at[:, :, half:].set(lse)
-    return _merge(acc, _step(plan, case, q, k, v, q_ids, kv_ids, q_pos, kv_pos))
+def _foreign_forward(plan, pairs, q, k, v, q_ids, kv_ids):
+    """(out, lse) parts of a causal step against another shard's K/V: the pieces' attention, with lse -inf on
+    what the layout hides (see `_Pairs`); for `_merge_foreign`."""
+    options = _options(plan, FULL, pairs.rows(q_ids), pairs.keys(kv_ids))
+    return flash_attention(pairs.rows(q), pairs.keys(k), pairs.keys(v), return_lse=True, **options)
 
 
-def _add(acc, part, start=0):
-    """acc with `part` added to its sequence rows [start, start + len): in float32, rounded once to acc's dtype."""
-    stop = start + part.shape[1]
-    return acc.at[:, start:stop].set(
-        (acc[:, start:stop].astype(jnp.float32) + part.astype(jnp.float32)).astype(acc.dtype)
+def _merge_foreign(pairs, acc, part):
+    """`acc` (out float32, lse) merged with `_foreign_forward`'s part."""
+    out, lse = part
+    out = out.astype(jnp.float32)
+    hidden = jnp.float32(-jnp.inf)
+    if not pairs.zigzag:
+        return _merge(acc, (out, jnp.where(pairs.seen, lse, hidden)))
+    (out_bc, out_2), (lse_bc, lse_2) = pairs.unstack(out), pairs.unstack(lse)
+    half = acc[0].shape[1] // 2
+    first = _merge((acc[0][:, :half], acc[1][:, :, :half]), (out_2, jnp.where(pairs.seen, lse_2, hidden)))
+    second = _merge(
+        (acc[0][:, half:], acc[1][:, :, half:]), (out_bc, lse_bc), (out_2, jnp.where(pairs.seen, hidden, lse_2))
     )
+    return jnp.concatenate([first[0], second[0]], axis=1), jnp.concatenate([first[1], second[1]], axis=2)
 
 
-def _step_grad(plan, case, grads, q, k, v, q_ids, kv_ids, q_pos, kv_pos, out, lse, d_out, d_lse):
-    """`grads` (dq, dk, dv accumulators) plus the part of the ring's gradient that flows through the K/V held now,
-    for one static case, from the ring's merged (out, lse) and their cotangents (`attention_backward`); sliced as
-    `_step` slices, each part added to the rows it covers only."""
-    dq, dk, dv = grads
-    if case == SKIP:
-        return grads
-    if case == KV_FIRST_HALF:  # the second key chunk is seen by no local query: zero gradient
-        half = k.shape[1] // 2
-        options = _options(plan, FULL, q_ids, _cols(kv_ids, 0, half), q_pos, kv_pos)
-        parts = attention_backward(q, k[:, :half], v[:, :half], out, lse, d_out, d_lse, **options)
-        return _add(dq, parts[0]), _add(dk, parts[1]), _add(dv, parts[2])
-    if case == Q_SECOND_HALF:  # the first query chunk sees no key held: zero gradient
-        half = q.shape[1] // 2
-        options = _options(plan, FULL, _cols(q_ids, half, None), kv_ids, q_pos, kv_pos)
-        rows = (out[:, half:], lse[:, :, half:], d_out[:, half:], d_lse[:, :, half:])
-        parts = attention_backward(q[:, half:], k, v, *rows, **options)
-        return _add(dq, parts[0], half), _add(dk, parts[1]), _add(dv, parts[2])
-    options = _options(plan, case, q_ids, kv_ids, q_pos, kv_pos)
-    parts = attention_backward(q, k, v, out, lse, d_out, d_lse, **options)
-    return tuple(_add(g, p) for g, p in zip(grads, parts))
+def _foreign_backward(plan, pairs, q, k, v, q_ids, kv_ids, out, lse, d_out, d_lse):
+    """dq, dk, dv (float32, zero where the layout hides) of a causal step against another shard's K/V, from
+    the ring's merged out / lse and their cotangents: the same pieces as `_foreign_forward`."""
+    options = _options(plan, FULL, pairs.rows(q_ids), pairs.keys(kv_ids))
+    rows = (pairs.rows(out), pairs.rows(lse, axis=2), pairs.rows(d_out), pairs.rows(d_lse, axis=2))
+    dq, dk, dv = attention_backward(pairs.rows(q), pairs.keys(k), pairs.keys(v), *rows, **options)
+    zero = lambda x: jnp.zeros_like(x, jnp.float32)
+    f32 = lambda x: x.astype(jnp.float32)
+    if not pairs.zigzag:
+        return tuple(jnp.where(pairs.seen, f32(g), zero(g)) for g in (dq, dk, dv))
+    (dq_bc, dq_2), (dk_bc, dk_2), (dv_bc, dv_2) = (tuple(map(f32, pairs.unstack(g))) for g in (dq, dk, dv))
+    seen = lambda x: jnp.where(pairs.seen, x, zero(x))
+    unseen = lambda x: jnp.where(pairs.seen, zero(x), x)
+    dq = jnp.concatenate([seen(dq_2), dq_bc + unseen(dq_2)], axis=1)  # rows a, b
+    dk = jnp.concatenate([dk_bc + seen(dk_2), unseen(dk_2)], axis=1)  # rows c, d
+    dv = jnp.concatenate([dv_bc + seen(dv_2), unseen(dv_2)], axis=1)
+    return dq, dk, dv
 
 
-def _switch(plan, step, case, *args):
-    """`step` (`_merge_step` or `_step_grad`) for a traced case: one branch per case the plan can meet."""
-    cases = plan.cases()
-    if len(cases) == 1:
-        return step(plan, cases[0], *args)
-    index = sum(jnp.where(case == c, i, 0) for i, c in enumerate(cases))
-    return lax.switch(index, [functools.partial(step, plan, c) for c in cases], *args)
-
-
-def _merge(acc, part):
-    """Running (out float32 [B, Tq, H, D], lse [B, H, Tq]) merged with one step's (out, lse)."""
+def _merge(acc, *parts):
+    """Running (out float32 [B, Tq, H, D], lse [B, H, Tq]) merged with parts (out, lse)."""
     swap = lambda lse: jnp.swapaxes(lse, 1, 2)
-    out, lse = merge_attention_states([acc[0], part[0].astype(jnp.float32)], [swap(acc[1]), swap(part[1])])
+    outs = [acc[0]] + [part[0].astype(jnp.float32) for part in parts]
+    out, lse = merge_attention_states(outs, [swap(acc[1])] + [swap(part[1]) for part in parts])
     return out, swap(lse)
 
 
+def _add(acc, part):
+    """acc + part (float32), formed in float32 and rounded once to acc's dtype."""
+    return (acc.astype(jnp.float32) + part).astype(acc.dtype)
+
+
 def _rotate(tree, axis_name, num_shards):
-    """Every device's `tree` sent to the next device along the axis (device r receives r - 1's)."""
+    """Every device's `tree` sent to the next device along the axis (device r receives r - 1's). Arrays of one
+    dtype travel as one buffer: XLA keeps one collective in flight, so K and V sent apart would queue."""
+    leaves, treedef = jax.tree.flatten(tree)
     perm = [(i, (i + 1) % num_shards) for i in range(num_shards)]
-    return jax.tree.map(lambda x: lax.ppermute(x, axis_name, perm), tree)
+    arrived = [None] * len(leaves)
+    for dtype in dict.fromkeys(x.dtype for x in leaves):
+        group = [i for i, x in enumerate(leaves) if x.dtype == dtype]
+        flat = jnp.concatenate([leaves[i].reshape(-1) for i in group]) if len(group) > 1 else leaves[group[0]]
+        flat = lax.ppermute(flat, axis_name, perm)
+        offset = 0
+        for i in group:
+            size = leaves[i].size
+            arrived[i] = flat[offset : offset + size].reshape(leaves[i].shape) if len(group) > 1 else flat
+            offset += size
+    return jax.tree.unflatten(treedef, arrived)
 
 
 def _positions(plan, axis_name, q_len, kv_len, t):
@@ -241,15 +274,23 @@ def _ring(plan, axis_name, q, k, v, q_ids, kv_ids):
 
 
 def _ring_forward(plan, axis_name, q, k, v, q_ids, kv_ids):
-    batch, q_len, heads, dim = q.shape
-    acc = (jnp.zeros(q.shape, jnp.float32), jnp.full((batch, heads, q_len), -jnp.inf, jnp.float32))
+    q_len, kv_len = q.shape[1], k.shape[1]
     held = (k, v, kv_ids)
+    acc = None
     for t in range(plan.num_shards):
         if t + 1 < plan.num_shards:  # issued before this step's kernel: the transfer runs under it
             arriving = _rotate(held, axis_name, plan.num_shards)
-        shard, source, q_pos, kv_pos = _positions(plan, axis_name, q_len, k.shape[1], t)
-        step = (q, held[0], held[1], q_ids, held[2], q_pos, kv_pos)
-        acc = _switch(plan, _merge_step, plan.case(shard, source), acc, *step)
+        shard, source, q_pos, kv_pos = _positions(plan, axis_name, q_len, kv_len, t)
+        if t == 0:
+            out, lse = flash_attention(q, k, v, return_lse=True, **_options(plan, plan.own_case(), q_ids, kv_ids,
+                                                                            q_pos, kv_pos))  # fmt: skip
+            acc = (out.astype(jnp.float32), lse)
+        elif plan.splits_causal_steps:
+            pairs = _pairs(plan, shard, source)
+            acc = _merge_foreign(pairs, acc, _foreign_forward(plan, pairs, q, held[0], held[1], q_ids, held[2]))
+        else:
+            options = _options(plan, plan.own_case(), q_ids, held[2], q_pos, kv_pos)
+            acc = _merge(acc, flash_attention(q, held[0], held[1], return_lse=True, **options))
         if t + 1 < plan.num_shards:
             held = arriving
     return acc[0].astype(q.dtype), acc[1]
@@ -261,7 +302,8 @@ def _ring_fwd(plan, axis_name, q, k, v, q_ids, kv_ids):
 
 
 def _accumulator_dtype(num_shards: int, dtype):
-    """The dtype a ring's gradient accumulates in (`_ring_bwd`): the input's on two devices, else float32."""
+    """The dtype the dK/dV of other shards' K/V travel in (`_ring_bwd`): the input's on two devices (one
+    sum, sent once), else float32."""
     return dtype if num_shards == 2 else jnp.float32
 
 
@@ -269,25 +311,44 @@ def _ring_bwd(plan, axis_name, residuals, cotangents):
     """Each step's part of the gradient from the backward kernels on the merged (out, lse) and their cotangents:
     with the whole row's lse, a step's probabilities exp(S - lse) are exactly its keys' share of the merged
     softmax, and delta = rowsum(d out * out) - d lse is the whole row's, so no step's forward runs again (as
-    ring-flash-attention). dK/dV travel with their K/V, arriving home after the last step's rotation.
+    ring-flash-attention).
 
-    Each gradient sums one part per step, each rounded to its input's dtype by the kernels. On two devices the
-    accumulators keep the inputs' dtypes: a bf16 sum of two parts, formed in float32 and rounded once, has the
-    bits of a float32 accumulator's rounded result, at half the bytes held and sent. From three devices on they
-    are float32, which keeps the running sums unrounded."""
+    A device's own K/V gradient stays home; from the second step on, the dK/dV of the K/V a device holds travel
+    with them (from the device that first saw them to each next one, then home: one rotation fewer than
+    steps). dQ sums in float32 and is rounded once; the travelling dK/dV are float32 from three devices on and
+    in the inputs' dtype on two (one step's sum, sent once), then added to the home part in float32."""
     q, k, v, q_ids, kv_ids, out, lse = residuals
     d_out, d_lse = cotangents
-    dq, dk, dv = (jnp.zeros(x.shape, _accumulator_dtype(plan.num_shards, x.dtype)) for x in (q, k, v))
     held = (k, v, kv_ids)
+    travelling = None
     for t in range(plan.num_shards):
         if t + 1 < plan.num_shards:
             arriving = _rotate(held, axis_name, plan.num_shards)
         shard, source, q_pos, kv_pos = _positions(plan, axis_name, q.shape[1], k.shape[1], t)
-        step = (q, held[0], held[1], q_ids, held[2], q_pos, kv_pos, out, lse, d_out, d_lse)
-        dq, dk, dv = _switch(plan, _step_grad, plan.case(shard, source), (dq, dk, dv), *step)
-        dk, dv = _rotate((dk, dv), axis_name, plan.num_shards)  # toward the next holder of these K/V (home, last)
+        if t == 0:
+            options = _options(plan, plan.own_case(), q_ids, kv_ids, q_pos, kv_pos)
+            dq, dk_home, dv_home = attention_backward(q, k, v, out, lse, d_out, d_lse, **options)
+            dq = dq.astype(jnp.float32)
+        else:
+            if plan.splits_causal_steps:
+                pairs = _pairs(plan, shard, source)
+                parts = _foreign_backward(plan, pairs, q, held[0], held[1], q_ids, held[2], out, lse, d_out, d_lse)
+            else:
+                options = _options(plan, plan.own_case(), q_ids, held[2], q_pos, kv_pos)
+                parts = attention_backward(q, held[0], held[1], out, lse, d_out, d_lse, **options)
+                parts = tuple(g.astype(jnp.float32) for g in parts)
+            dq = dq + parts[0]
+            dtype = _accumulator_dtype(plan.num_shards, k.dtype)
+            if travelling is None:
+                travelling = tuple(g.astype(dtype) for g in parts[1:])
+            else:
+                travelling = tuple(_add(acc, g) for acc, g in zip(travelling, parts[1:]))
+            travelling = _rotate(travelling, axis_name, plan.num_shards)  # to the next holder; home, last
         if t + 1 < plan.num_shards:
             held = arriving
+    dk, dv = dk_home, dv_home
+    if travelling is not None:
+        dk, dv = (home.astype(jnp.float32) + away.astype(jnp.float32) for home, away in zip((dk, dv), travelling))
     no_grad = lambda ids: None if ids is None else np.zeros(ids.shape, jax.dtypes.float0)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), no_grad(q_ids), no_grad(kv_ids)
 
@@ -308,7 +369,7 @@ def _all_gather(plan, axis_name, q, k, v, q_ids, kv_ids):
         [shard_positions(k.shape[1], s, plan.num_shards, plan.layout) for s in range(plan.num_shards)]
     )
     case = FULL if plan.band.is_full else POSITIONS
-    return _step(plan, case, q, k_all, v_all, q_ids, kv_ids_all, q_pos, kv_pos)
+    return flash_attention(q, k_all, v_all, return_lse=True, **_options(plan, case, q_ids, kv_ids_all, q_pos, kv_pos))
 
 
 # ---- public entry points ------------------------------------------------------------------------------------------

@@ -21,14 +21,18 @@ import pathlib
 
 
 def gpu_kernel_summary(trace_dir: str, steps: int, top: int = 12) -> str:
-    """The device's time per step (or call) from a perfetto trace: busy time, wall span, and the kernels that
-    take the most of it (name, ms per step, share of busy time)."""
+    """The first GPU's time per step (or call) from a perfetto trace: busy time, wall span, and the kernels that
+    take the most of it (name, ms per step, share of busy time). One GPU's: on a mesh every device runs the same
+    program, and a union over devices would hide one device's idle time under another's kernels."""
     path = sorted(pathlib.Path(trace_dir).glob("**/perfetto_trace.json.gz"))[-1]
     events = json.load(gzip.open(path))["traceEvents"]
     devices = {
-        e["pid"] for e in events if e.get("name") == "process_name" and e["args"]["name"].startswith("/device:GPU")
+        e["args"]["name"]: e["pid"]
+        for e in events
+        if e.get("name") == "process_name" and e["args"]["name"].startswith("/device:GPU")
     }
-    kernels = [e for e in events if e.get("ph") == "X" and e["pid"] in devices]
+    first = devices[min(devices)] if devices else None
+    kernels = [e for e in events if e.get("ph") == "X" and e["pid"] == first]
     if not kernels:
         names = sorted({e["args"]["name"] for e in events if e.get("name") == "process_name"})
         return f"no device events in the trace; its processes: {names}"

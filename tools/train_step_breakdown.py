@@ -1,7 +1,7 @@
 """Where a training step of the trainer's `small` preset spends its time, on the GPU (flash's tokens/s against dense's).
 
     python -m tools.train_step_breakdown [--seq-len 4096] [--batch-size 4] [--profile DIR]
-        [--compiler-option NAME=VALUE ...]
+        [--compiler-option NAME=VALUE ...] [--mesh data=D,context=C] [--attentions flash,dense,none]
 
 Times the jitted train step (forward, backward, AdamW update) of the `small` GPT at the given context with three
 attentions: "flash" (what the trainer runs), "dense" (XLA), and "none" (attention replaced by returning the
@@ -10,7 +10,9 @@ values: the cost of everything but attention). Prints ms per step three ways: sy
 (if it is as long as a queued step, the step is bound by the host, not the GPU); then XLA's cost analysis (FLOPs,
 bytes accessed) and how many kernels the step launches. The step threads its parameters and optimiser state
 from call to call, so it is timed here rather than by `benchmarks.timing` (which repeats fixed arguments). The
-summary's speed-up and shares are from the queued times. With --profile DIR, also the device's busy time per step
+summary's speed-up and shares are from the queued times. With --mesh, the step runs as the trainer runs it on that
+mesh (batches placed by `shard_batch`, flash as ring attention), and profiles count the first GPU's kernels.
+With --profile DIR, also the device's busy time per step
 and the kernels that take it, from a trace of 5 queued steps (`tools.kernel_breakdown.gpu_kernel_summary`). Each
 line ends with a hash of the parameters after 5 steps from the seed's initialisation, taken twice: compare them
 within the process, and across two runs, to see whether training there is bitwise reproducible (and with which
@@ -30,7 +32,7 @@ import numpy as np
 from tools.kernel_breakdown import gpu_kernel_summary
 from train import data as data_lib
 from train.config import PRESETS
-from train.loop import init_model, make_optimizer, make_steps
+from train.loop import init_model, make_mesh, make_optimizer, make_steps, replicate, shard_batch
 
 
 def values_only(query, key, value, **_):
@@ -56,8 +58,9 @@ def kernel_count(compiled) -> dict[str, int]:
 def fingerprint(compiled, cfg, attention, batches, steps=5) -> str:
     """A hash of the parameters after `steps` steps from the seed's initialisation: equal hashes from two
     calls (or two processes) mean the step is bitwise reproducible there."""
-    _, params, rest = init_model(cfg, attention)
-    opt_state = make_optimizer(cfg).init(params)
+    mesh = make_mesh(cfg)
+    _, params, rest = init_model(cfg, attention, mesh=mesh)
+    opt_state = replicate(make_optimizer(cfg).init(params), mesh)
     for batch in batches[:steps]:
         params, opt_state, rest, _ = compiled(params, opt_state, rest, batch)
     digest = hashlib.sha1()
@@ -70,15 +73,16 @@ def time_step(cfg, attention, compiler_options, steps=20, profile_dir=None):
     """Times the compiled step three ways: synchronised one by one, queued back to back (what the trainer
     does between its log syncs), and the host's dispatch alone (how long a call takes to return)."""
     dataset = data_lib.make_dataset(cfg)
-    graphdef, params, rest = init_model(cfg, attention)
+    mesh = make_mesh(cfg)
+    model = cfg.model_config(attention, mesh=mesh)
+    graphdef, params, rest = init_model(cfg, attention, mesh=mesh)
     tx = make_optimizer(cfg)
-    opt_state = tx.init(params)
-    train_step, _ = make_steps(graphdef, tx)
-    batch = dataset.train_batch(0)
-    compiled = train_step.lower(params, opt_state, rest, batch).compile(compiler_options or None)
+    opt_state = replicate(tx.init(params), mesh)
+    train_step, _ = make_steps(graphdef, tx, mesh=mesh)
+    batches = [shard_batch(dataset.train_batch(i), mesh, model) for i in range(2 * steps + 3)]
+    compiled = train_step.lower(params, opt_state, rest, batches[0]).compile(compiler_options or None)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    batches = [jax.device_put(dataset.train_batch(i)) for i in range(2 * steps + 3)]
     prints = [fingerprint(compiled, cfg, attention, batches) for _ in range(2)]
     synced = []
     for i, b in enumerate(batches[: steps + 3]):
@@ -110,8 +114,9 @@ def time_step(cfg, attention, compiler_options, steps=20, profile_dir=None):
     bytes_accessed = (cost or {}).get("bytes accessed", float("nan"))
     name = attention if isinstance(attention, str) else "none"
     print(
-        f"STEP attention={name} seq={cfg.seq_len} batch={cfg.batch_size}: synchronised {ms:.2f} ms/step "
-        f"(min {1e3 * min(synced):.2f}); queued {queued_ms:.2f} ms/step ({tokens / queued_ms * 1e3:,.0f} tokens/s); "
+        f"STEP attention={name} seq={cfg.seq_len} batch={cfg.batch_size} mesh={cfg.mesh}: "
+        f"synchronised {ms:.2f} ms/step (min {1e3 * min(synced):.2f}); "
+        f"queued {queued_ms:.2f} ms/step ({tokens / queued_ms * 1e3:,.0f} tokens/s); "
         f"host dispatch {1e3 * statistics.median(dispatch):.2f} ms/call; XLA cost: {flops / 1e12:.2f} TFLOP, "
         f"{bytes_accessed / 1e9:.2f} GB accessed; launches {kernel_count(compiled)}; parameters after 5 steps "
         f"{' / '.join(prints)} ({'the same' if prints[0] == prints[1] else 'DIFFERENT'} in this process)"
@@ -136,6 +141,12 @@ def main(argv=None):
         metavar="NAME=VALUE",
         help="an XLA option for the step's compilation, e.g. xla_gpu_graph_min_graph_size=1",
     )
+    parser.add_argument("--mesh", help="the trainer's --mesh (data=D,context=C): the step as it runs there")
+    parser.add_argument(
+        "--attentions",
+        default="flash,dense,none",
+        help="which of flash, dense and none (attention skipped) to time; the summary needs all three",
+    )
     parser.add_argument(
         "--profile",
         metavar="DIR",
@@ -144,18 +155,20 @@ def main(argv=None):
     args = parser.parse_args(argv)
     jax.numpy.zeros(())  # initialise the backend before timing
     compiler_options = dict(option.split("=", 1) for option in args.compiler_option)
-    cfg = dataclasses.replace(PRESETS["small"], seq_len=args.seq_len, batch_size=args.batch_size)
+    cfg = dataclasses.replace(PRESETS["small"], seq_len=args.seq_len, batch_size=args.batch_size, mesh=args.mesh)
     print("jax", jax.__version__, jax.devices()[0].device_kind, "compiler options", compiler_options, flush=True)
-    results = {
-        name: time_step(cfg, attention, compiler_options, profile_dir=args.profile)
-        for name, attention in (("flash", "flash"), ("dense", "dense"), ("none", values_only))
-    }
-    print(
-        f"SUMMARY flash/dense speed-up {results['dense'] / results['flash']:.2f}x; without attention "
-        f"{results['none']:.2f} ms: attention takes {results['flash'] - results['none']:.2f} ms (flash) and "
-        f"{results['dense'] - results['none']:.2f} ms (dense) of a step",
-        flush=True,
-    )
+    attentions = {"flash": "flash", "dense": "dense", "none": values_only}
+    names = args.attentions.split(",")
+    if unknown := set(names) - set(attentions):
+        parser.error(f"--attentions takes flash, dense and none, got {sorted(unknown)}")
+    results = {name: time_step(cfg, attentions[name], compiler_options, profile_dir=args.profile) for name in names}
+    if len(results) == 3:
+        print(
+            f"SUMMARY flash/dense speed-up {results['dense'] / results['flash']:.2f}x; without attention "
+            f"{results['none']:.2f} ms: attention takes {results['flash'] - results['none']:.2f} ms (flash) and "
+            f"{results['dense'] - results['none']:.2f} ms (dense) of a step",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":
