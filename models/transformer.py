@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax import lax
 from jax.sharding import Mesh
@@ -144,10 +145,12 @@ class TransformerConfig:
         return self.context_layout == "zigzag" and self.context_shards > 1
 
     def sequence_positions(self, seq: int):
-        """The global positions of a [.., seq] input's tokens, int32 [seq] (None: 0..seq-1, natural order)."""
+        """The global positions of a [.., seq] input's tokens, a NumPy int32 [seq] (None: 0..seq-1, natural
+        order). NumPy, not a device array: the trainer permutes every batch with it on the host, where reading a
+        device array back would wait for the queued steps."""
         if not self.permutes_sequences:
             return None
-        return jnp.asarray(zigzag_order(seq, self.context_shards), jnp.int32)
+        return zigzag_order(seq, self.context_shards).astype(np.int32)
 
     def attention_fn(self) -> Callable:
         """The configured attention as a Flax `attention_fn`."""

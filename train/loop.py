@@ -80,7 +80,7 @@ def shard_batch(batch: dict, mesh: Mesh | None, model: GPTConfig | None = None) 
     if mesh is None:
         return batch
     if model is not None and model.permutes_sequences:  # a permuted window's token order is its positions
-        batch = {k: v[:, np.asarray(model.sequence_positions(v.shape[1]))] if np.ndim(v) == 2 else v
+        batch = {k: v[:, model.sequence_positions(v.shape[1])] if np.ndim(v) == 2 else v
                  for k, v in batch.items()}  # fmt: skip
     return {k: jax.device_put(v, NamedSharding(mesh, P(*MESH_AXES[: np.ndim(v)]))) for k, v in batch.items()}
 
