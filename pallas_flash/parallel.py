@@ -154,24 +154,22 @@ class _Pairs:
     seen: jax.Array  # bool: the source shard comes before this one
     zigzag: bool
 
-    def rows(self, x, axis=1):
-        """The pieces' query rows (or key rows, `keys`) of a local [B, T, ...] array, stacked on the batch."""
-        if x is None:
-            return None
-        if not self.zigzag:
-            return x
-        half = x.shape[axis] // 2
-        start = jnp.where(self.seen, 0, half)
-        second = lax.slice_in_dim(x, half, 2 * half, axis=axis)
-        return jnp.concatenate([second, lax.dynamic_slice_in_dim(x, start, half, axis=axis)], axis=0)
-
-    def keys(self, x):
+    def _stack(self, x, fixed: int, axis: int):
+        """Chunk `fixed` (0 or 1) of a local [B, T, ...] array's two chunks along `axis`, then the second piece's
+        chunk (the first chunk when the source comes earlier, else the second), stacked on the batch axis."""
         if x is None or not self.zigzag:
             return x
-        half = x.shape[1] // 2
-        start = jnp.where(self.seen, 0, half)
-        first = x[:, :half]
-        return jnp.concatenate([first, lax.dynamic_slice_in_dim(x, start, half, axis=1)], axis=0)
+        half = x.shape[axis] // 2
+        chosen = lax.dynamic_slice_in_dim(x, jnp.where(self.seen, 0, half), half, axis=axis)
+        return jnp.concatenate([lax.slice_in_dim(x, fixed * half, (fixed + 1) * half, axis=axis), chosen], axis=0)
+
+    def rows(self, x, axis=1):
+        """The pieces' query rows of a local [B, T, ...] array (lse: axis 2): b, then a or b."""
+        return self._stack(x, 1, axis)
+
+    def keys(self, x):
+        """The pieces' key rows of a held [B, T, ...] array: c, then c or d."""
+        return self._stack(x, 0, 1)
 
     def unstack(self, x):
         """(first piece, second piece) of a stacked result ([2B, ...]); (x, None) for one piece."""

@@ -131,8 +131,23 @@ def test_ring_backward_runs_no_forward(layout, monkeypatch):
     steps = devices  # one call per step: the own shard, then the pieces stacked on the batch axis
     assert counts == {"flash_attention": steps}
     counts.clear()
-    jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(x, x, x)
+    jaxpr = jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(x, x, x)
     assert counts == {"flash_attention": steps, "attention_backward": steps}
+    # XLA's GPU runtime runs a cond by reading its index back to the host: a ring step must not branch.
+    assert not _primitives(jaxpr.jaxpr) & {"cond", "switch"}
+
+
+def _primitives(jaxpr) -> set[str]:
+    """Names of the primitives in a jaxpr and every jaxpr nested in its equations' parameters."""
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    names |= _primitives(inner)
+    return names
 
 
 def test_two_device_accumulators(monkeypatch):
