@@ -36,8 +36,21 @@ def pad_axis(x, axis: int, size: int):
 
 
 def padded_head_dim(head_dim: int) -> int:
-    """head_dim as the kernel runs it: a multiple of the 64-element swizzle tile."""
+    """head_dim as the backward kernels run it: a multiple of the 64-element swizzle tile."""
     return round_up(head_dim, HEAD_DIM_TILE)
+
+
+def forward_head_dim(head_dim: int) -> int:
+    """head_dim as the forward runs it: a multiple of 32 (96 and 160 run as they are, on 64-byte swizzled tiles;
+    80 runs at 96), so a head size between multiples of 64 pays for no more than 31 padded columns."""
+    return round_up(head_dim, HEAD_DIM_TILE // 2)
+
+
+def head_dim_transforms(head_dim: int, itemsize: int = 2):
+    """Shared-memory transforms of a [rows, head_dim] tile for wgmma: (8, S)-element tiles under an S-element
+    swizzle, S the widest of 128 and 64 bytes that divides a row (128: no bank conflicts on any read)."""
+    swizzle = 128 if head_dim * itemsize % 128 == 0 else 64
+    return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
 def register_ops(interpreting: bool):

@@ -46,8 +46,9 @@ key positions (`masks.dropout_keep_mask`'s bits); P V takes the kept probabiliti
 LSE is of the softmax before dropout), and the kept ones' 1 / (1 - rate) joins the epilogue's 1 / l.
 
 Ragged lengths are padded in the wrapper (queries to `2 * block_q`, keys to `block_kv`); the padded keys are
-masked in the last key block, the padded query rows sliced off. head_dim is padded to a multiple of 64 (the
-wgmma contraction tile with a 128-byte swizzle). GQA is an index map: query head h reads kv head
+masked in the last key block, the padded query rows sliced off. head_dim is padded to a multiple of 32
+(`forward_head_dim`): multiples of 64 run on 128-byte swizzled tiles, the others (96, 160) on 64-byte ones, whose
+wgmma contraction groups are 32 columns. GQA is an index map: query head h reads kv head
 h // (num_heads // num_kv_heads). Value may have a head_dim of its own (DeepSeek's MLA: 192 for query and key,
 128 for value): Q and K tiles at query's, V tiles, the accumulator and the output at value's (then the output
 tile has its own shared memory, never Q's).
@@ -71,7 +72,6 @@ from pallas_flash import block_sparse, blocks, masks, mods
 from pallas_flash.block_sparse import BlockMask
 from pallas_flash.blocks import LOG2E
 from pallas_flash.hopper.common import (
-    HEAD_DIM_TILE,
     KERNEL_STATIC_ARGNAMES,
     DenseMods,
     biased_logits,
@@ -81,6 +81,8 @@ from pallas_flash.hopper.common import (
     dense_tiles,
     dot_t,
     drain_ring,
+    forward_head_dim,
+    head_dim_transforms,
     intersect_ranges,
     load_own_ids,
     mask_block_ranges,
@@ -90,7 +92,6 @@ from pallas_flash.hopper.common import (
     outside_hull_hidden,
     pack_mod_stacks,
     pad_axis,
-    padded_head_dim,
     program_logits,
     program_mask,
     query_tile_schedule,
@@ -841,8 +842,10 @@ def _forward_padded(
     kv_heads, head_dim_v = k.shape[2], v.shape[3]
     num_q_tiles = q_pad // (NUM_CONSUMERS * config.block_q)
     has_segments = q_ids is not None
-    # 128-byte swizzle over (8, 64)-element tiles: the layout wgmma reads without bank conflicts.
-    transforms = (plgpu.TilingTransform((8, HEAD_DIM_TILE)), plgpu.SwizzleTransform(128))
+    # Swizzled (8, S)-element tiles, the layout wgmma reads: Q and K share one (S = Q K^T's contraction group),
+    # V and the output their own.
+    transforms = head_dim_transforms(head_dim, q.dtype.itemsize)
+    transforms_v = head_dim_transforms(head_dim_v, v.dtype.itemsize)
     tile_bytes = sum(x.dtype.itemsize for x in dense_arrays if x is not None)
 
     persistent_ctas = None
@@ -856,7 +859,7 @@ def _forward_padded(
         kv_bytes_per_head=k.shape[1] * (head_dim + head_dim_v) * k.dtype.itemsize * kv_heads // heads,
     )
     q_tile = plgpu.SMEM((NUM_CONSUMERS, config.block_q, head_dim), q.dtype, transforms=transforms)
-    out_tile = plgpu.SMEM((NUM_CONSUMERS, config.block_q, head_dim_v), q.dtype, transforms=transforms)
+    out_tile = plgpu.SMEM((NUM_CONSUMERS, config.block_q, head_dim_v), q.dtype, transforms=transforms_v)
 
     # Named for profiles and traces (Mosaic GPU calls the kernel `<name>_mosaic_gpu_kernel`).
     def flash_forward_sm90(q_ref, k_ref, v_ref, *refs):
@@ -870,7 +873,7 @@ def _forward_padded(
             q_tile,
             out_tile if config.separate_out(head_dim, q.dtype.itemsize, tile_bytes, head_dim_v) else None,
             plgpu.SMEM((config.num_stages, config.block_kv, head_dim), k.dtype, transforms=transforms),
-            plgpu.SMEM((config.num_stages, config.block_kv, head_dim_v), v.dtype, transforms=transforms),
+            plgpu.SMEM((config.num_stages, config.block_kv, head_dim_v), v.dtype, transforms=transforms_v),
             plgpu.SMEM((NUM_CONSUMERS, config.block_q), jnp.float32),
         )
         segments = None
@@ -1068,7 +1071,7 @@ def hopper_forward(
     jax._src.pallas.mosaic_gpu.interpret.params) runs the kernel in the Mosaic GPU interpreter on CPU."""
     band = masks.Band.of(is_causal, local_window_size)
     q_len, kv_len, head_dim, head_dim_v = query.shape[1], key.shape[1], query.shape[3], value.shape[3]
-    padded_dim, padded_dim_v = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
+    padded_dim, padded_dim_v = forward_head_dim(head_dim), forward_head_dim(head_dim_v)
     dense = DenseMods(bias is not None, mask is not None, logits_soft_cap, hide_outside_hull=block_mask is not None)
     tile_bytes = dense_tile_bytes(None if bias is None else bias.dtype, mask is not None)
     config = config or default_config(padded_dim, kv_len, band, tile_bytes, padded_dim_v)

@@ -33,7 +33,7 @@ from pallas_flash.block_sparse import BlockMask
 from pallas_flash.config import KernelConfig
 from pallas_flash.hopper import bwd as hopper_bwd
 from pallas_flash.hopper import fwd as hopper_fwd
-from pallas_flash.hopper.common import SUPPORTED_DTYPES, padded_head_dim
+from pallas_flash.hopper.common import SUPPORTED_DTYPES, forward_head_dim
 from pallas_flash.hopper.config import H100_SHARED_MEMORY, NUM_CONSUMERS, HopperBwdConfig, HopperConfig
 from pallas_flash.portable import vjp as portable
 
@@ -59,8 +59,8 @@ def _hopper_config(
     `block_mask` served by its ranges to key blocks that divide its own (`_divide`)."""
     if config.hopper is not None:
         return config.hopper
-    padded_v = padded_head_dim(head_dim_v or head_dim)
-    chosen = hopper_fwd.default_config(padded_head_dim(head_dim), kv_len, band, tile_bytes, padded_v)
+    padded_v = forward_head_dim(head_dim_v or head_dim)
+    chosen = hopper_fwd.default_config(forward_head_dim(head_dim), kv_len, band, tile_bytes, padded_v)
     if chosen is None or block_mask is None:
         return chosen
     return dataclasses.replace(chosen, block_kv=_divide(chosen.block_kv, block_mask.block_kv))
@@ -161,7 +161,7 @@ def unsupported_reason(
     hopper_config = _hopper_config(config, head_dim, key.shape[1], band, tile_bytes, head_dim_v, block_mask)
     if hopper_config is None:
         return f"no forward tiles fit shared memory at {dims}{dense}"
-    needed = hopper_config.smem_bytes(padded_head_dim(head_dim), 2, tile_bytes, padded_head_dim(head_dim_v))
+    needed = hopper_config.smem_bytes(forward_head_dim(head_dim), 2, tile_bytes, forward_head_dim(head_dim_v))
     needed += hopper_fwd.mod_smem_bytes(*staged, hopper_config)
     if needed > H100_SHARED_MEMORY:
         return f"{hopper_config} needs {needed} bytes of shared memory at {dims}{dense}"

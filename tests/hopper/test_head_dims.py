@@ -78,6 +78,8 @@ FORWARD_CASES = {
         dict(local_window_size=(90, 20), segments=(70,)),
         HopperConfig(64, 64, 2, overlap=True),
     ),
+    # head_dim 80 runs at 96 (`forward_head_dim`: 64-byte swizzled tiles), value 64 at its own 128-byte ones
+    "80_64_causal": ((1, 130, 100, 2, 1, 80, 64), dict(is_causal=True), HopperConfig(64, 64, 2)),
 }
 
 
@@ -191,7 +193,7 @@ def test_backward_at_head_dims_in_mosaic_gpu_interpreter(case):
 
 # ---- lowering -----------------------------------------------------------------------------------------------
 
-LOWERING_DIMS = [(192, 128), (128, 64), (256, 256), (256, 128), (192, 192)]
+LOWERING_DIMS = [(192, 128), (128, 64), (96, 96), (256, 256), (256, 128), (192, 192)]
 
 
 def _abstract(head_dims, batch=2, q_len=300, kv_len=333, heads=4, kv_heads=2):
@@ -209,7 +211,8 @@ def _abstract(head_dims, batch=2, q_len=300, kv_len=333, heads=4, kv_heads=2):
 @pytest.mark.parametrize("head_dims", LOWERING_DIMS[:3], ids=lambda d: f"{d[0]}-{d[1]}")
 def test_forward_at_head_dims_lowers_for_gpu(head_dims, schedule):
     """The forward at its default tiles for these head dims (and persistent, and overlapped) goes through Mosaic
-    GPU's lowering, causal, ragged and GQA."""
+    GPU's lowering, causal, ragged and GQA (96: Q and K tiles under a 64-byte swizzle, wgmma's contraction in
+    32-column groups)."""
     q, k, v, _, _ = _abstract(head_dims)
     config = hopper_fwd.default_config(*head_dims[:1], 333, masks.Band.of(True, None), 0, head_dims[1])
     if schedule != "default":
@@ -262,6 +265,21 @@ def test_split_columns_with_a_score_program_and_dropout_lowers_for_gpu():
 # ---- configs and dispatch (CPU, nothing runs) -------------------------------------------------------------------
 
 
+@pytest.mark.parametrize(
+    "head_dim, runs_at, swizzle",
+    [(64, 64, 128), (80, 96, 64), (96, 96, 64), (112, 128, 128), (128, 128, 128), (160, 160, 64), (192, 192, 128)],
+)
+def test_forward_head_dims_and_their_swizzle(head_dim, runs_at, swizzle):
+    """The forward pads head_dim to a multiple of 32 only, and tiles a row under the widest swizzle that divides
+    it (its wgmma contraction groups): 96 and 160 run unpadded on 64-byte swizzles."""
+    from pallas_flash.hopper.common import forward_head_dim, head_dim_transforms
+
+    assert forward_head_dim(head_dim) == runs_at
+    tiling, swizzled = head_dim_transforms(runs_at)
+    assert (tiling.tiling, swizzled.swizzle) == ((8, swizzle // 2), swizzle)
+    assert runs_at % (swizzle // 2) == 0
+
+
 @pytest.mark.parametrize("head_dims", [(192, 128), (128, 64), (256, 256), (256, 128), (64, 128), (96, 96)])
 def test_default_tiles_fit_at_head_dims(head_dims):
     """The default forward and backward tiles fit an H100's shared memory at these (padded) head dims; the
@@ -309,12 +327,12 @@ def test_head_dims_without_tiles_are_refused_by_name(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize(
-    "head_dims", [(192, 128), (128, 64), (256, 256), (96, 96), (192, 192)], ids=lambda d: f"{d[0]}-{d[1]}"
+    "head_dims", [(192, 128), (128, 64), (256, 256), (96, 96), (80, 80), (192, 192)], ids=lambda d: f"{d[0]}-{d[1]}"
 )
 def test_head_dims_on_hopper(head_dims, is_causal):
     """On sm90, flash_attention(implementation="mosaic") and its gradients at MLA's head dims, at head_dim 256 (the
-    Hopper backward, split_columns), 96 (padded to 128) and square 192 (the backward at 256), ragged, GQA, against
-    the float32 reference."""
+    Hopper backward, split_columns), 96 and 80 (the forward at 96 on 64-byte swizzled tiles, the backward padded to
+    128) and square 192 (the backward at 256), ragged, GQA, against the float32 reference."""
     if not device.on_hopper_gpu():
         pytest.skip("needs an sm90 GPU")
     shape = (2, 333, 460, 4, 2, *head_dims)
