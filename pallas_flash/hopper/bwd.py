@@ -73,6 +73,7 @@ from pallas_flash.hopper.common import (
     and_classes,
     coarsen_block_classes,
     dense_operands,
+    forward_head_dim,
     mask_block_ranges,
     pack_mod_stacks,
     pad_axis,
@@ -86,11 +87,13 @@ from pallas_flash.hopper.fwd import KernelMods, dense_tile_bytes, kernel_dropout
 
 def backward_head_dims(head_dim: int, head_dim_v: int | None = None) -> tuple[int, int]:
     """The (query/key, value) head dims the backward computes at for these head dims (value's None: head_dim):
-    each padded to the 64-element tile; where a consumer's dK and dV then need `split_columns` (they would not fit
-    its registers) but half a head_dim is not whole 64-column tiles (192, 160), both padded on to multiples of
-    128: zero columns change no gradient, and the Hopper passes at 256 serve them (the portable backward ran
-    192 at ~150 TFLOP/s on the H100)."""
-    dims = padded_head_dim(head_dim), padded_head_dim(head_dim_v or head_dim)
+    96 (and 65-96) at 96, on 64-byte swizzled tiles (`common.head_dim_transforms`); the others padded to the
+    64-element tile; where a consumer's dK and dV then need `split_columns` (they would not fit its registers)
+    but half a head_dim is not whole 64-column tiles (192, 160), both padded on to multiples of 128: zero columns
+    change no gradient, and the Hopper passes at 256 serve them (the portable backward ran 192 at ~150 TFLOP/s on
+    the H100)."""
+    at = lambda d: 96 if forward_head_dim(d) == 96 else padded_head_dim(d)
+    dims = at(head_dim), at(head_dim_v or head_dim)
     if HopperBwdConfig.needs_split_columns(*dims) and not HopperBwdConfig.can_split_columns(*dims):
         dims = tuple(round_up(d, NUM_CONSUMERS * HEAD_DIM_TILE) for d in dims)
     return dims
@@ -152,6 +155,12 @@ def check_config(
         raise ValueError(
             f"{config}: split_columns halves the head dims into whole 64-column tiles, but they are {head_dim} "
             f"(query, key) and {head_dim_v or head_dim} (value)"
+        )
+    if config.dq_atomic and (head_dim % HEAD_DIM_TILE or (head_dim_v or head_dim) % HEAD_DIM_TILE):
+        raise ValueError(
+            f"{config}: the one-pass dq_atomic backward shares 128-byte swizzled dS tiles with Q and K, so it takes "
+            f"head dims that are multiples of {HEAD_DIM_TILE}, got {head_dim} and {head_dim_v or head_dim}; use "
+            "dq_atomic=False (the two passes)"
         )
     if config.dq_atomic and dq_split(head_dim, config.block_q_dkv) is None:
         raise ValueError(

@@ -41,6 +41,7 @@ from pallas_flash.hopper.common import (
     dot_t,
     drain_ring,
     fill_ring,
+    head_dim_transforms,
     load_own_ids,
     masked_edge_loops,
     outside_hull_hidden,
@@ -756,7 +757,10 @@ def dkdv_pass(
     block_q, block_kv, num_stages = config.block_q_dkv, config.block_kv_dkv, config.num_stages_dkv
     tiles = config.row_tiles
     has_segments = q_ids is not None
-    transforms = swizzle_transforms()
+    transforms = swizzle_transforms()  # tiles without a head_dim axis
+    # Q and K under one swizzle (S^T = K Q^T), V and dO under theirs (dP^T = V dO^T): each the widest that divides
+    # its head_dim's row (64 bytes at 96).
+    transforms_qk, transforms_v = head_dim_transforms(head_dim), head_dim_transforms(head_dim_v)
     # One pass: K as one [2 block_kv, D] tile, since each dQ wgmma reads both warpgroups' keys.
     # split_columns: one K and one V tile, both consumers'.
     k_shape = (NUM_CONSUMERS * block_kv, head_dim) if config.dq_atomic else (NUM_CONSUMERS, block_kv, head_dim)
@@ -764,10 +768,10 @@ def dkdv_pass(
     if config.split_columns:
         k_shape, v_shape = (block_kv, head_dim), (block_kv, head_dim_v)
     smem = [
-        plgpu.SMEM(k_shape, k.dtype, transforms=transforms),
-        plgpu.SMEM(v_shape, v.dtype, transforms=transforms),
-        plgpu.SMEM((num_stages, block_q, head_dim), q.dtype, transforms=transforms),
-        plgpu.SMEM((num_stages, block_q, head_dim_v), d_out.dtype, transforms=transforms),
+        plgpu.SMEM(k_shape, k.dtype, transforms=transforms_qk),
+        plgpu.SMEM(v_shape, v.dtype, transforms=transforms_v),
+        plgpu.SMEM((num_stages, block_q, head_dim), q.dtype, transforms=transforms_qk),
+        plgpu.SMEM((num_stages, block_q, head_dim_v), d_out.dtype, transforms=transforms_v),
         plgpu.SMEM((num_stages, block_q), jnp.float32),
         plgpu.SMEM((num_stages, block_q), jnp.float32),
     ]

@@ -26,6 +26,7 @@ from pallas_flash.hopper.common import (
     dense_tiles,
     dot_t,
     drain_ring,
+    head_dim_transforms,
     load_own_ids,
     masked_edge_loops,
     narrow_to_mask_ranges,
@@ -38,7 +39,6 @@ from pallas_flash.hopper.common import (
     segment_scratch,
     stack_index,
     stream_kv_blocks,
-    swizzle_transforms,
     tile_visible,
     unmasked_blocks,
     wgmma_operand,
@@ -499,7 +499,8 @@ def dq_pass(
     tiles = config.row_tiles
     num_q_tiles = q_pad // (tiles * block_q)
     has_segments = q_ids is not None
-    transforms = swizzle_transforms()
+    # Q and K under one swizzle (S = Q K^T), V and dO under theirs: each the widest that divides its row.
+    transforms_qk, transforms_v = head_dim_transforms(head_dim), head_dim_transforms(head_dim_v)
 
     rows, cols, _ = mod_operands
     score_mod = programs.score
@@ -525,12 +526,12 @@ def dq_pass(
         )
         resident = (block_q,) if config.split_columns else (NUM_CONSUMERS, block_q)  # split: both consumers' tile
         smem = (
-            plgpu.SMEM((*resident, head_dim), q.dtype, transforms=transforms),
-            plgpu.SMEM((*resident, head_dim_v), d_out.dtype, transforms=transforms),
+            plgpu.SMEM((*resident, head_dim), q.dtype, transforms=transforms_qk),
+            plgpu.SMEM((*resident, head_dim_v), d_out.dtype, transforms=transforms_v),
             plgpu.SMEM((NUM_CONSUMERS, block_q), jnp.float32),
             plgpu.SMEM((NUM_CONSUMERS, block_q), jnp.float32),
-            plgpu.SMEM((num_stages, block_kv, head_dim), k.dtype, transforms=transforms),
-            plgpu.SMEM((num_stages, block_kv, head_dim_v), v.dtype, transforms=transforms),
+            plgpu.SMEM((num_stages, block_kv, head_dim), k.dtype, transforms=transforms_qk),
+            plgpu.SMEM((num_stages, block_kv, head_dim_v), v.dtype, transforms=transforms_v),
         )
         body = functools.partial(
             _dq_kernel,

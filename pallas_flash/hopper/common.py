@@ -36,7 +36,7 @@ def pad_axis(x, axis: int, size: int):
 
 
 def padded_head_dim(head_dim: int) -> int:
-    """head_dim as the backward kernels run it: a multiple of the 64-element swizzle tile."""
+    """head_dim padded to a multiple of the 64-element (128-byte) swizzle tile."""
     return round_up(head_dim, HEAD_DIM_TILE)
 
 

@@ -145,6 +145,8 @@ BACKWARD_CASES = {
     "256_128_split_score_program": ((1, 130, 100, 2, 1, 256, 128), dict(), None, True),
     # square 192, computed at 256 (zero columns: `backward_head_dims`), causal, GQA, ragged
     "192_padded_to_256_causal": ((1, 100, 130, 2, 1, 192, 192), dict(is_causal=True), None, False),
+    # head_dim 80 computed at 96 (64-byte swizzled Q/K tiles), value 64, causal, GQA, ragged
+    "80_64_causal": ((1, 100, 130, 2, 1, 80, 64), dict(is_causal=True), None, False),
 }
 
 
@@ -296,11 +298,12 @@ def test_default_tiles_fit_at_head_dims(head_dims):
 @pytest.mark.parametrize(
     "head_dims, computed",
     [((192, 192), (256, 256)), ((160, 160), (256, 256)), ((192, 256), (256, 256)), ((192, 128), (192, 128)),
-     ((256, 128), (256, 128)), ((96, 96), (128, 128)), ((80, 64), (128, 64))],
+     ((256, 128), (256, 128)), ((96, 96), (96, 96)), ((80, 64), (96, 64)), ((112, 48), (128, 64))],
 )  # fmt: skip
 def test_the_backward_pads_head_dims_it_cannot_split(head_dims, computed):
     """Where a consumer's dK and dV need split_columns but half a head_dim is not whole 64-column tiles (192,
-    160), the backward computes at the next multiples of 128; elsewhere at the 64-element tile."""
+    160), the backward computes at the next multiples of 128; 65-96 at 96 (64-byte swizzled tiles); elsewhere at
+    the 64-element tile."""
     assert hopper_bwd.backward_head_dims(*head_dims) == computed
 
 
