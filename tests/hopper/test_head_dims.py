@@ -210,10 +210,10 @@ def _abstract(head_dims, batch=2, q_len=300, kv_len=333, heads=4, kv_heads=2):
 
 @pytest.mark.lowering
 @pytest.mark.parametrize("schedule", ["default", "persistent", "overlap"])
-@pytest.mark.parametrize("head_dims", LOWERING_DIMS[:3], ids=lambda d: f"{d[0]}-{d[1]}")
+@pytest.mark.parametrize("head_dims", [*LOWERING_DIMS[:3], (32, 32)], ids=lambda d: f"{d[0]}-{d[1]}")
 def test_forward_at_head_dims_lowers_for_gpu(head_dims, schedule):
     """The forward at its default tiles for these head dims (and persistent, and overlapped) goes through Mosaic
-    GPU's lowering, causal, ragged and GQA (96: Q and K tiles under a 64-byte swizzle, wgmma's contraction in
+    GPU's lowering, causal, ragged and GQA (96 and 32: tiles under a 64-byte swizzle, wgmma's contraction in
     32-column groups)."""
     q, k, v, _, _ = _abstract(head_dims)
     config = hopper_fwd.default_config(*head_dims[:1], 333, masks.Band.of(True, None), 0, head_dims[1])
@@ -330,12 +330,15 @@ def test_head_dims_without_tiles_are_refused_by_name(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize(
-    "head_dims", [(192, 128), (128, 64), (256, 256), (96, 96), (80, 80), (192, 192)], ids=lambda d: f"{d[0]}-{d[1]}"
+    "head_dims",
+    [(192, 128), (128, 64), (256, 256), (96, 96), (80, 80), (32, 32), (192, 192)],
+    ids=lambda d: f"{d[0]}-{d[1]}",
 )
 def test_head_dims_on_hopper(head_dims, is_causal):
     """On sm90, flash_attention(implementation="mosaic") and its gradients at MLA's head dims, at head_dim 256 (the
-    Hopper backward, split_columns), 96 and 80 (the forward at 96 on 64-byte swizzled tiles, the backward padded to
-    128) and square 192 (the backward at 256), ragged, GQA, against the float32 reference."""
+    Hopper backward, split_columns), 96 and 80 (both kernels at 96 on 64-byte swizzled tiles), 32 (the forward
+    unpadded, the backward at 64) and square 192 (the backward at 256), ragged, GQA, against the float32
+    reference."""
     if not device.on_hopper_gpu():
         pytest.skip("needs an sm90 GPU")
     shape = (2, 333, 460, 4, 2, *head_dims)
