@@ -948,9 +948,13 @@ def default_config(
     head_dim: int, kv_len: int, band: masks.Band, tile_bytes: int = 0, head_dim_v: int | None = None
 ) -> HopperConfig | None:
     """`HopperConfig.default` for a call with this (padded) head_dim, key length and band (a window counts
-    as not causal), at the larger of query's and value's (padded) `head_dim_v` (None: head_dim); with dense
-    tiles (`tile_bytes` per logit, `dense_tile_bytes`) or a value head_dim of its own shrunk until its ring
-    holds them (`HopperConfig.fit`), None where no tiles fit."""
+    as not causal, and its rows as long as its size, left + right: a query tile of a 1k window in 16k keys visits
+    about the blocks of a 1k row, whose CTA's fixed cost the short rows' tiles amortise), at the larger of query's
+    and value's (padded) `head_dim_v` (None: head_dim); with dense tiles (`tile_bytes` per logit,
+    `dense_tile_bytes`) or a value head_dim of its own shrunk until its ring holds them (`HopperConfig.fit`),
+    None where no tiles fit."""
+    if band.left is not None and band.right is not None:
+        kv_len = min(kv_len, band.left + band.right)
     config = HopperConfig.default(max(head_dim, head_dim_v or head_dim), kv_len, band.is_causal)
     if tile_bytes or (head_dim_v or head_dim) != head_dim:
         return config.fit(head_dim, 2, tile_bytes, head_dim_v)

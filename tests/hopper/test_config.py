@@ -23,18 +23,22 @@ from pallas_flash.hopper.config import H100_SHARED_MEMORY, HopperBwdConfig, Hopp
         (128, 16384, True, None, True),
         (128, None, False, None, True),
         (128, 1024, False, None, False),  # short rows: no overlap (unmeasured with it)
-        (128, 2048, False, (300, 77), True),
-        (128, 4096, False, (None, 0), True),  # windows: as unmasked calls
+        (128, 2048, False, (300, 77), False),  # a window's rows are as long as its size (377 keys): short
+        (128, 16384, True, (1024, None), False),  # a 1k causal window
+        (128, 16384, True, (2048, None), True),  # 2k: long
+        (128, 4096, False, (None, 0), True),  # causal: as unmasked calls
         (64, 8192, False, None, False),
     ],
 )
 def test_hopper_default_overlaps_only_where_measured(head_dim, kv_len, is_causal, window, overlap):
-    """The forward default turns FA3's overlap on at head_dim 128 past 1k keys, windowed calls included (their
-    GPU mask tests pass with it), and keeps head_dim 64 (slower with it) on the ping-pong."""
+    """The forward default turns FA3's overlap on at head_dim 128 past 1k keys, a window's rows counting as long
+    as its span, and keeps head_dim 64 (slower with it) on the ping-pong; short rows take persistent CTAs."""
     config = hopper_fwd.default_config(head_dim, kv_len, masks.Band.of(is_causal, window))
     assert config.overlap == overlap
     if overlap:
         assert (config.block_kv, config.persistent) == (128, False)
+    elif head_dim == 128 and kv_len > 1024:
+        assert config.persistent  # a window short enough for the short rows' tiles
 
 
 def test_hopper_default_tiles_at_head_dim_64():
