@@ -307,6 +307,20 @@ def _check_window(local_window_size):
     return local_window_size
 
 
+def _fold_band_mod(mask_mod, is_causal, local_window_size):
+    """(mask_mod, is_causal, local_window_size) with a band mask_mod (`mods.causal`, `mods.sliding_window` and
+    their `and_masks`: a `band` attribute) folded into the built-in band, intersected with the one given: the
+    same keys, but the kernels visit only the band's blocks with no mask program and size their tiles by it."""
+    band = getattr(mask_mod, "band", None)
+    if band is None:
+        return mask_mod, is_causal, local_window_size
+    given = masks.Band.of(is_causal, _check_window(local_window_size))
+    left, right = mods_lib.intersect_bands((given.left, given.right), band)
+    if right == 0 and left is None:
+        return None, True, None
+    return None, False, None if (left, right) == (None, None) else (left, right)
+
+
 def _check_int_array(name, x, shape):
     if x is None:
         return None
@@ -596,6 +610,7 @@ def flash_attention(
         hash((local_window_size, block_mask, logits_soft_cap, dropout_rate, implementation, config))
     except TypeError as e:
         raise TypeError(f"flash_attention's options must be hashable (they are static): {e}") from None
+    mask_mod, is_causal, local_window_size = _fold_band_mod(mask_mod, is_causal, local_window_size)
     score_program, score_consts = (None, ()) if score_mod is None else mods_lib.trace(score_mod, "score")
     mask_program, mask_consts = (None, ()) if mask_mod is None else mods_lib.trace(mask_mod, "mask")
     out, lse = _attention(
@@ -943,6 +958,7 @@ def attention_backward(
         d_lse = jnp.zeros(lse.shape, jnp.float32)
     if isinstance(local_window_size, list):
         local_window_size = tuple(local_window_size)
+    mask_mod, is_causal, local_window_size = _fold_band_mod(mask_mod, is_causal, local_window_size)
     mask_program, mask_consts = (None, ()) if mask_mod is None else mods_lib.trace(mask_mod, "mask")
     return _attention_backward(
         query,

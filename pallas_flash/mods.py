@@ -962,12 +962,20 @@ def _staged_block_classes(staged, stacks, *, batch, heads, q_len, kv_len, block_
 
 # ---- Built-in mods --------------------------------------------------------------------------------------------
 # Each returns a function for `score_mod=` or `mask_mod=` of `flash_attention`, written with the same mechanism a
-# user would use.
+# user would use. The band masks (causal, sliding_window, and_masks of them) also carry their band, which
+# flash_attention runs as its built-in band: the same keys, with no mask program in the kernels.
+
+
+def _with_band(mask_mod, left, right):
+    """mask_mod, marked as the band (left, right) (None: unbounded) so that `flash_attention` runs it as its
+    built-in band (`is_causal` / `local_window_size`): the same keys, with no mask program in the kernels."""
+    mask_mod.band = (left, right)
+    return mask_mod
 
 
 def causal():
     """mask_mod: query i sees key j iff j <= i (positions from each sequence's start, as `is_causal`)."""
-    return lambda b, h, q, k: k <= q
+    return _with_band(lambda b, h, q, k: k <= q, None, 0)
 
 
 def sliding_window(left: int | None, right: int | None = 0):
@@ -984,7 +992,7 @@ def sliding_window(left: int | None, right: int | None = 0):
             seen = seen & (k <= q + right)
         return seen
 
-    return mask_mod
+    return _with_band(mask_mod, left, right)
 
 
 def document(segment_ids, kv_segment_ids=None):
@@ -1038,7 +1046,7 @@ def relative_position_bias(table):
 
 
 def and_masks(*mask_mods):
-    """mask_mod: visible where every one of `mask_mods` says so."""
+    """mask_mod: visible where every one of `mask_mods` says so (a band where every one is a band)."""
 
     def mask_mod(b, h, q, k):
         seen = jnp.bool_(True)
@@ -1046,7 +1054,19 @@ def and_masks(*mask_mods):
             seen = seen & m(b, h, q, k)
         return seen
 
+    bands = [getattr(m, "band", None) for m in mask_mods]
+    if mask_mods and all(band is not None for band in bands):
+        return _with_band(mask_mod, *intersect_bands(*bands))
     return mask_mod
+
+
+def intersect_bands(*bands):
+    """The (left, right) band of keys every one of `bands` ((left, right) pairs, None: unbounded) lets a query see."""
+    tighter = lambda a, b: b if a is None else a if b is None else min(a, b)
+    left, right = None, None
+    for band_left, band_right in bands:
+        left, right = tighter(left, band_left), tighter(right, band_right)
+    return left, right
 
 
 def or_masks(*mask_mods):

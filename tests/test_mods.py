@@ -501,3 +501,43 @@ def test_joint_folds_constants_and_keeps_vectors_until_they_meet():
     assert _tile_equations(mods.causal(), "mask", 1024)[0] == ["le"]
     inexact = _tile_equations(lambda s, b, h, q, k: s + (k + q).astype(jnp.float32), "score", 1 << 24)[0]
     assert "convert_element_type" in inexact
+
+
+@pytest.mark.parametrize(
+    "mask_mod, band",
+    [
+        (mods.causal(), dict(is_causal=True)),
+        (mods.sliding_window(5, 3), dict(local_window_size=(5, 3))),
+        (mods.sliding_window(6, None), dict(local_window_size=(6, None))),
+        (mods.and_masks(mods.sliding_window(6, None), mods.causal()), dict(local_window_size=(6, 0))),
+        (mods.and_masks(mods.sliding_window(9, 2), mods.sliding_window(4, 7)), dict(local_window_size=(4, 2))),
+        (mods.sliding_window(None, None), dict()),
+    ],
+)
+def test_band_mods_run_as_the_built_in_band(mask_mod, band):
+    """The built-in band mask_mods (and their and_masks) run as the built-in band: the same traced computation as
+    is_causal / local_window_size, forward and backward (no mask program reaches a kernel)."""
+    q, k, v = (normal(i, (1, 40, 2, 16)) for i in range(3))
+
+    def run(**kwargs):
+        return lambda q, k, v: pf.flash_attention(q, k, v, implementation="xla_chunked", config=SMALL, **kwargs).sum()
+
+    for fn in (lambda f: f, lambda f: jax.grad(f, (0, 1, 2))):
+        assert str(jax.make_jaxpr(fn(run(mask_mod=mask_mod)))(q, k, v)) == str(jax.make_jaxpr(fn(run(**band)))(q, k, v))
+
+
+def test_band_mods_intersect_the_band_given_and_others_stay_programs():
+    """A band mask_mod with is_causal or a window given keeps the keys both allow; a band ANDed with a document mask
+    (or a user's own window function) stays a mask program, with the same output as the band's."""
+    q, k, v = (normal(i, (1, 40, 2, 16)) for i in range(3))
+    attend = lambda **kw: pf.flash_attention(q, k, v, implementation="xla_chunked", config=SMALL, **kw)
+    np.testing.assert_array_equal(
+        attend(mask_mod=mods.sliding_window(6, 4), is_causal=True), attend(local_window_size=(6, 0))
+    )
+    np.testing.assert_array_equal(
+        attend(mask_mod=mods.sliding_window(6, 4), local_window_size=(3, 9)), attend(local_window_size=(3, 4))
+    )
+    ids = jnp.asarray(np.repeat([[0, 1]], 20, axis=1), jnp.int32)
+    assert not hasattr(mods.and_masks(mods.causal(), mods.document(ids)), "band")
+    user_window = lambda b, h, qi, ki: (ki >= qi - 6) & (ki <= qi)
+    assert_close(attend(mask_mod=user_window), attend(local_window_size=(6, 0)), jnp.float32)
