@@ -314,11 +314,10 @@ def _fold_band_mod(mask_mod, is_causal, local_window_size):
     band = getattr(mask_mod, "band", None)
     if band is None:
         return mask_mod, is_causal, local_window_size
-    given = masks.Band.of(is_causal, _check_window(local_window_size))
-    left, right = mods_lib.intersect_bands((given.left, given.right), band)
-    if right == 0 and left is None:
+    band = masks.Band.of(is_causal, _check_window(local_window_size)) & band
+    if band.is_causal:
         return None, True, None
-    return None, False, None if (left, right) == (None, None) else (left, right)
+    return None, False, None if band.is_full else (band.left, band.right)
 
 
 def _check_int_array(name, x, shape):

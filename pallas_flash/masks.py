@@ -50,6 +50,11 @@ class Band:
         """Exactly causal: every key up to the query's position (a window is not)."""
         return self.left is None and self.right == 0
 
+    def __and__(self, other: Band) -> Band:
+        """The keys both bands let a query see."""
+        tighter = lambda a, b: b if a is None else a if b is None else min(a, b)
+        return Band(tighter(self.left, other.left), tighter(self.right, other.right))
+
 
 def visible(q_pos, k_pos, *, band: Band, kv_len: int | None = None, q_segment=None, kv_segment=None):
     """Boolean visibility of keys `k_pos` to queries `q_pos` (broadcasting integer arrays); segment ids

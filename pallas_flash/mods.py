@@ -29,6 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from pallas_flash import masks
+
 SCORE, BATCH, HEAD, QUERY, KEY = "score", "batch", "head", "query", "key"
 _INDEX_NAMES = (BATCH, HEAD, QUERY, KEY)
 
@@ -966,16 +968,16 @@ def _staged_block_classes(staged, stacks, *, batch, heads, q_len, kv_len, block_
 # flash_attention runs as its built-in band: the same keys, with no mask program in the kernels.
 
 
-def _with_band(mask_mod, left, right):
-    """mask_mod, marked as the band (left, right) (None: unbounded) so that `flash_attention` runs it as its
-    built-in band (`is_causal` / `local_window_size`): the same keys, with no mask program in the kernels."""
-    mask_mod.band = (left, right)
+def _with_band(mask_mod, band: masks.Band):
+    """mask_mod, marked as `band` so that `flash_attention` runs it as its built-in band (`is_causal` /
+    `local_window_size`): the same keys, with no mask program in the kernels."""
+    mask_mod.band = band
     return mask_mod
 
 
 def causal():
     """mask_mod: query i sees key j iff j <= i (positions from each sequence's start, as `is_causal`)."""
-    return _with_band(lambda b, h, q, k: k <= q, None, 0)
+    return _with_band(lambda b, h, q, k: k <= q, masks.Band(None, 0))
 
 
 def sliding_window(left: int | None, right: int | None = 0):
@@ -992,7 +994,7 @@ def sliding_window(left: int | None, right: int | None = 0):
             seen = seen & (k <= q + right)
         return seen
 
-    return _with_band(mask_mod, left, right)
+    return _with_band(mask_mod, masks.Band(left, right))
 
 
 def document(segment_ids, kv_segment_ids=None):
@@ -1056,17 +1058,8 @@ def and_masks(*mask_mods):
 
     bands = [getattr(m, "band", None) for m in mask_mods]
     if mask_mods and all(band is not None for band in bands):
-        return _with_band(mask_mod, *intersect_bands(*bands))
+        return _with_band(mask_mod, functools.reduce(operator.and_, bands))
     return mask_mod
-
-
-def intersect_bands(*bands):
-    """The (left, right) band of keys every one of `bands` ((left, right) pairs, None: unbounded) lets a query see."""
-    tighter = lambda a, b: b if a is None else a if b is None else min(a, b)
-    left, right = None, None
-    for band_left, band_right in bands:
-        left, right = tighter(left, band_left), tighter(right, band_right)
-    return left, right
 
 
 def or_masks(*mask_mods):
