@@ -99,16 +99,11 @@ class _Plan:
     options: tuple  # flash_attention keyword arguments, as sorted (name, value) pairs
 
     def own_case(self) -> int:
-        """How a device's queries see its own K/V (the first step): FULL, CAUSAL or POSITIONS."""
+        """How a device's queries see its own K/V (the first step): FULL, CAUSAL or POSITIONS; under a full band or
+        a window, how they see every shard's (a causal step against another shard runs as `_Pairs`)."""
         if self.band.is_full:
             return FULL
         return CAUSAL if self.band.is_causal else POSITIONS
-
-    @property
-    def splits_causal_steps(self) -> bool:
-        """Whether later steps are causal ones: each then sees another shard's K/V whole or not at all (per
-        chunk), which `_foreign_pairs` turns into full attention on equal-shaped chunk pairs."""
-        return self.band.is_causal
 
 
 def _band_mask(band, q_pos, kv_pos):
@@ -193,7 +188,6 @@ def _foreign_forward(plan, pairs, q, k, v, q_ids, kv_ids):
 def _merge_foreign(pairs, acc, part):
     """`acc` (out float32, lse) merged with `_foreign_forward`'s part."""
     out, lse = part
-    out = out.astype(jnp.float32)
     hidden = jnp.float32(-jnp.inf)
     if not pairs.zigzag:
         return _merge(acc, (out, jnp.where(pairs.seen, lse, hidden)))
@@ -246,13 +240,11 @@ def _rotate(tree, axis_name, num_shards):
     arrived = [None] * len(leaves)
     for dtype in dict.fromkeys(x.dtype for x in leaves):
         group = [i for i, x in enumerate(leaves) if x.dtype == dtype]
-        flat = jnp.concatenate([leaves[i].reshape(-1) for i in group]) if len(group) > 1 else leaves[group[0]]
-        flat = lax.ppermute(flat, axis_name, perm)
+        flat = lax.ppermute(jnp.concatenate([leaves[i].reshape(-1) for i in group]), axis_name, perm)
         offset = 0
         for i in group:
-            size = leaves[i].size
-            arrived[i] = flat[offset : offset + size].reshape(leaves[i].shape) if len(group) > 1 else flat
-            offset += size
+            arrived[i] = flat[offset : offset + leaves[i].size].reshape(leaves[i].shape)
+            offset += leaves[i].size
     return jax.tree.unflatten(treedef, arrived)
 
 
@@ -283,7 +275,7 @@ def _ring_forward(plan, axis_name, q, k, v, q_ids, kv_ids):
             out, lse = flash_attention(q, k, v, return_lse=True, **_options(plan, plan.own_case(), q_ids, kv_ids,
                                                                             q_pos, kv_pos))  # fmt: skip
             acc = (out.astype(jnp.float32), lse)
-        elif plan.splits_causal_steps:
+        elif plan.band.is_causal:
             pairs = _pairs(plan, shard, source)
             acc = _merge_foreign(pairs, acc, _foreign_forward(plan, pairs, q, held[0], held[1], q_ids, held[2]))
         else:
@@ -318,7 +310,7 @@ def _ring_bwd(plan, axis_name, residuals, cotangents):
     q, k, v, q_ids, kv_ids, out, lse = residuals
     d_out, d_lse = cotangents
     held = (k, v, kv_ids)
-    travelling = None
+    travelling, travel_dtype = None, _accumulator_dtype(plan.num_shards, k.dtype)
     for t in range(plan.num_shards):
         if t + 1 < plan.num_shards:
             arriving = _rotate(held, axis_name, plan.num_shards)
@@ -328,7 +320,7 @@ def _ring_bwd(plan, axis_name, residuals, cotangents):
             dq, dk_home, dv_home = attention_backward(q, k, v, out, lse, d_out, d_lse, **options)
             dq = dq.astype(jnp.float32)
         else:
-            if plan.splits_causal_steps:
+            if plan.band.is_causal:
                 pairs = _pairs(plan, shard, source)
                 parts = _foreign_backward(plan, pairs, q, held[0], held[1], q_ids, held[2], out, lse, d_out, d_lse)
             else:
@@ -336,9 +328,8 @@ def _ring_bwd(plan, axis_name, residuals, cotangents):
                 parts = attention_backward(q, held[0], held[1], out, lse, d_out, d_lse, **options)
                 parts = tuple(g.astype(jnp.float32) for g in parts)
             dq = dq + parts[0]
-            dtype = _accumulator_dtype(plan.num_shards, k.dtype)
             if travelling is None:
-                travelling = tuple(g.astype(dtype) for g in parts[1:])
+                travelling = tuple(g.astype(travel_dtype) for g in parts[1:])
             else:
                 travelling = tuple(_add(acc, g) for acc, g in zip(travelling, parts[1:]))
             travelling = _rotate(travelling, axis_name, plan.num_shards)  # to the next holder; home, last
