@@ -70,6 +70,17 @@ def abstract_inputs(shape, segments: bool):
 MOSAIC_CALL = "stablehlo.custom_call @mosaic_gpu"  # one Mosaic GPU kernel in `lower_for_cuda`'s text
 
 
+def all_eqns(jaxpr):
+    """Every equation of a jaxpr and of the jaxprs inside it (scan, cond, jit and custom_vjp bodies)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    yield from all_eqns(sub)
+
+
 def lower_for_cuda(fn, *args) -> str:
     """The StableHLO text of `fn` jitted and lowered for CUDA on this machine (nothing runs)."""
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

@@ -9,6 +9,7 @@ import pytest
 
 import pallas_flash as pf
 from pallas_flash import decode
+from tests.helpers import all_eqns
 from tests.tolerances import GRADIENT, OUTPUT, assert_close
 
 
@@ -164,17 +165,6 @@ def test_scale_static_or_traced():
     assert_close(traced, ref, jnp.float32)
 
 
-def _all_shapes(jaxpr):
-    """The shapes of every value a jaxpr (and the jaxprs inside it: scan, cond, jit bodies) computes."""
-    for eqn in jaxpr.eqns:
-        yield from (tuple(var.aval.shape) for var in eqn.outvars)
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else (param,):
-                sub = getattr(sub, "jaxpr", sub)
-                if hasattr(sub, "eqns"):
-                    yield from _all_shapes(sub)
-
-
 @pytest.mark.parametrize("page_size", [None, 16])
 def test_never_holds_logits_or_keys_for_the_whole_cache(page_size):
     batch, q_len, kv_len, heads, kv_heads, dim = 2, 2, 256, 4, 2, 32
@@ -186,7 +176,7 @@ def test_never_holds_logits_or_keys_for_the_whole_cache(page_size):
     jaxpr = jax.make_jaxpr(lambda q, k, v, n, t: pf.flash_decode(q, k, v, lengths=n, block_table=t, num_splits=4))(
         q, k, v, jnp.array([kv_len] * batch), table
     )
-    shapes = set(_all_shapes(jaxpr.jaxpr))
+    shapes = {tuple(var.aval.shape) for eqn in all_eqns(jaxpr.jaxpr) for var in eqn.outvars}
     assert (batch, kv_heads, heads // kv_heads, q_len, kv_len // 4) in shapes  # one split's logits
     assert not any(len(s) >= 2 and s[-1] == kv_len and s != (kv_len,) for s in shapes), "whole-cache logits"
     assert (batch, kv_len, kv_heads, dim) not in shapes or page_size is None, "the whole paged cache gathered"

@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 
 import pallas_flash as pf
 from pallas_flash import parallel
-from tests.helpers import normal
+from tests.helpers import all_eqns, normal
 from tests.tolerances import GRADIENT, assert_close
 
 CONFIG = pf.KernelConfig(xla_block_kv=16)
@@ -134,20 +134,7 @@ def test_ring_backward_runs_no_forward(layout, monkeypatch):
     jaxpr = jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(x, x, x)
     assert counts == {"flash_attention": steps, "attention_backward": steps}
     # XLA's GPU runtime runs a cond by reading its index back to the host: a ring step must not branch.
-    assert not _primitives(jaxpr.jaxpr) & {"cond", "switch"}
-
-
-def _primitives(jaxpr) -> set[str]:
-    """Names of the primitives in a jaxpr and every jaxpr nested in its equations' parameters."""
-    names = set()
-    for eqn in jaxpr.eqns:
-        names.add(eqn.primitive.name)
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (list, tuple)) else (param,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    names |= _primitives(inner)
-    return names
+    assert not {eqn.primitive.name for eqn in all_eqns(jaxpr.jaxpr)} & {"cond", "switch"}
 
 
 def test_two_device_accumulators(monkeypatch):
