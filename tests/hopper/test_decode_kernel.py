@@ -63,7 +63,7 @@ def run_interpreted(q, k_cache, v_cache, lengths, table, params):
 # are 64 keys. Lengths run from 1 key (queries before the sequence see nothing)
 # to the full cache; a max_len that is not a multiple of the block slides the last block back.
 INTERPRETER_CASES = {
-    "tq1-gqa4-contiguous-splits3": (1, 200, (1, 37, 200), 8, 2, 64, None, 3, None, None),
+    "tq1-gqa4-contiguous-splits3": (1, 200, (1, 37, 200), 4, 1, 64, None, 3, None, None),
     "tq4-mha-page16-ring-wraps": (4, 384, (1, 100, 384), 2, 2, 128, 16, 1, None, None),  # 6 blocks, 4 slots
     "tq4-gqa4-page64-window-cap": (4, 256, (4, 130, 256), 4, 1, 128, 64, None, 20, 5.0),
     "tq9-gqa8-two-row-tiles": (9, 128, (9, 128), 8, 1, 64, None, 1, None, None),

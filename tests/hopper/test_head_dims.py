@@ -150,9 +150,15 @@ BACKWARD_CASES = {
 }
 
 
-# `slow` for CI time (the overlapped loops at a value head_dim of its own; square 192 runs 256's kernels with zero
-# columns; split columns with a score program; run them with -m slow):
-SLOW_BACKWARD_CASES = {"128_64_segments_overlap", "192_padded_to_256_causal", "256_128_split_score_program"}
+# `slow` for CI time (the overlapped loops at a value head_dim of its own; MLA's dims, whose value head_dim of its
+# own 80_64 covers; square 192 runs 256's kernels with zero columns; split columns with a score program; run them
+# with -m slow):
+SLOW_BACKWARD_CASES = {
+    "128_64_segments_overlap",
+    "mla_192_128_causal",
+    "192_padded_to_256_causal",
+    "256_128_split_score_program",
+}
 
 
 @pytest.mark.interpreter
