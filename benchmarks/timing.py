@@ -61,7 +61,9 @@ class TorchSynced:
 def torch_pass(attend, pass_: str, input_sets, dtype: str):
     """A PyTorch attention `attend(q, k, v)` as a timed pass, on CUDA copies of (q, k, v, cotangent) input sets in
     its own [B, H, N, D] layout and `dtype`: (fn, argument sets); fn returns a `TorchSynced` of the output (fwd),
-    or of dq, dk, dv, the gradient of sum(out * cotangent) (any other pass)."""
+    or of dq, dk, dv, the vector-Jacobian product of the output with the cotangent (any other pass: autograd
+    straight from the output, as `jax.value_and_grad` of sum(out * cotangent) compiles to; an explicit loss would
+    add unfused elementwise kernels that XLA folds away on our side)."""
     import torch
 
     torch_dtype, grad = getattr(torch, dtype), pass_ != "fwd"
@@ -71,8 +73,7 @@ def torch_pass(attend, pass_: str, input_sets, dtype: str):
         return x.requires_grad_(requires_grad)
 
     def fwdbwd(q, k, v, ct):
-        loss = (attend(q, k, v).float() * ct.float()).sum()
-        return TorchSynced(torch.autograd.grad(loss, (q, k, v)))
+        return TorchSynced(torch.autograd.grad(attend(q, k, v), (q, k, v), grad_outputs=ct))
 
     args = [tuple(tensor(x, grad and i < 3) for i, x in enumerate(s)) for s in input_sets]
     return ((lambda q, k, v, ct: TorchSynced(attend(q, k, v))) if pass_ == "fwd" else fwdbwd), args
