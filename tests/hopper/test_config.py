@@ -28,17 +28,30 @@ from pallas_flash.hopper.config import H100_SHARED_MEMORY, HopperBwdConfig, Hopp
         (128, 16384, True, (2048, None), True),  # 2k: long
         (128, 4096, False, (None, 0), True),  # causal: as unmasked calls
         (64, 8192, False, None, False),
+        (256, 4096, False, None, True),  # wider heads: always (64-key blocks)
+        (192, 1024, True, None, True),
     ],
 )
 def test_hopper_default_overlaps_only_where_measured(head_dim, kv_len, is_causal, window, overlap):
     """The forward default turns FA3's overlap on at head_dim 128 past 1k keys, a window's rows counting as long
-    as its span, and keeps head_dim 64 (slower with it) on the ping-pong; short rows take persistent CTAs."""
+    as its span, and at wider heads always; it keeps head_dim 64 (slower with it) on the ping-pong; short rows
+    take persistent CTAs."""
     config = hopper_fwd.default_config(head_dim, kv_len, masks.Band.of(is_causal, window))
     assert config.overlap == overlap
-    if overlap:
+    if overlap and head_dim == 128:
         assert (config.block_kv, config.persistent) == (128, False)
+    elif overlap:
+        assert (config.block_kv, config.persistent) == (64, False)
     elif head_dim == 128 and kv_len > 1024:
         assert config.persistent  # a window short enough for the short rows' tiles
+
+
+def test_hopper_default_persists_causal_rows_up_to_2k_at_head_dim_128():
+    """Causal rows up to 2k keys at head_dim 128 take persistent CTAs with the overlap (2k: 0.276 ms against 0.300
+    with one CTA per tile); longer ones one CTA per tile."""
+    assert HopperConfig.default(128, 2048, True) == HopperConfig(64, 128, 2, persistent=True, overlap=True)
+    assert HopperConfig.default(128, 2049, True) == HopperConfig(64, 128, 2, persistent=False, overlap=True)
+    assert HopperConfig.default(128, 2048, False) == HopperConfig(64, 128, 2, persistent=False, overlap=True)
 
 
 def test_hopper_default_tiles_at_head_dim_64():
