@@ -254,6 +254,7 @@ def run_bar(args, argv: list[str], parser) -> str:
     try:
         bar.parse_hopper_configs(args.hopper)
         bar.parse_bwd_overrides(args.bwd)
+        head_dims = bar.parse_head_dims(args.head_dims)
     except ValueError as e:
         parser.error(str(e))
     return _run_own_suite(
@@ -262,7 +263,7 @@ def run_bar(args, argv: list[str], parser) -> str:
         argv,
         lambda stamp, on_record: bar.run(
             passes=passes,
-            head_dims=[32] if args.smoke else _csv(args.head_dims, int) or [128, 64],
+            head_dims=[32] if args.smoke else head_dims or [128, 64],
             seqs=[128] if args.smoke else _csv(args.seqs, int) or [2048, 8192, 16384],
             causals=[c == "true" for c in causals],
             baselines=baselines,

@@ -10,8 +10,12 @@ faster), its ~95% interval and the verdict: "ahead" (interval above 1), "behind"
 
 Baselines (`--baselines`, each its own rows): "cudnn", `jax.nn.dot_product_attention(implementation="cudnn")`;
 "torch_cudnn", PyTorch's `scaled_dot_product_attention` held to its cuDNN backend (`sdpa_kernel`), in the same
-process on [B, H, N, D] copies of the inputs (its own layout), each call ended by a CUDA synchronize; its rows are
-skipped without torch or CUDA.
+process on [B, H, N, D] copies of the inputs (its own layout), a sample of calls ended by a CUDA synchronize; its
+rows are skipped without torch or CUDA.
+
+`--head-dims` items are D or D:Dv, a value head_dim of its own (MLA's 192:128; FLOPs 2*B*H*N^2*(D + Dv)). A peer
+that cannot take one (jax.nn's cuDNN) leaves ours timed alone, checked against the float32 XLA chunked path
+(verdict "unpaired"), so its TFLOP/s can be set beside a square run's.
 
 Variants, each its own row: `--hopper` forward tiles instead of the default; `--bwd` HopperBwdConfig field
 overrides of the call's default backward; `--one-pass`, `--dq-ordered`, `--two-pass` force a Hopper backward at
@@ -28,6 +32,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import pallas_flash as pf
@@ -69,6 +74,20 @@ def parse_hopper_configs(text: str | None) -> list[HopperConfig | None]:
     return configs
 
 
+def parse_head_dims(text: str | None) -> list[tuple[int, int | None]] | None:
+    """`--head-dims` as (head_dim, value head_dim or None): ","-separated items "D" or "D:Dv" (a value head_dim
+    of its own, e.g. MLA's "192:128"); None (no flag): None."""
+    if not text:
+        return None
+    dims = []
+    for item in text.split(","):
+        fields = item.split(":")
+        if len(fields) > 2 or not all(x.isdigit() for x in fields):
+            raise ValueError(f"--head-dims: want D or D:Dv items, got {item!r}")
+        dims.append((int(fields[0]), int(fields[1]) if len(fields) == 2 else None))
+    return dims
+
+
 def parse_bwd_overrides(text: str | None) -> list[dict | None]:
     """`--bwd` as HopperBwdConfig field overrides: ";"-separated items of ","-separated field=int pairs (bools
     as 0/1); an empty item is the default backward; None (no flag): [None], the default only."""
@@ -88,13 +107,12 @@ def parse_bwd_overrides(text: str | None) -> list[dict | None]:
 
 
 def overridden_bwd_config(
-    head_dim: int, deterministic: bool, seq: int, causal: bool, overrides: dict
+    head_dim: int, deterministic: bool, seq: int, causal: bool, overrides: dict, head_dim_v: int | None = None
 ) -> HopperBwdConfig:
-    """The backward this call takes by default (`HopperBwdConfig.default` for its head_dim, key length and mask)
+    """The backward this call takes by default (`HopperBwdConfig.default` for its head dims, key length and mask)
     with one `--bwd` item's field overrides."""
-    return dataclasses.replace(
-        HopperBwdConfig.default(head_dim, deterministic, kv_len=seq, is_causal=causal), **overrides
-    )
+    default = HopperBwdConfig.default(head_dim, deterministic, kv_len=seq, is_causal=causal, head_dim_v=head_dim_v)
+    return dataclasses.replace(default, **overrides)
 
 
 def describe(config: HopperConfig | None) -> str:
@@ -108,13 +126,14 @@ def describe_bwd(overrides: dict | None) -> str:
     return "" if not overrides else " bwd:" + ",".join(f"{k}={int(v)}" for k, v in overrides.items())
 
 
-def kernel_config(head_dim, seq, causal, deterministic, hopper=None, bwd=None, backward="default"):
+def kernel_config(head_dim, seq, causal, deterministic, hopper=None, bwd=None, backward="default", head_dim_v=None):
     """The KernelConfig of one variant (None: the call's defaults)."""
     hopper_bwd = None
     if backward != "default":
-        hopper_bwd = dataclasses.replace(HopperBwdConfig.default(head_dim), **FORCED_BACKWARDS[backward])
+        default = HopperBwdConfig.default(head_dim, head_dim_v=head_dim_v)
+        hopper_bwd = dataclasses.replace(default, **FORCED_BACKWARDS[backward])
     elif bwd:
-        hopper_bwd = overridden_bwd_config(head_dim, deterministic, seq, causal, bwd)
+        hopper_bwd = overridden_bwd_config(head_dim, deterministic, seq, causal, bwd, head_dim_v)
     if hopper is None and hopper_bwd is None:
         return None
     return dataclasses.replace(pf.KernelConfig.default(head_dim), hopper=hopper, hopper_bwd=hopper_bwd)
@@ -186,6 +205,28 @@ def repeatable(timed: Timed, calls: int = REPEAT_CALLS) -> bool:
     return True
 
 
+def measure_alone(point, pass_, ours: Timed, reference: Timed, *, reps, min_sample_s) -> dict:
+    """One variant of ours timed without a peer (none runs this point), its outputs compared with `reference`'s.
+    Returns the record's measured fields."""
+    difference = max_abs_difference(
+        ours.arrays(ours.fn(*ours.args[0])), reference.arrays(reference.fn(*reference.args[0]))
+    )
+    t = timing.median_ms(ours.fn, ours.args, reps=reps, min_sample_s=min_sample_s)
+    return dict(
+        status="ok",
+        ms=t.ms,
+        baseline_ms=None,
+        tflops=FLOP_FACTOR[pass_] * fwd_flops(point) / (t.ms * 1e-3) / 1e12,
+        ratio_to_baseline=None,
+        ratio_interval=None,
+        verdict="unpaired",
+        calls_per_sample=t.calls,
+        reps=reps,
+        max_abs_difference=difference,
+        bitwise_repeatable=dict(ours=repeatable(ours), baseline=None),
+    )
+
+
 def measure_variant(point, pass_, ours: Timed, theirs: Timed, *, reps, min_sample_s) -> dict:
     """One variant of ours at one point and pass against a baseline: outputs compared, bitwise repeatability of
     both, paired timing. Returns the record's measured fields."""
@@ -227,7 +268,9 @@ def run(
     on_record=None,
 ) -> list[dict]:
     """Measure the bar; returns one record per (pass, head_dim, N, causal, variant, baseline), each with the fields
-    of `stamp` (environment, command, date). `baselines`: names for `baseline_timed` (None: cuDNN through JAX).
+    of `stamp` (environment, command, date). `head_dims`: ints, or (head_dim, value head_dim or None) pairs; where
+    a peer cannot take a value head_dim of its own, ours is timed alone against the float32 XLA chunked path's
+    result (verdict "unpaired"). `baselines`: names for `baseline_timed` (None: cuDNN through JAX).
     `on_record(records)` is called after each record (the caller writes them, so a cut-off run keeps what it
     measured). With `smoke`: tiny float32 shapes, xla_chunked against XLA (and any torch baseline skipped)."""
     deterministic = not nondeterministic
@@ -242,14 +285,16 @@ def run(
     records, start = [], time.perf_counter()
     for name in baselines:
         print("\n".join(report.bar_header(name)) if len(baselines) == 1 else f"baseline: {name}", flush=True)
-    for pass_, head_dim, seq, causal in itertools.product(passes, head_dims, seqs, causals):
+    for pass_, dims, seq, causal in itertools.product(passes, head_dims, seqs, causals):
+        head_dim, head_dim_v = (dims, None) if isinstance(dims, int) else dims
         if time_budget and time.perf_counter() - start > time_budget:
             print(
                 f"time budget of {time_budget:.0f} s spent: stopped before {pass_} D={head_dim} N={seq} causal={causal}"
             )
             break
-        point = anchor_point("bar", seq, head_dim, causal, dtype, **shape)
+        point = anchor_point("bar", seq, head_dim, causal, dtype, head_dim_v=head_dim_v, **shape)
         inputs = [random_inputs(point, seed) for seed in range(3)]
+        f32_inputs = [[x.astype(jnp.float32) for x in xs] for xs in inputs[:1]]
         peers = {}
         for name in baselines:
             try:
@@ -258,8 +303,12 @@ def run(
                 peers[name] = baseline_timed(name, point, pass_, inputs)
             except NoPeer as e:
                 peers[name] = e
+            except Exception as e:  # a peer without value head dims of their own: its rows say so
+                if head_dim_v is None:
+                    raise
+                peers[name] = e
         for hopper_config, overrides in variants:
-            config = kernel_config(head_dim, seq, causal, deterministic, hopper_config, overrides, backward)
+            config = kernel_config(head_dim, seq, causal, deterministic, hopper_config, overrides, backward, head_dim_v)
             try:
                 ours = jax_timed(attend(ours_impl, causal, deterministic, config), pass_, inputs, "ours")
             except Exception as error:  # a swept variant that does not compile (registers, shared memory)
@@ -279,6 +328,7 @@ def run(
                     heads=point.heads,
                     kv_heads=point.kv_heads,
                     head_dim=head_dim,
+                    head_dim_v=head_dim_v,
                     causal=causal,
                     dtype=dtype,
                     variant=describe(hopper_config) + describe_bwd(overrides),
@@ -289,7 +339,13 @@ def run(
                     **(stamp or {}),
                 )
                 record["pass"] = pass_
-                if isinstance(theirs, Exception) or isinstance(ours, Exception):
+                unpaired = isinstance(theirs, Exception) and not isinstance(theirs, NoPeer) and head_dim_v is not None
+                if unpaired and not isinstance(ours, Exception):
+                    reference = jax_timed(attend("xla_chunked", causal), pass_, f32_inputs, "float32 XLA chunked")
+                    alone = measure_alone(point, pass_, ours, reference, reps=reps, min_sample_s=min_sample_s)
+                    note = f"no peer: {type(theirs).__name__}: {str(theirs).splitlines()[0][:120]}"
+                    record.update(alone, note=note)
+                elif isinstance(theirs, Exception) or isinstance(ours, Exception):
                     error = theirs if isinstance(theirs, Exception) else ours
                     record.update(status="skip", note=f"{type(error).__name__}: {str(error).splitlines()[0][:160]}")
                 else:

@@ -1,8 +1,9 @@
 """What a benchmark runs: a problem (`Point`), its random inputs, and the jitted function of each pass.
 
 Passes: fwd = the attention; bwd = the VJP alone, on residuals saved by a forward run beforehand; fwdbwd =
-`jax.value_and_grad` of sum(out * cotangent) with respect to q, k, v. FLOPs: 4*B*H*Nq*Nk*D for fwd (halved when
-causal), 2.5x that for bwd and 3.5x for fwdbwd.
+`jax.value_and_grad` of sum(out * cotangent) with respect to q, k, v. FLOPs: 4*B*H*Nq*Nk*D for fwd
+(2*B*H*Nq*Nk*(D + Dv) with a value head_dim Dv of its own; halved when causal), 2.5x that for bwd and 3.5x for
+fwdbwd.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ ANCHOR_TOKENS, ANCHOR_WIDTH = 16384, 2048
 
 @dataclasses.dataclass(frozen=True)
 class Point:
-    """One problem: [batch, seq_q, heads, head_dim] queries against [batch, seq_k, kv_heads, head_dim] keys."""
+    """One problem: [batch, seq_q, heads, head_dim] queries against [batch, seq_k, kv_heads, head_dim] keys, and
+    values [batch, seq_k, kv_heads, head_dim_v] (None: head_dim)."""
 
     suite: str
     batch: int
@@ -38,6 +40,11 @@ class Point:
     timed: bool = True  # the memory suite compiles, checks and measures bytes, but does not time
     pattern: str | None = None  # block-sparse points: the BlockMask pattern (benchmarks/impls.block_mask_of)
     density: float | None = None  # ... and its target density
+    head_dim_v: int | None = None  # value's head_dim where it has its own (MLA: 192 / 128)
+
+    @property
+    def value_head_dim(self) -> int:
+        return self.head_dim_v or self.head_dim
 
     @property
     def scale(self) -> float:
@@ -47,7 +54,8 @@ class Point:
         sparse = f"-{self.pattern}{self.density:g}" if self.pattern else ""
         return (
             f"{self.suite}/b{self.batch}-q{self.seq_q}-k{self.seq_k}-h{self.heads}-kvh{self.kv_heads}"
-            f"-d{self.head_dim}-c{int(self.causal)}-{self.dtype}{sparse}"
+            f"-d{self.head_dim}{f'-dv{self.head_dim_v}' if self.head_dim_v else ''}-c{int(self.causal)}-{self.dtype}"
+            f"{sparse}"
         )
 
     def dense_key(self) -> str:
@@ -75,9 +83,11 @@ def anchor_point(
 
 
 def fwd_flops(point: Point, density: float = 1.0) -> float:
-    """FLOPs of one forward at this point; `density`: the fraction of blocks a block mask computes."""
+    """FLOPs of one forward at this point, 2*B*H*Nq*Nk*(D + Dv) (S = Q K^T, then P V), halved when causal;
+    `density`: the fraction of blocks a block mask computes."""
     causal = 2 if point.causal else 1
-    return 4.0 * point.batch * point.heads * point.seq_q * point.seq_k * point.head_dim / causal * density
+    widths = point.head_dim + point.value_head_dim
+    return 2.0 * point.batch * point.heads * point.seq_q * point.seq_k * widths / causal * density
 
 
 def random_inputs(point: Point, seed: int, dtype=None):
@@ -88,8 +98,8 @@ def random_inputs(point: Point, seed: int, dtype=None):
     shapes = [
         (point.batch, point.seq_q, point.heads, point.head_dim),
         (point.batch, point.seq_k, point.kv_heads, point.head_dim),
-        (point.batch, point.seq_k, point.kv_heads, point.head_dim),
-        (point.batch, point.seq_q, point.heads, point.head_dim),
+        (point.batch, point.seq_k, point.kv_heads, point.value_head_dim),
+        (point.batch, point.seq_q, point.heads, point.value_head_dim),
     ]
     keys = jax.random.split(jax.random.key(seed), len(shapes))
     return [jax.random.normal(key, s, jnp.float32).astype(dtype) for key, s in zip(keys, shapes)]

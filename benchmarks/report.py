@@ -241,18 +241,29 @@ def bar_header(baseline: str) -> list[str]:
     ]
 
 
+def head_dims(r) -> str:
+    """A record's head_dim, or "query/value" head dims where value has its own."""
+    return f"{r['head_dim']}/{r['head_dim_v']}" if r.get("head_dim_v") else str(r["head_dim"])
+
+
+def _head_dims_order(r):
+    return r["head_dim"], r.get("head_dim_v") or r["head_dim"]
+
+
 def bar_row(r) -> str:
     """One bar record as a row of that table."""
     head = (
-        f"| {'fwd+bwd' if r['pass'] == 'fwdbwd' else r['pass']} | {r['head_dim']} | {r['seq_q']} | "
+        f"| {'fwd+bwd' if r['pass'] == 'fwdbwd' else r['pass']} | {head_dims(r)} | {r['seq_q']} | "
         f"{int(r['causal'])} | {_bar_label(r)}{' (superseded)' if r.get('superseded_by') else ''} |"
     )
     if r["status"] != "ok":
         return f"{head} {r['status'].upper()}: {r['note']} | | | | | |"
-    low, high = r["ratio_interval"]
     repeat = r.get("bitwise_repeatable") or {}
     repeat = "/".join({True: "yes", False: "no"}.get(repeat.get(k), "-") for k in ("ours", "baseline"))
     diff = f"{r['max_abs_difference']:.1e}" if r.get("max_abs_difference") is not None else "-"
+    if r["ratio_to_baseline"] is None:  # no peer runs this point: ours alone, against the float32 XLA path
+        return f"{head} {r['ms']:.3f} ({r['tflops']:.0f}) | - | - | {r['verdict']} | {diff} | {repeat} |"
+    low, high = r["ratio_interval"]
     return (
         f"{head} {r['ms']:.3f} ({r['tflops']:.0f}) | {r['baseline_ms']:.3f} | {r['ratio_to_baseline']:.3f} "
         f"({low:.3f}-{high:.3f}) | {r['verdict']} | {diff} | {repeat} |"
@@ -500,6 +511,8 @@ def plots(records, out) -> list[str]:
         ("sparse", _plot_sparse),
     ):
         rows = [r for r in records if r["suite"] == suite and r["status"] == "ok" and not r.get("superseded_by")]
+        if suite == "bar":  # the plot shows ratios; a point no peer runs has none
+            rows = [r for r in rows if r["ratio_to_baseline"] is not None]
         if rows:
             fig = draw(plt, rows, suite)
             path = os.path.join(out, f"{suite}.png")
@@ -598,10 +611,11 @@ def _plot_bar(plt, rows, suite):
     """Ratio to the baseline with its interval against N: one panel per pass and head_dim, one series per
     causality and variant."""
     passes = [p for p in PASS_ORDER if any(r["pass"] == p for r in rows)]
-    head_dims = sorted({r["head_dim"] for r in rows})
+    panels = [head_dims(r) for r in sorted(rows, key=_head_dims_order)]
+    panels = list(dict.fromkeys(panels))
     seqs = sorted({r["seq_q"] for r in rows})
     fig, axes = plt.subplots(
-        len(passes), len(head_dims), figsize=(4.6 * len(head_dims), 3.4 * len(passes)), squeeze=False, sharey=True
+        len(passes), len(panels), figsize=(4.6 * len(panels), 3.4 * len(passes)), squeeze=False, sharey=True
     )
     baselines = list(dict.fromkeys(r.get("baseline", "baseline") for r in rows))
     series = sorted(
@@ -609,13 +623,13 @@ def _plot_bar(plt, rows, suite):
         key=lambda s: (s[1] != "default", baselines.index(s[2]), s),
     )
     for i, pass_ in enumerate(passes):
-        for j, d in enumerate(head_dims):
+        for j, d in enumerate(panels):
             ax = axes[i][j]
             for k, (causal, label, base) in enumerate(series):
                 pts = sorted(
                     (seqs.index(r["seq_q"]), r["ratio_to_baseline"], *r["ratio_interval"])
                     for r in rows
-                    if (r["pass"], r["head_dim"], r["causal"], _bar_label(r), r.get("baseline", "baseline"))
+                    if (r["pass"], head_dims(r), r["causal"], _bar_label(r), r.get("baseline", "baseline"))
                     == (pass_, d, causal, label, base)
                 )
                 if not pts:
