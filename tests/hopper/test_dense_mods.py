@@ -123,8 +123,9 @@ def _arrays(shape, bias_spec, mask_spec):
     return bias, mask
 
 
-# `slow` for CI time: the flash_attention test below runs a shared bias with GQA and skipped blocks (a window).
-SLOW_FORWARD_CASES = {"bias_causal_gqa"}
+# `slow` for CI time: the flash_attention test below runs a shared bias with GQA and skipped blocks (a window), and a
+# mask with a row that sees no key; bias_mask_soft_cap_alibi a mask per head beside a bias.
+SLOW_FORWARD_CASES = {"bias_causal_gqa", "mask_segments_overlap"}
 
 
 @pytest.mark.interpreter
