@@ -215,20 +215,8 @@ def _never(call: Call) -> None:
     return None
 
 
-def _value_head_dim_reason(call: Call, kernel: str) -> str | None:
-    """Why `kernel` (its name in a message) cannot serve a value head_dim that differs from query's, else None:
-    the kernels hold one head_dim for Q, K and V tiles."""
-    head_dim = call.query.shape[-1]
-    if call.value is None or call.value.shape[-1] == head_dim:
-        return None
-    return (
-        f"{kernel} needs value's head_dim equal to query's and key's: head_dims are {head_dim} (query, key) "
-        f"and {call.value.shape[-1]} (value)"
-    )
-
-
 def _portable_cannot_serve(call: Call) -> str | None:
-    return _value_head_dim_reason(call, "the Pallas kernel") or portable.unsupported_reason(call.mods)
+    return portable.unsupported_reason(call.mods)
 
 
 # In order of preference: the first entry that serves a call and does not defer it runs.
@@ -775,9 +763,12 @@ def _prepare(
         scale = 1.0
     elif scale is None:
         scale = 1.0 / math.sqrt(head_dim)
-    if config is None:
+    if config is None:  # the portable kernels' tiles hold the wider of the two head dims
         config = KernelConfig.default(
-            head_dim, jnp.dtype(query.dtype).itemsize, device.shared_memory_bytes(), _score_tile_bytes(mods, mod_arrays)
+            max(head_dim, value.shape[-1]),
+            jnp.dtype(query.dtype).itemsize,
+            device.shared_memory_bytes(),
+            _score_tile_bytes(mods, mod_arrays),
         )
 
     # The score modifiers and the block mask a call uses (each implementation says which ones it serves).

@@ -1,9 +1,9 @@
 """A value head_dim of its own (DeepSeek's MLA: query/key 192, value 128): value [batch, kv_len, kv_heads,
 head_dim_v] gives out [batch, q_len, heads, head_dim_v]. The XLA paths ("xla_chunked", "xla", and flash_decode's
-"xla" and "reference") serve it; so does "mosaic" where both its kernels have tiles for the two head dims
-(tests/hopper/test_head_dims.py); "pallas" refuses it by name, and so does "mosaic" elsewhere, where
-implementation=None runs "xla_chunked" (logged). Checked against a float32 oracle written out here, independent
-of the package."""
+"xla" and "reference") and the portable kernels ("pallas", at the wider head_dim's padded width) serve it; so
+does "mosaic" where both its kernels have tiles for the two head dims (tests/hopper/test_head_dims.py), and it
+refuses the others by name, where implementation=None runs "pallas" on a GPU (logged). Checked against a float32
+oracle written out here, independent of the package."""
 
 import logging
 import re
@@ -84,7 +84,7 @@ def _check(ours_fn, oracle_fn, primals, d_out, d_lse, dtype):
         assert_close(g, ref, dtype, table=GRADIENT, what=f"gradient of primal {i}")
 
 
-@pytest.mark.parametrize("impl", ["xla_chunked", "xla"])
+@pytest.mark.parametrize("impl", ["xla_chunked", "xla", "pallas"])
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("head_dims", HEAD_DIMS, ids=lambda d: f"{d[0]}-{d[1]}")
 def test_value_head_dim_against_the_oracle(head_dims, is_causal, impl):
@@ -115,7 +115,7 @@ def test_value_head_dim_against_the_oracle(head_dims, is_causal, impl):
     _check(ours, lambda q, k, v: _oracle(q, k, v, visible[:, None], scale=scale), (q, k, v), d_out, d_lse, q.dtype)
 
 
-@pytest.mark.parametrize("impl", ["xla_chunked", "xla"])
+@pytest.mark.parametrize("impl", ["xla_chunked", "xla", "pallas"])
 def test_value_head_dim_with_sinks_score_mod_and_mask_mod(impl):
     """MLA's head dims under a score_mod closing over per-head slopes (their gradient too), a mask_mod and sinks:
     each modifier is applied to the logits, so value's head_dim changes nothing about them."""
@@ -171,35 +171,29 @@ def test_attention_backward_takes_value_head_dim():
         assert_close(g, ref, jnp.float32, table=GRADIENT)
 
 
-@pytest.mark.parametrize(
-    "impl, head_dims, words",
-    [
-        ("pallas", (192, 128), r"head_dims are 192 \(query, key\) and 128 \(value\)"),
-        ("mosaic", (192, 256), r"head_dims 192 \(query, key\) and 256 \(value\)"),
-    ],
-)
-def test_kernels_refuse_value_head_dim_by_name(impl, head_dims, words, monkeypatch):
-    """Forced, each kernel names both head_dims where it cannot serve them (on sm90, faked, for "mosaic": no
-    forward tiles fit query/key 192 with value 256)."""
+def test_mosaic_refuses_value_head_dim_by_name(monkeypatch):
+    """Forced on sm90 (faked), the Hopper kernels name both head_dims where no forward tiles fit them (query/key
+    192 with value 256)."""
     monkeypatch.setattr(device, "on_hopper_gpu", lambda: True)
-    q, k, v, _, _ = _inputs(5, 1, 8, 8, 2, 2, *head_dims, jnp.bfloat16)
-    with pytest.raises(ValueError, match=rf"implementation='{impl}' cannot serve this call: .*{words}"):
-        pf.flash_attention(q, k, v, implementation=impl)
+    q, k, v, _, _ = _inputs(5, 1, 8, 8, 2, 2, 192, 256, jnp.bfloat16)
+    words = r"head_dims 192 \(query, key\) and 256 \(value\)"
+    with pytest.raises(ValueError, match=rf"implementation='mosaic' cannot serve this call: .*{words}"):
+        pf.flash_attention(q, k, v, implementation="mosaic")
 
 
-def test_dispatch_runs_xla_chunked_for_value_head_dim(monkeypatch, caplog):
-    """With implementation=None on sm90 (faked) both kernels are passed over, each with its head_dim reason."""
+def test_dispatch_runs_the_portable_kernels_for_value_head_dim(monkeypatch, caplog):
+    """With implementation=None on sm90 (faked) the Hopper kernels are passed over with their head_dim reason and
+    the portable kernels run (traced only: there is no GPU to compile for)."""
     monkeypatch.setattr(device, "on_hopper_gpu", lambda: True)
     monkeypatch.setattr(device, "on_nvidia_gpu", lambda: True)
     q, k, v, _, _ = _inputs(6, 1, 8, 8, 2, 2, 192, 256, jnp.bfloat16)
     api._logged.clear()
     with caplog.at_level(logging.DEBUG, logger="pallas_flash"):
-        out = pf.flash_attention(q, k, v)
+        out = jax.eval_shape(pf.flash_attention, q, k, v)
     assert out.shape == (1, 8, 2, 256)
     messages = [r.getMessage() for r in caplog.records]
-    ran = [m for m in messages if "implementation=None ran 'xla_chunked'" in m]
+    ran = [m for m in messages if "implementation=None ran 'pallas'" in m]
     assert ran and re.search(r"not 'mosaic': [^;]*head_dims 192 \(query, key\) and 256 \(value\)", ran[0]), messages
-    assert "not 'pallas': the Pallas kernel needs value's head_dim" in ran[0], messages
 
 
 @pytest.mark.parametrize(

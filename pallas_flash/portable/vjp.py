@@ -1,8 +1,9 @@
 """The portable kernels as one differentiable function: padding, block fitting and the custom_vjp.
 
 Lengths are padded up to block multiples and head_dim to a power of two (tensor-core tiles need
-power-of-two shapes); the kernels mask the padded keys, and padded query rows are sliced off. The
-residuals are the unpadded (q, k, v, o, lse): nothing of size seq^2 is saved.
+power-of-two shapes; a value head_dim of its own shares the larger one's); the kernels mask the padded keys, and
+padded query rows are sliced off. The residuals are the unpadded (q, k, v, o, lse): nothing of size seq^2 is
+saved.
 
 A score_mod / mask_mod runs staged (`mods.stage`): its per-query and per-key values are computed here in
 XLA for every position (`tiles.ProgramStacks`) and read by the kernels, which evaluate the joint rest on
@@ -205,6 +206,12 @@ def _pad_to(x, axis: int, size: int, value=0.0):
     return jnp.pad(x, widths, constant_values=value)
 
 
+def _dim_pad(head_dim: int, head_dim_v: int) -> int:
+    """The one head_dim the kernels compute Q, K and V tiles at: the larger of query's and value's, padded to a
+    power of two (zero columns change no logit and give zero output columns, sliced off)."""
+    return max(MIN_BLOCK, _next_power_of_two(max(head_dim, head_dim_v)))
+
+
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -217,11 +224,11 @@ def _flash(q, k, v, q_segment_ids, kv_segment_ids, mod_arrays, scale, band, conf
 
 
 def _flash_fwd(q, k, v, q_segment_ids, kv_segment_ids, mod_arrays, scale, band, config, interpret, mods, block_mask):
-    q_len, kv_len, head_dim = q.shape[1], k.shape[1], q.shape[3]
+    q_len, kv_len, head_dim, head_dim_v = q.shape[1], k.shape[1], q.shape[3], v.shape[3]
     fitted = _fitted(config, q_len, kv_len, block_mask)
     block_q, block_kv = fitted.block_q, fitted.block_kv
     q_pad, kv_pad = _round_up(q_len, block_q), _round_up(kv_len, block_kv)
-    dim_pad = max(MIN_BLOCK, _next_power_of_two(head_dim))
+    dim_pad = _dim_pad(head_dim, head_dim_v)
     q_p = _pad_to(_pad_to(q, 1, q_pad), 3, dim_pad)
     k_p = _pad_to(_pad_to(k, 1, kv_pad), 3, dim_pad)
     v_p = _pad_to(_pad_to(v, 1, kv_pad), 3, dim_pad)
@@ -252,7 +259,7 @@ def _flash_fwd(q, k, v, q_segment_ids, kv_segment_ids, mod_arrays, scale, band, 
         mods=mods,
         stacks=stacks,
     )
-    out, lse = out[:, :q_len, :, :head_dim], lse[:, :, :q_len]
+    out, lse = out[:, :q_len, :, :head_dim_v], lse[:, :, :q_len]
     return (out, lse), (q, k, v, q_segment_ids, kv_segment_ids, mod_arrays, out, lse)
 
 
@@ -301,7 +308,7 @@ def backward(
     float arrays)). Any forward that returns this lse can use it (the Hopper forward does), with the same
     `mods` and `mod_arrays`."""
     d_out, d_lse = cotangents
-    q_len, kv_len, head_dim = q.shape[1], k.shape[1], q.shape[3]
+    q_len, kv_len, head_dim, head_dim_v = q.shape[1], k.shape[1], q.shape[3], v.shape[3]
     # dL/dS = P * (dP - delta); a cotangent on the LSE output adds P * d_lse, i.e. delta -= d_lse.
     delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32)) - d_lse
     # +inf makes every recomputed P of a row exactly 0: rows that saw no key, and padded rows.
@@ -310,7 +317,7 @@ def backward(
     fitted = _fitted(config, q_len, kv_len, block_mask)
     q_pad = _round_up(q_len, max(fitted.block_q_dkv, fitted.block_q_dq))
     kv_pad = _round_up(kv_len, max(fitted.block_kv_dkv, fitted.block_kv_dq))
-    dim_pad = max(MIN_BLOCK, _next_power_of_two(head_dim))
+    dim_pad = _dim_pad(head_dim, head_dim_v)
 
     def pad_rows(x, rows):
         return _pad_to(_pad_to(x, 1, rows), 3, dim_pad)
@@ -375,7 +382,7 @@ def backward(
     return (
         dq[:, :q_len, :, :head_dim],
         dk[:, :kv_len, :, :head_dim],
-        dv[:, :kv_len, :, :head_dim],
+        dv[:, :kv_len, :, :head_dim_v],
         masks.integer_cotangent(q_segment_ids),
         masks.integer_cotangent(kv_segment_ids),
         d_mods,
