@@ -763,7 +763,7 @@ def _prepare(
         scale = 1.0
     elif scale is None:
         scale = 1.0 / math.sqrt(head_dim)
-    if config is None:  # the portable kernels' tiles hold the wider of the two head dims
+    if config is None:  # the portable kernels' tiles fitted at the wider of the two head dims (an upper bound)
         config = KernelConfig.default(
             max(head_dim, value.shape[-1]),
             jnp.dtype(query.dtype).itemsize,

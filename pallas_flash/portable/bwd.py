@@ -122,8 +122,7 @@ def _dkdv_kernel(
             d_cols_ref[0][head, i, :] = d
         return dk, dv
 
-    zeros = jnp.zeros(k.shape, jnp.float32)
-    dk, dv = lax.fori_loop(0, group, per_head, (zeros, zeros))
+    dk, dv = lax.fori_loop(0, group, per_head, (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)))
     dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
@@ -241,7 +240,7 @@ def dkdv(
     num_stages,
     interpret,
 ):
-    """dK, dV [batch, kv_pad, kv_heads, head_dim_pad] from padded inputs, and the score_mod's column gradients
+    """dK, dV [batch, kv_pad, kv_heads, head_dim(_v)_pad] from padded inputs, and the score_mod's column gradients
     float32 [batch, heads, values, kv_pad] or None (see `backward`)."""
     batch, q_pad, heads, head_dim = q.shape
     kv_pad, kv_heads = k.shape[1], k.shape[2]
@@ -263,10 +262,15 @@ def dkdv(
         num_cols=num_cols,
     )
     # A program reads all query rows of the `group` query heads that share its kv head.
-    q_group_spec = pl.BlockSpec((SQUEEZED, q_pad, group, head_dim), lambda j, b, h: (b, 0, h, 0))
+    # (query/key and value/output head dims may differ)
+    q_group_spec, do_group_spec = (
+        pl.BlockSpec((SQUEEZED, q_pad, group, d), lambda j, b, h: (b, 0, h, 0)) for d in (head_dim, v.shape[3])
+    )
     row_group_spec = pl.BlockSpec((SQUEEZED, group, q_pad), lambda j, b, h: (b, h, 0))
-    kv_block_spec = pl.BlockSpec((SQUEEZED, block_kv, SQUEEZED, head_dim), lambda j, b, h: (b, j, h, 0))
-    in_specs = [q_group_spec, kv_block_spec, kv_block_spec, q_group_spec, row_group_spec, row_group_spec]
+    k_block_spec, v_block_spec = (
+        pl.BlockSpec((SQUEEZED, block_kv, SQUEEZED, d), lambda j, b, h: (b, j, h, 0)) for d in (head_dim, v.shape[3])
+    )
+    in_specs = [q_group_spec, k_block_spec, v_block_spec, do_group_spec, row_group_spec, row_group_spec]
     operands = [q, k, v, do, lse2, delta]
     if has_segments:
         in_specs += [
@@ -279,7 +283,7 @@ def dkdv(
     if visits is not None:
         in_specs = [tiles.visits_spec(visits.shape, lambda j: j, group=group)] + in_specs
         operands = [visits] + operands
-    out_specs = [kv_block_spec, kv_block_spec]
+    out_specs = [k_block_spec, v_block_spec]
     out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
     if num_cols:  # per query head of the program's kv head
         out_specs.append(pl.BlockSpec((SQUEEZED, group, num_cols, block_kv), lambda j, b, h: (b, h, 0, j)))
@@ -346,10 +350,16 @@ def dq(
     def q_block_of(i):
         return tiles.launch_order(i, num_q_blocks, reverse=band.right == 0)
 
-    q_block_spec = pl.BlockSpec((SQUEEZED, block_q, SQUEEZED, head_dim), lambda i, b, h: (b, q_block_of(i), h, 0))
-    kv_full_spec = pl.BlockSpec((SQUEEZED, kv_pad, SQUEEZED, head_dim), lambda i, b, h: (b, 0, h // group, 0))
+    q_block_spec, do_block_spec = (
+        pl.BlockSpec((SQUEEZED, block_q, SQUEEZED, d), lambda i, b, h: (b, q_block_of(i), h, 0))
+        for d in (head_dim, v.shape[3])
+    )
+    k_full_spec, v_full_spec = (
+        pl.BlockSpec((SQUEEZED, kv_pad, SQUEEZED, d), lambda i, b, h: (b, 0, h // group, 0))
+        for d in (head_dim, v.shape[3])
+    )
     row_spec = pl.BlockSpec((SQUEEZED, SQUEEZED, block_q), lambda i, b, h: (b, h, q_block_of(i)))
-    in_specs = [q_block_spec, kv_full_spec, kv_full_spec, q_block_spec, row_spec, row_spec]
+    in_specs = [q_block_spec, k_full_spec, v_full_spec, do_block_spec, row_spec, row_spec]
     operands = [q, k, v, do, lse2, delta]
     if has_segments:
         in_specs += [
@@ -575,7 +585,8 @@ def backward(
 ):
     """Padded inputs -> (dq, dk, dv, dbias or None, d_rows_float or None, d_cols_float or None).
 
-    q, do: [batch, q_pad, heads, head_dim_pad]; k, v: [batch, kv_pad, kv_heads, head_dim_pad];
+    q: [batch, q_pad, heads, head_dim_pad], do: [..., head_dim_v_pad]; k, v: [batch, kv_pad, kv_heads,
+    head_dim_pad / head_dim_v_pad] (powers of two);
     lse2, delta: [batch, heads, q_pad] float32, lse2 = LSE * log2(e) with +inf on rows that saw no key
     (their recomputed P is then exactly 0); optional segment ids int32 [batch, q_pad] / [batch, kv_pad];
     the score modifiers with their unpadded arrays; with a block mask, `block_tables` = (dkdv_visits,

@@ -10,7 +10,7 @@ the device-side one of `portable.vjp`): the program loops over the key blocks it
 ones first, and never loads the others. Score modifiers (bias, boolean mask, ALiBi, soft cap, score_mod,
 dropout; `tiles.modified_logits`) apply in every tile it visits, the mask_mod in its partly visible tiles;
 their operands follow the segment ids (`tiles.mod_operands`).
-Outputs: O [batch, q_len, heads, head_dim] and the natural-log LSE [batch, heads, q_len], the
+Outputs: O [batch, q_len, heads, head_dim_v] and the natural-log LSE [batch, heads, q_len], the
 backward's only residual besides the inputs.
 """
 
@@ -81,7 +81,7 @@ def _forward_kernel(
         return acc, new_max, row_sum
 
     carry = (
-        jnp.zeros(q.shape, jnp.float32),
+        jnp.zeros((block_q, v_ref.shape[-1]), jnp.float32),
         jnp.full((block_q,), -jnp.inf, jnp.float32),
         jnp.zeros((block_q,), jnp.float32),
     )
@@ -130,15 +130,15 @@ def forward(
 ):
     """Padded inputs -> (O, LSE).
 
-    q: [batch, q_pad, heads, head_dim_pad]; k, v: [batch, kv_pad, kv_heads, head_dim_pad], with q_pad a
-    multiple of block_q, kv_pad of block_kv, head_dim_pad a power of two; optional segment ids int32
-    [batch, q_pad] / [batch, kv_pad]. `kv_len` is the unpadded key length. Optional `visits`: int32
-    [batch or 1, heads or 1, q_pad // block_q, width], the key blocks of each query block
+    q: [batch, q_pad, heads, head_dim_pad]; k: [batch, kv_pad, kv_heads, head_dim_pad]; v: [batch, kv_pad,
+    kv_heads, head_dim_v_pad], with q_pad a multiple of block_q, kv_pad of block_kv, both head dims powers of
+    two; optional segment ids int32 [batch, q_pad] / [batch, kv_pad]. `kv_len` is the unpadded key length.
+    Optional `visits`: int32 [batch or 1, heads or 1, q_pad // block_q, width], the key blocks of each query block
     (`block_sparse.visit_tables`); without it the band decides. The score modifiers `mods` come with their
     unpadded `mod_arrays` and the score_mod's / mask_mod's unpadded `stacks` (`tiles.mod_operands` pads
     them); with a mask_mod, `visits` must list only the blocks it may show, and its masked (partly visible)
-    blocks are those the mask_mod is evaluated on. Returns o like q and lse [batch, heads, q_pad]
-    float32.
+    blocks are those the mask_mod is evaluated on. Returns o [batch, q_pad, heads, head_dim_v_pad] in q's
+    dtype and lse [batch, heads, q_pad] float32.
     """
     batch, q_pad, heads, head_dim = q.shape
     kv_pad, kv_heads = k.shape[1], k.shape[2]
@@ -149,10 +149,16 @@ def forward(
     def q_block_of(i):
         return tiles.launch_order(i, num_q_blocks, reverse=band.right == 0)
 
-    q_spec = pl.BlockSpec((SQUEEZED, block_q, SQUEEZED, head_dim), lambda i, b, h: (b, q_block_of(i), h, 0))
-    kv_spec = pl.BlockSpec((SQUEEZED, kv_pad, SQUEEZED, head_dim), lambda i, b, h: (b, 0, h // group, 0))
+    q_spec, o_spec = (
+        pl.BlockSpec((SQUEEZED, block_q, SQUEEZED, d), lambda i, b, h: (b, q_block_of(i), h, 0))
+        for d in (head_dim, v.shape[3])
+    )
+    k_spec, v_spec = (
+        pl.BlockSpec((SQUEEZED, kv_pad, SQUEEZED, d), lambda i, b, h: (b, 0, h // group, 0))
+        for d in (head_dim, v.shape[3])
+    )
     lse_spec = pl.BlockSpec((SQUEEZED, SQUEEZED, block_q), lambda i, b, h: (b, h, q_block_of(i)))
-    in_specs, operands = [q_spec, kv_spec, kv_spec], [q, k, v]
+    in_specs, operands = [q_spec, k_spec, v_spec], [q, k, v]
     if has_segments:
         in_specs += [
             pl.BlockSpec((SQUEEZED, block_q), lambda i, b, h: (b, q_block_of(i))),
@@ -180,8 +186,11 @@ def forward(
         kernel,
         grid=(num_q_blocks, batch, heads),
         in_specs=in_specs,
-        out_specs=[q_spec, lse_spec],
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, heads, q_pad), jnp.float32)],
+        out_specs=[o_spec, lse_spec],
+        out_shape=[
+            jax.ShapeDtypeStruct((*q.shape[:3], v.shape[3]), q.dtype),
+            jax.ShapeDtypeStruct((batch, heads, q_pad), jnp.float32),
+        ],
         compiler_params=triton_params(num_warps, num_stages),
         interpret=interpret,
         name="flash_forward",

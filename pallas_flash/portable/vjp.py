@@ -1,7 +1,7 @@
 """The portable kernels as one differentiable function: padding, block fitting and the custom_vjp.
 
 Lengths are padded up to block multiples and head_dim to a power of two (tensor-core tiles need
-power-of-two shapes; a value head_dim of its own shares the larger one's); the kernels mask the padded keys, and
+power-of-two shapes; a value head_dim of its own is padded on its own); the kernels mask the padded keys, and
 padded query rows are sliced off. The residuals are the unpadded (q, k, v, o, lse): nothing of size seq^2 is
 saved.
 
@@ -206,10 +206,10 @@ def _pad_to(x, axis: int, size: int, value=0.0):
     return jnp.pad(x, widths, constant_values=value)
 
 
-def _dim_pad(head_dim: int, head_dim_v: int) -> int:
-    """The one head_dim the kernels compute Q, K and V tiles at: the larger of query's and value's, padded to a
-    power of two (zero columns change no logit and give zero output columns, sliced off)."""
-    return max(MIN_BLOCK, _next_power_of_two(max(head_dim, head_dim_v)))
+def _dim_pad(head_dim: int) -> int:
+    """A head_dim padded to a power of two, the tiles' width (zero columns change no logit and give zero output
+    columns, sliced off)."""
+    return max(MIN_BLOCK, _next_power_of_two(head_dim))
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -228,10 +228,9 @@ def _flash_fwd(q, k, v, q_segment_ids, kv_segment_ids, mod_arrays, scale, band, 
     fitted = _fitted(config, q_len, kv_len, block_mask)
     block_q, block_kv = fitted.block_q, fitted.block_kv
     q_pad, kv_pad = _round_up(q_len, block_q), _round_up(kv_len, block_kv)
-    dim_pad = _dim_pad(head_dim, head_dim_v)
-    q_p = _pad_to(_pad_to(q, 1, q_pad), 3, dim_pad)
-    k_p = _pad_to(_pad_to(k, 1, kv_pad), 3, dim_pad)
-    v_p = _pad_to(_pad_to(v, 1, kv_pad), 3, dim_pad)
+    q_p = _pad_to(_pad_to(q, 1, q_pad), 3, _dim_pad(head_dim))
+    k_p = _pad_to(_pad_to(k, 1, kv_pad), 3, _dim_pad(head_dim))
+    v_p = _pad_to(_pad_to(v, 1, kv_pad), 3, _dim_pad(head_dim_v))
     batch, heads = q.shape[0], q.shape[2]
     lengths = dict(batch=batch, heads=heads, q_len=q_len, kv_len=kv_len)
     tiling = dict(block_q=block_q, block_kv=block_kv, q_pad=q_pad, kv_pad=kv_pad, kv_len=kv_len, band=band)
@@ -317,10 +316,9 @@ def backward(
     fitted = _fitted(config, q_len, kv_len, block_mask)
     q_pad = _round_up(q_len, max(fitted.block_q_dkv, fitted.block_q_dq))
     kv_pad = _round_up(kv_len, max(fitted.block_kv_dkv, fitted.block_kv_dq))
-    dim_pad = _dim_pad(head_dim, head_dim_v)
 
     def pad_rows(x, rows):
-        return _pad_to(_pad_to(x, 1, rows), 3, dim_pad)
+        return _pad_to(_pad_to(x, 1, rows), 3, _dim_pad(x.shape[3]))
 
     batch, heads = q.shape[0], q.shape[2]
     lengths = dict(batch=batch, heads=heads, q_len=q_len, kv_len=kv_len)
