@@ -267,9 +267,7 @@ def dkdv(
         pl.BlockSpec((SQUEEZED, q_pad, group, d), lambda j, b, h: (b, 0, h, 0)) for d in (head_dim, v.shape[3])
     )
     row_group_spec = pl.BlockSpec((SQUEEZED, group, q_pad), lambda j, b, h: (b, h, 0))
-    k_block_spec, v_block_spec = (
-        pl.BlockSpec((SQUEEZED, block_kv, SQUEEZED, d), lambda j, b, h: (b, j, h, 0)) for d in (head_dim, v.shape[3])
-    )
+    k_block_spec, v_block_spec = tiles.head_specs(block_kv, lambda j, b, h: (b, j, h, 0), head_dim, v.shape[3])
     in_specs = [q_group_spec, k_block_spec, v_block_spec, do_group_spec, row_group_spec, row_group_spec]
     operands = [q, k, v, do, lse2, delta]
     if has_segments:
@@ -350,14 +348,10 @@ def dq(
     def q_block_of(i):
         return tiles.launch_order(i, num_q_blocks, reverse=band.right == 0)
 
-    q_block_spec, do_block_spec = (
-        pl.BlockSpec((SQUEEZED, block_q, SQUEEZED, d), lambda i, b, h: (b, q_block_of(i), h, 0))
-        for d in (head_dim, v.shape[3])
+    q_block_spec, do_block_spec = tiles.head_specs(
+        block_q, lambda i, b, h: (b, q_block_of(i), h, 0), head_dim, v.shape[3]
     )
-    k_full_spec, v_full_spec = (
-        pl.BlockSpec((SQUEEZED, kv_pad, SQUEEZED, d), lambda i, b, h: (b, 0, h // group, 0))
-        for d in (head_dim, v.shape[3])
-    )
+    k_full_spec, v_full_spec = tiles.head_specs(kv_pad, lambda i, b, h: (b, 0, h // group, 0), head_dim, v.shape[3])
     row_spec = pl.BlockSpec((SQUEEZED, SQUEEZED, block_q), lambda i, b, h: (b, h, q_block_of(i)))
     in_specs = [q_block_spec, k_full_spec, v_full_spec, do_block_spec, row_spec, row_spec]
     operands = [q, k, v, do, lse2, delta]

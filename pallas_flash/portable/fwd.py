@@ -149,14 +149,8 @@ def forward(
     def q_block_of(i):
         return tiles.launch_order(i, num_q_blocks, reverse=band.right == 0)
 
-    q_spec, o_spec = (
-        pl.BlockSpec((SQUEEZED, block_q, SQUEEZED, d), lambda i, b, h: (b, q_block_of(i), h, 0))
-        for d in (head_dim, v.shape[3])
-    )
-    k_spec, v_spec = (
-        pl.BlockSpec((SQUEEZED, kv_pad, SQUEEZED, d), lambda i, b, h: (b, 0, h // group, 0))
-        for d in (head_dim, v.shape[3])
-    )
+    q_spec, o_spec = tiles.head_specs(block_q, lambda i, b, h: (b, q_block_of(i), h, 0), head_dim, v.shape[3])
+    k_spec, v_spec = tiles.head_specs(kv_pad, lambda i, b, h: (b, 0, h // group, 0), head_dim, v.shape[3])
     lse_spec = pl.BlockSpec((SQUEEZED, SQUEEZED, block_q), lambda i, b, h: (b, h, q_block_of(i)))
     in_specs, operands = [q_spec, k_spec, v_spec], [q, k, v]
     if has_segments:

@@ -189,6 +189,12 @@ def mod_operands(
     return operands, [whole_block_spec(x) for x in operands]
 
 
+def head_specs(rows: int, index_map, *head_dims: int) -> tuple:
+    """BlockSpecs of `rows` rows of one head of [batch, len, heads, head_dim] arrays, one per head_dim (query/key's
+    and value's may differ)."""
+    return tuple(pl.BlockSpec((SQUEEZED, rows, SQUEEZED, d), index_map) for d in head_dims)
+
+
 def whole_block_spec(x):
     """A BlockSpec whose block is all of x, for any grid."""
     return pl.BlockSpec(x.shape, lambda *program_ids: (0,) * x.ndim)
