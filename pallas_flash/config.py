@@ -74,7 +74,7 @@ class KernelConfig:
         smaller GPUs have less shared memory). `score_tile_bytes`: bytes per logit of the score-modifier
         tiles streamed beside K and V (a bias or mask spanning both queries and keys; 0 without)."""
         return _tuned(head_dim).fit_shared_memory(
-            _padded_head_dim(head_dim), itemsize, shared_memory_bytes, score_tile_bytes
+            power_of_two_head_dim(head_dim), itemsize, shared_memory_bytes, score_tile_bytes
         )
 
     def shared_memory(self, head_dim: int, itemsize: int, score_tile_bytes: int = 0) -> dict:
@@ -115,7 +115,9 @@ class KernelConfig:
         return config
 
 
-def _padded_head_dim(head_dim: int) -> int:
+def power_of_two_head_dim(head_dim: int) -> int:
+    """The width the portable kernels' tiles hold a head_dim at: the next power of two, at least 16 (tensor-core
+    tiles take power-of-two shapes; zero columns change no logit and give zero output columns)."""
     return max(16, 1 << (head_dim - 1).bit_length())
 
 

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from pallas_flash import block_sparse, blocks, masks
 from pallas_flash import mods as programs
 from pallas_flash.block_sparse import VISITS_HEADER
-from pallas_flash.config import KernelConfig
+from pallas_flash.config import KernelConfig, power_of_two_head_dim
 from pallas_flash.portable import bwd as portable_bwd
 from pallas_flash.portable import fwd as portable_fwd
 from pallas_flash.portable import tiles
@@ -206,12 +206,6 @@ def _pad_to(x, axis: int, size: int, value=0.0):
     return jnp.pad(x, widths, constant_values=value)
 
 
-def _dim_pad(head_dim: int) -> int:
-    """A head_dim padded to a power of two, the tiles' width (zero columns change no logit and give zero output
-    columns, sliced off)."""
-    return max(MIN_BLOCK, _next_power_of_two(head_dim))
-
-
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -228,9 +222,9 @@ def _flash_fwd(q, k, v, q_segment_ids, kv_segment_ids, mod_arrays, scale, band, 
     fitted = _fitted(config, q_len, kv_len, block_mask)
     block_q, block_kv = fitted.block_q, fitted.block_kv
     q_pad, kv_pad = _round_up(q_len, block_q), _round_up(kv_len, block_kv)
-    q_p = _pad_to(_pad_to(q, 1, q_pad), 3, _dim_pad(head_dim))
-    k_p = _pad_to(_pad_to(k, 1, kv_pad), 3, _dim_pad(head_dim))
-    v_p = _pad_to(_pad_to(v, 1, kv_pad), 3, _dim_pad(head_dim_v))
+    q_p = _pad_to(_pad_to(q, 1, q_pad), 3, power_of_two_head_dim(head_dim))
+    k_p = _pad_to(_pad_to(k, 1, kv_pad), 3, power_of_two_head_dim(head_dim))
+    v_p = _pad_to(_pad_to(v, 1, kv_pad), 3, power_of_two_head_dim(head_dim_v))
     batch, heads = q.shape[0], q.shape[2]
     lengths = dict(batch=batch, heads=heads, q_len=q_len, kv_len=kv_len)
     tiling = dict(block_q=block_q, block_kv=block_kv, q_pad=q_pad, kv_pad=kv_pad, kv_len=kv_len, band=band)
@@ -318,7 +312,7 @@ def backward(
     kv_pad = _round_up(kv_len, max(fitted.block_kv_dkv, fitted.block_kv_dq))
 
     def pad_rows(x, rows):
-        return _pad_to(_pad_to(x, 1, rows), 3, _dim_pad(x.shape[3]))
+        return _pad_to(_pad_to(x, 1, rows), 3, power_of_two_head_dim(x.shape[3]))
 
     batch, heads = q.shape[0], q.shape[2]
     lengths = dict(batch=batch, heads=heads, q_len=q_len, kv_len=kv_len)
