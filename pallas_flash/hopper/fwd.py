@@ -945,17 +945,22 @@ def _forward_padded(
 
 
 def default_config(
-    head_dim: int, kv_len: int, band: masks.Band, tile_bytes: int = 0, head_dim_v: int | None = None
+    head_dim: int,
+    kv_len: int,
+    band: masks.Band,
+    tile_bytes: int = 0,
+    head_dim_v: int | None = None,
+    sparse: bool = False,
 ) -> HopperConfig | None:
     """`HopperConfig.default` for a call with this (padded) head_dim, key length and band (a window counts
     as not causal, and its rows as long as its size, left + right: a query tile of a 1k window in 16k keys visits
     about the blocks of a 1k row, whose CTA's fixed cost the short rows' tiles amortise), at the larger of query's
     and value's (padded) `head_dim_v` (None: head_dim); with dense tiles (`tile_bytes` per logit,
     `dense_tile_bytes`) or a value head_dim of its own shrunk until its ring holds them (`HopperConfig.fit`),
-    None where no tiles fit."""
+    None where no tiles fit. `sparse`: the rows may visit only some key blocks (`HopperConfig.default`)."""
     if band.left is not None and band.right is not None:
         kv_len = min(kv_len, band.left + band.right)
-    config = HopperConfig.default(max(head_dim, head_dim_v or head_dim), kv_len, band.is_causal)
+    config = HopperConfig.default(max(head_dim, head_dim_v or head_dim), kv_len, band.is_causal, sparse)
     if tile_bytes or (head_dim_v or head_dim) != head_dim:
         return config.fit(head_dim, 2, tile_bytes, head_dim_v)
     return config
@@ -1078,7 +1083,8 @@ def hopper_forward(
     padded_dim, padded_dim_v = forward_head_dim(head_dim), forward_head_dim(head_dim_v)
     dense = DenseMods(bias is not None, mask is not None, logits_soft_cap, hide_outside_hull=block_mask is not None)
     tile_bytes = dense_tile_bytes(None if bias is None else bias.dtype, mask is not None)
-    config = config or default_config(padded_dim, kv_len, band, tile_bytes, padded_dim_v)
+    sparse = q_segment_ids is not None or mask_mod is not None or mask is not None or block_mask is not None
+    config = config or default_config(padded_dim, kv_len, band, tile_bytes, padded_dim_v, sparse)
     own_tiles = tile_bytes or padded_dim_v != padded_dim  # the defaults fit shared memory without either
     if own_tiles and (
         config is None or config.smem_bytes(padded_dim, 2, tile_bytes, padded_dim_v) > H100_SHARED_MEMORY

@@ -53,17 +53,25 @@ def _hopper_config(
     tile_bytes: int = 0,
     head_dim_v=None,
     block_mask: BlockMask | None = None,
+    sparse: bool = False,
 ) -> HopperConfig | None:
     """The forward's tiles: config.hopper, else the default, shrunk to hold dense tiles of `tile_bytes` per logit
     and value's `head_dim_v` (None: head_dim) (`hopper_fwd.default_config`; None where none fit), and with a
-    `block_mask` served by its ranges to key blocks that divide its own (`_divide`)."""
+    `block_mask` served by its ranges to key blocks that divide its own (`_divide`). `sparse` (`_sparse_rows`):
+    rows may visit only some key blocks."""
     if config.hopper is not None:
         return config.hopper
     padded_v = forward_head_dim(head_dim_v or head_dim)
-    chosen = hopper_fwd.default_config(forward_head_dim(head_dim), kv_len, band, tile_bytes, padded_v)
+    chosen = hopper_fwd.default_config(forward_head_dim(head_dim), kv_len, band, tile_bytes, padded_v, sparse)
     if chosen is None or block_mask is None:
         return chosen
     return dataclasses.replace(chosen, block_kv=_divide(chosen.block_kv, block_mask.block_kv))
+
+
+def _sparse_rows(mods: masks.ScoreMods, block_mask, segment_ids=None) -> bool:
+    """Whether a call's rows may visit only some key blocks: segment ids, a mask program, a dense mask or a block
+    mask (the forward's default tiles then differ: `HopperConfig.default`)."""
+    return segment_ids is not None or mods.mask_mod is not None or mods.mask_dims is not None or block_mask is not None
 
 
 def _divide(block: int, mask_block: int) -> int:
@@ -158,7 +166,8 @@ def unsupported_reason(
         mods, block_mask = _with_dense_mask(mods, block_mask.shape[:2]), None
     tile_bytes = _tile_bytes(mods)
     dense = f" with the dense bias/mask tiles ({tile_bytes} bytes per logit)" if tile_bytes else ""
-    hopper_config = _hopper_config(config, head_dim, key.shape[1], band, tile_bytes, head_dim_v, block_mask)
+    sparse = _sparse_rows(mods, block_mask)  # segment ids change no tile size or shared memory
+    hopper_config = _hopper_config(config, head_dim, key.shape[1], band, tile_bytes, head_dim_v, block_mask, sparse)
     if hopper_config is None:
         return f"no forward tiles fit shared memory at {dims}{dense}"
     needed = hopper_config.smem_bytes(forward_head_dim(head_dim), 2, tile_bytes, forward_head_dim(head_dim_v))
@@ -194,7 +203,14 @@ def _attention_fwd(q, k, v, q_ids, kv_ids, score_stacks, mask_stacks, mask_range
         q_segment_ids=q_ids,
         kv_segment_ids=kv_ids,
         config=_hopper_config(
-            config, q.shape[-1], k.shape[1], band, _tile_bytes(mods, mod_arrays), v.shape[-1], block_mask
+            config,
+            q.shape[-1],
+            k.shape[1],
+            band,
+            _tile_bytes(mods, mod_arrays),
+            v.shape[-1],
+            block_mask,
+            _sparse_rows(mods, block_mask, q_ids),
         ),
         score_mod=score_mod,
         score_stacks=score_stacks,
@@ -394,7 +410,14 @@ def _program_inputs(query, key, mods, mod_arrays, *, config, band, with_ranges: 
                 q_len=q_len,
                 kv_len=kv_len,
                 config=_hopper_config(
-                    config, head_dim, kv_len, band, _tile_bytes(mods, mod_arrays), head_dim_v, block_mask
+                    config,
+                    head_dim,
+                    kv_len,
+                    band,
+                    _tile_bytes(mods, mod_arrays),
+                    head_dim_v,
+                    block_mask,
+                    _sparse_rows(mods, block_mask),
                 ),
             )
     return score_stacks, mask_stacks, mask_ranges
@@ -492,7 +515,7 @@ def _ranges_reason(block_mask: BlockMask, query, key, head_dim_v: int, *, band: 
     and, where the Mosaic GPU backward runs, both its passes'), else why not (`block_sparse.exact_by_ranges`)."""
     head_dim, kv_len = query.shape[-1], key.shape[1]
     tile_bytes = _tile_bytes(mods, mod_arrays)
-    forward = _hopper_config(config, head_dim, kv_len, band, tile_bytes, head_dim_v, block_mask)
+    forward = _hopper_config(config, head_dim, kv_len, band, tile_bytes, head_dim_v, block_mask, True)
     if forward is None:
         return "no forward tiles fit"
     query_tiles, key_tiles = [(NUM_CONSUMERS * forward.block_q, forward.block_kv)], []
