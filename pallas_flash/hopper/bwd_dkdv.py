@@ -529,10 +529,15 @@ def _dkdv_kernel(
                         dp_ref[...] = -delta_columns(slot, p.shape)
                     plgpu.wgmma(dv_ref, dropped(p, keep).astype(dtype), do_part)
                     plgpu.wgmma(dp_ref, v_smem, do_tile.transpose((1, 0)))
-                    dp = dropped_dp(plgpu.wgmma_accumulator_load(dp_ref, wait_n=None), keep)
+                    # dP^T is read in this scope to drop entries (dropout) or to form dS^T (a program's pullback
+                    # lives here): wait for it then, or ptxas serializes every wgmma of the kernel (C7514: it finds
+                    # a wgmma's registers read in flight); else it is read after the scope's own wait.
+                    read_here = keep is not None or pullback is not None
+                    dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=0 if read_here else None)
+                    dp = dropped_dp(dp, keep)
                     if pullback is None:
                         return p, dp, dk_ref[...], dv_ref[...], acc
-                    # The program's pullback lives in this scope: dS^T is formed here, in P^T's place.
+                    # dS^T in P^T's place.
                     ds = p * dp if delta_in_dp else p * (dp - delta_columns(slot, p.shape))
                     ds, d_cols = through_program(ds, pullback, acc)
                     return ds, dp, dk_ref[...], dv_ref[...], d_cols
