@@ -268,8 +268,12 @@ def _backward_config(
         # a soft cap the kernels apply themselves (before a dense bias) needs the two passes, as programs do
         programs = mods.score_mod is not None or mods.mask_mod is not None or mods.soft_cap is not None
         fit = dict(tile_bytes=tile_bytes, dbias=dbias, head_dim_v=padded_v)
+        staged = _staged(mods)
+        score = None if isinstance(staged, str) else hopper_bwd.score_kind(staged[0])
+        if mods.soft_cap is not None and score is None:  # a soft cap the kernels apply themselves
+            score = "nonlinear"
         chosen = hopper_bwd.default_config(
-            padded, kv_len, band, deterministic, programs=programs or block_mask is not None, **fit
+            padded, kv_len, band, deterministic, programs=programs or block_mask is not None, score=score, **fit
         )
         if chosen is not None and block_mask is not None:
             chosen = dataclasses.replace(

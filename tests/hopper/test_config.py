@@ -6,7 +6,7 @@ import dataclasses
 import jax.numpy as jnp
 import pytest
 
-from pallas_flash import masks
+from pallas_flash import masks, mods
 from pallas_flash.config import KernelConfig
 from pallas_flash.hopper import bwd as hopper_bwd
 from pallas_flash.hopper import fwd as hopper_fwd
@@ -170,6 +170,35 @@ def test_dq_ordered_config():
     assert HopperBwdConfig.default(64, False, kv_len=2048, is_causal=True).dq_atomic
     config = HopperBwdConfig(block_q_dkv=128, dq_atomic=True)  # same shared memory: the counters are global
     assert dataclasses.replace(config, dq_ordered=True).smem_bytes_dkv(64) == config.smem_bytes_dkv(64)
+
+
+def test_backward_default_under_score_programs():
+    """At head_dim 128 a score program's backward takes delta_in_dp, and a nonlinear one (a soft cap, whose
+    derivative tile stays live) the passes without their overlaps; head_dim 64 and calls without one keep theirs.
+    The entry point tells the kinds apart: biases and ALiBi are linear in the logit, a soft cap is not, and a soft
+    cap the kernels apply themselves (before a dense bias) counts as nonlinear."""
+    band = masks.Band()
+    plain = hopper_bwd.default_config(128, 16384, band, True, programs=True)
+    linear = hopper_bwd.default_config(128, 16384, band, True, programs=True, score="linear")
+    nonlinear = hopper_bwd.default_config(128, 16384, band, True, programs=True, score="nonlinear")
+    assert not plain.delta_in_dp and plain.dq_overlap and plain.dkv_overlap
+    assert linear == dataclasses.replace(plain, delta_in_dp=True)
+    assert nonlinear.delta_in_dp and not (nonlinear.dq_overlap or nonlinear.dkv_overlap)
+    assert (nonlinear.num_stages_dq, nonlinear.num_stages_dkv) == (2, 2)
+    assert hopper_bwd.default_config(64, 16384, band, True, programs=True, score="nonlinear") == (
+        hopper_bwd.default_config(64, 16384, band, True, programs=True)
+    )
+
+    def kind(fn):
+        return hopper_bwd.score_kind(mods.stage(mods.trace(fn, "score")[0])[0])
+
+    assert kind(mods.alibi(jnp.ones(2))) == "linear"
+    assert kind(lambda s, b, h, q, k: s + jnp.ones(8)[k]) == "linear"
+    assert kind(mods.soft_cap(30.0)) == "nonlinear"
+    assert hopper_bwd.score_kind(None) is None
+    config = KernelConfig.default(128)
+    capped = hopper_vjp._backward_config(config, 128, 16384, band, True, masks.ScoreMods(soft_cap=30.0))
+    assert capped == nonlinear
 
 
 def test_delta_in_dp_config():
