@@ -61,6 +61,8 @@ CASES = {
         _capped_key_bias,
         HopperBwdConfig(dq_overlap=True, dkv_overlap=True, num_stages_dkv=3, num_stages_dq=3),
     ),
+    # the plain steps, as a nonlinear score program's head_dim-128 default runs them
+    "soft_cap_key_bias": ((2, 150, 100, 1, 1, 64), _capped_key_bias, HopperBwdConfig()),
 }
 
 
@@ -125,14 +127,18 @@ def test_backward_with_programs_in_mosaic_gpu_interpreter(case):
 def test_backward_with_programs_lowers_for_gpu(case, head_dim):
     """Both passes with a score and a mask program (register-layout joint evaluation, the score program's vjp,
     the staged vectors' loads and the gradients' stores) go through Mosaic GPU's lowering at the default
-    config (two passes with programs: at head_dim 64 the plain ones, at 128 both overlaps), ragged and GQA."""
+    config (two passes with programs: at head_dim 64 the plain ones; at 128 with delta_in_dp, and both overlaps
+    unless the score program is nonlinear, as the soft cap's), ragged and GQA."""
     shape = (2, 300, 200, 4, 2, head_dim)
     q, k, lse, _ = abstract_inputs(shape, False)
     score, score_consts, mask, mask_consts = _programs(case, shape)
     staged_score, staged_mask = mods.stage(score)[0], mods.stage(mask)[0]
     dims = dict(batch=2, heads=4, q_len=300, kv_len=200)
-    config = hopper_bwd.default_config(head_dim, 200, masks.Band.of(False, None), True, programs=True)
+    score_kind = hopper_bwd.score_kind(staged_score)
+    config = hopper_bwd.default_config(head_dim, 200, masks.Band.of(False, None), True, programs=True, score=score_kind)
     assert not config.dq_atomic
+    if head_dim == 128:
+        assert config.delta_in_dp and config.dkv_overlap == (score_kind == "linear")
 
     def backward(q, k, v, out, lse, d_out, d_lse):
         score_stacks = staged_score.stacks(score_consts, **dims)
