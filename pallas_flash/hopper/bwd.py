@@ -214,9 +214,12 @@ def default_config(
     return config
 
 
-def score_kind(score_mod) -> str | None:
-    """A staged score program's kind for `default_config`: "linear" where d score / d logit is a constant
-    (`mods.Staged.score_derivative`: biases, ALiBi), else "nonlinear"; None without one."""
+def score_kind(score_mod, soft_cap: float | None = None) -> str | None:
+    """A call's score modification as `default_config` takes it: "nonlinear" with a soft cap (in the program or
+    applied by the kernels) or a staged score program whose d score / d logit is not a constant, "linear" where
+    it is (`mods.Staged.score_derivative`: biases, ALiBi), None without either."""
+    if soft_cap is not None:
+        return "nonlinear"
     if score_mod is None:
         return None
     return "linear" if score_mod.score_derivative is not None else "nonlinear"
@@ -337,8 +340,9 @@ def hopper_backward(
     dense = DenseMods(bias is not None, mask is not None, logits_soft_cap, hide_outside_hull=hull, bias_grad=bias_grad)
     tile_bytes = dense_tile_bytes(None if bias is None else bias.dtype, mask is not None)
     fit = dict(tile_bytes=tile_bytes, dbias=dense.writes_dbias, head_dim_v=padded_dim_v)
+    score = score_kind(score_mod, logits_soft_cap)
     config = config or default_config(
-        padded_dim, kv_len, band, deterministic=True, programs=has_programs, score=score_kind(score_mod), **fit
+        padded_dim, kv_len, band, deterministic=True, programs=has_programs, score=score, **fit
     )
     if config is None:
         raise ValueError(

@@ -107,10 +107,10 @@ class HopperConfig:
         rows the overlap, one CTA per tile, but persistent for causal rows up to 2k and for `sparse` rows
         (segment ids, a mask program or a dense or block mask may leave a tile a few key blocks: 8 documents in
         8k keys ran 9% faster persistent, 16 causal ones in 16k 17%; a mask that hides nothing costs 0-1%, causal
-        at 16k 6%). Wider heads: 64-key blocks
-        (the only size that fits) and the overlap (S of block j on the tensor cores under block j-1's softmax:
-        9-11% faster at head_dim 256); up to head_dim 192 persistent for causal rows up to 8k (7-11% faster at
-        2k-8k, 4% slower at 16k; no gain at 256). Windows and segment ids take the same tiles."""
+        at 16k 6%). Wider heads: 64-key blocks (the only size that fits) and the overlap (S of block j on the
+        tensor cores under block j-1's softmax: 9-11% faster at head_dim 256); up to head_dim 192 persistent for
+        causal rows up to 8k (7-11% faster at 2k-8k, 4% slower at 16k; no gain at 256). Windows take the same
+        tiles."""
         known = kv_len is not None
         short = known and kv_len <= 1024
         if head_dim <= 64:

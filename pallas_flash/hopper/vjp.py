@@ -269,9 +269,7 @@ def _backward_config(
         programs = mods.score_mod is not None or mods.mask_mod is not None or mods.soft_cap is not None
         fit = dict(tile_bytes=tile_bytes, dbias=dbias, head_dim_v=padded_v)
         staged = _staged(mods)
-        score = None if isinstance(staged, str) else hopper_bwd.score_kind(staged[0])
-        if mods.soft_cap is not None and score is None:  # a soft cap the kernels apply themselves
-            score = "nonlinear"
+        score = hopper_bwd.score_kind(None if isinstance(staged, str) else staged[0], mods.soft_cap)
         chosen = hopper_bwd.default_config(
             padded, kv_len, band, deterministic, programs=programs or block_mask is not None, score=score, **fit
         )

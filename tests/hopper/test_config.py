@@ -196,6 +196,7 @@ def test_backward_default_under_score_programs():
     assert kind(lambda s, b, h, q, k: s + jnp.ones(8)[k]) == "linear"
     assert kind(mods.soft_cap(30.0)) == "nonlinear"
     assert hopper_bwd.score_kind(None) is None
+    assert hopper_bwd.score_kind(None, 30.0) == "nonlinear"
     config = KernelConfig.default(128)
     capped = hopper_vjp._backward_config(config, 128, 16384, band, True, masks.ScoreMods(soft_cap=30.0))
     assert capped == nonlinear
