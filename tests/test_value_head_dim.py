@@ -1,6 +1,6 @@
 """A value head_dim of its own (DeepSeek's MLA: query/key 192, value 128): value [batch, kv_len, kv_heads,
 head_dim_v] gives out [batch, q_len, heads, head_dim_v]. The XLA paths ("xla_chunked", "xla", and flash_decode's
-"xla" and "reference") and the portable kernels ("pallas", at the wider head_dim's padded width) serve it; so
+"xla" and "reference") and the portable kernels ("pallas", each head_dim padded to its own power of two) serve it; so
 does "mosaic" where both its kernels have tiles for the two head dims (tests/hopper/test_head_dims.py), and it
 refuses the others by name, where implementation=None runs "pallas" on a GPU (logged). Checked against a float32
 oracle written out here, independent of the package."""

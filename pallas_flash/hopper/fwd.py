@@ -966,6 +966,12 @@ def default_config(
     return config
 
 
+def sparse_rows(segment_ids, mask_program, mask, block_mask) -> bool:
+    """Whether a call's rows may visit only some key blocks (`default_config`'s `sparse`): it has segment ids, a
+    mask program, a dense mask or a block mask (each None where absent)."""
+    return any(x is not None for x in (segment_ids, mask_program, mask, block_mask))
+
+
 def dense_tile_bytes(bias_dtype, mask: bool) -> int:
     """Bytes per logit of the dense tiles a kernel's ring carries: the bias's itemsize (bias_dtype None: no
     bias) plus one for a mask (int8)."""
@@ -1083,7 +1089,7 @@ def hopper_forward(
     padded_dim, padded_dim_v = forward_head_dim(head_dim), forward_head_dim(head_dim_v)
     dense = DenseMods(bias is not None, mask is not None, logits_soft_cap, hide_outside_hull=block_mask is not None)
     tile_bytes = dense_tile_bytes(None if bias is None else bias.dtype, mask is not None)
-    sparse = q_segment_ids is not None or mask_mod is not None or mask is not None or block_mask is not None
+    sparse = sparse_rows(q_segment_ids, mask_mod, mask, block_mask)
     config = config or default_config(padded_dim, kv_len, band, tile_bytes, padded_dim_v, sparse)
     own_tiles = tile_bytes or padded_dim_v != padded_dim  # the defaults fit shared memory without either
     if own_tiles and (

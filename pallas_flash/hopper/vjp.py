@@ -69,9 +69,8 @@ def _hopper_config(
 
 
 def _sparse_rows(mods: masks.ScoreMods, block_mask, segment_ids=None) -> bool:
-    """Whether a call's rows may visit only some key blocks: segment ids, a mask program, a dense mask or a block
-    mask (the forward's default tiles then differ: `HopperConfig.default`)."""
-    return segment_ids is not None or mods.mask_mod is not None or mods.mask_dims is not None or block_mask is not None
+    """`hopper_fwd.sparse_rows` of a call, from its `mods` (a dense mask: `mask_dims`)."""
+    return hopper_fwd.sparse_rows(segment_ids, mods.mask_mod, mods.mask_dims, block_mask)
 
 
 def _divide(block: int, mask_block: int) -> int:
@@ -517,7 +516,8 @@ def _ranges_reason(block_mask: BlockMask, query, key, head_dim_v: int, *, band: 
     and, where the Mosaic GPU backward runs, both its passes'), else why not (`block_sparse.exact_by_ranges`)."""
     head_dim, kv_len = query.shape[-1], key.shape[1]
     tile_bytes = _tile_bytes(mods, mod_arrays)
-    forward = _hopper_config(config, head_dim, kv_len, band, tile_bytes, head_dim_v, block_mask, True)
+    sparse = _sparse_rows(mods, block_mask)
+    forward = _hopper_config(config, head_dim, kv_len, band, tile_bytes, head_dim_v, block_mask, sparse)
     if forward is None:
         return "no forward tiles fit"
     query_tiles, key_tiles = [(NUM_CONSUMERS * forward.block_q, forward.block_kv)], []
