@@ -18,7 +18,8 @@ class HopperConfig:
       block_kv: keys per K/V block: 64, 128, 192 or 256 (the K of the P V wgmma comes in multiples of 64).
       num_stages: depth of the K/V shared-memory ring (>= 2).
       persistent: one CTA per SM loops over the query tiles (the ring and the ping-pong run on across tiles,
-        and the next tile's Q loads during this one's epilogue) instead of one CTA per tile.
+        and the next tile's Q, query ids and program row values load while this one runs) instead of one CTA
+        per tile.
       overlap: FlashAttention-3's intra-warpgroup pipelining on top of the consumers' ping-pong: each step
         issues Q K_j^T, then P_{j-1} V_{j-1}, and computes block j's softmax while that P V runs (holds O,
         S_j and P_{j-1} in registers at once).
@@ -101,29 +102,28 @@ class HopperConfig:
         """The fastest tiles measured on the H100 per padded head_dim (docs/performance.md).
 
         head_dim 64: 256-key blocks (fewer, longer wgmmas per softmax), but 128 for causal rows up to 1k
-        (mostly diagonal blocks); persistent CTAs for short rows and causal rows up to 8k (a CTA's fixed cost
-        dominates short rows; the folded order balances causal tiles), one CTA per tile elsewhere.
+        (mostly diagonal blocks); persistent CTAs for rows up to 4k and causal rows up to 8k (a CTA's fixed cost
+        weighs on short rows: non-causal 2k 8% faster, 4k 3%; the folded order balances causal tiles), one CTA
+        per tile elsewhere (non-causal 8k 2% slower persistent).
         head_dim 128: 128-key blocks, 2 stages (3 do not fit); rows up to 1k persistent unless causal; longer
-        rows the overlap, one CTA per tile, but persistent for causal rows up to 2k and for `sparse` rows
-        (segment ids, a mask program or a dense or block mask may leave a tile a few key blocks: 8 documents in
-        8k keys ran 9% faster persistent, 16 causal ones in 16k 17%; a mask that hides nothing costs 0-1%, causal
-        at 16k 6%). Wider heads: 64-key blocks (the only size that fits) and the overlap (S of block j on the
-        tensor cores under block j-1's softmax: 9-11% faster at head_dim 256); up to head_dim 192 persistent for
-        causal rows up to 8k (7-11% faster at 2k-8k, 4% slower at 16k; no gain at 256). Windows take the same
-        tiles."""
+        rows the overlap, persistent for rows up to 4k (non-causal 2k 5% faster, 4k 2%, causal 4k 4%; a tie at
+        8k, causal 16k 6% slower) and for `sparse` rows (segment ids, a mask program or a dense or block mask may
+        leave a tile a few key blocks: 8 documents in 8k keys ran 9% faster persistent, 16 causal ones in 16k
+        17%; a mask that hides nothing costs 0-1%, causal at 16k 6%). Wider heads: 64-key blocks (the only size
+        that fits) and the overlap (S of block j on the tensor cores under block j-1's softmax: 9-11% faster at
+        head_dim 256); up to head_dim 192 persistent for causal rows up to 8k (7-11% faster at 2k-8k, 4% slower
+        at 16k; no gain at 256). Windows take the same tiles."""
         known = kv_len is not None
         short = known and kv_len <= 1024
         if head_dim <= 64:
             if is_causal and short:
                 return cls(block_q=64, block_kv=128, num_stages=3, persistent=True)
-            return cls(
-                block_q=64, block_kv=256, num_stages=2, persistent=short or (is_causal and known and kv_len <= 8192)
-            )
+            persistent = known and (kv_len <= 4096 or (is_causal and kv_len <= 8192))
+            return cls(block_q=64, block_kv=256, num_stages=2, persistent=persistent)
         if head_dim <= 128:
             if short:
                 return cls(block_q=64, block_kv=128, num_stages=2, persistent=not is_causal)
-            causal_2k = is_causal and known and kv_len <= 2048
-            persistent = causal_2k or sparse
+            persistent = (known and kv_len <= 4096) or sparse
             return cls(block_q=64, block_kv=128, num_stages=2, persistent=persistent, overlap=True)
         causal_8k = head_dim <= 192 and is_causal and known and kv_len <= 8192
         return cls(block_q=64, block_kv=64, num_stages=2, persistent=causal_8k, overlap=True)

@@ -84,7 +84,6 @@ from pallas_flash.hopper.common import (
     forward_head_dim,
     head_dim_transforms,
     intersect_ranges,
-    load_own_ids,
     mask_block_ranges,
     masked_edge_loops,
     mod_values,
@@ -369,10 +368,53 @@ def _kernel(
         q_smem, lse_smem = q_smem2.at[wg], lse_smem2.at[wg]
         o_smem = o_smem2.at[wg] if separate_out else q_smem
 
-        def load_q(i):
-            batch, head, tile_start, *_ = schedule(i)
+        def load_q(i, tile=None):
+            """Tile i's Q (or, given, the Q of `tile` = (batch, head, first row))."""
+            batch, head, tile_start = schedule(i)[:3] if tile is None else tile
             rows = pl.ds(tile_start + wg * block_q, block_q)
             plgpu.copy_gmem_to_smem(q_ref.at[batch, rows, head], q_smem, q_ready.at[wg])
+
+        # A persistent CTA loads a tile's per-row operands while the previous tile runs: its next Q as soon as
+        # the last S = Q K^T has read Q (where the output has a tile of its own), its query ids and the
+        # programs' row values once their shared-memory copies are in registers.
+        prefetching = not (isinstance(num_tiles, int) and num_tiles == 1)
+        # Without the overlap, the next Q loads right after a tile's last S: a branch in every step, whose
+        # registers a 256-key S beside per-element operands cannot spare (a document program at head_dim 64
+        # spilled 40% more and ran 9-17% slower); there it loads once the tile's loop is done.
+        per_element = programs.active or has_segments or dense.active or dropout is not None
+        q_in_step = separate_out and prefetching and not config.overlap and (block_kv <= 128 or not per_element)
+
+        def q_read(i, last, next_tile=None):
+            """This tile's Q has been read for the last time where `last` (a traced bool): load the next one
+            (`next_tile`: its (batch, head, first row), worked out before the loop that calls this)."""
+            if separate_out and prefetching:
+                pl.when(jnp.logical_and(last, i + 1 < num_tiles))(lambda: load_q(i + 1, next_tile))
+
+        def load_row_operands(i):
+            """Start tile i's copies of this consumer's query ids and the programs' row values (`tile_rows`)."""
+            batch, head, tile_start, *_ = schedule(i)
+            q_start = tile_start + wg * block_q
+            if has_segments:
+                q_ids_smem, _, q_ids_ready, _ = segments
+                plgpu.copy_gmem_to_smem(
+                    q_ids_ref.at[batch, pl.ds(q_start, block_q)], q_ids_smem.at[wg], q_ids_ready.at[wg]
+                )
+            if rows_ref is not None:
+                b, h = stack_index(rows_ref, batch, head)
+                source = rows_ref.at[b, h, :, pl.ds(q_start, block_q)]
+                plgpu.copy_gmem_to_smem(source, rows_smem.at[wg], rows_ready.at[wg])
+
+        def next_row_operands(i):
+            """Tile i's row operands are in registers: once every thread of the warpgroup has read them, the
+            next tile's copies may overwrite their slots."""
+            if (has_segments or rows_ref is not None) and prefetching:
+
+                def load_next():
+                    if not interpreting:
+                        plgpu.commit_smem()  # our reads before the copies' writes
+                    load_row_operands(i + 1)
+
+                pl.when(i + 1 < num_tiles)(load_next)
 
         def layout(x, layout):
             return x if interpreting else plgpu.layout_cast(x, layout)
@@ -407,12 +449,10 @@ def _kernel(
             return kv_seg, programs.values("col", read, masked=masked)
 
         def tile_rows(batch, head, q_start, q_seg, tile_hull):
-            """This consumer's `TileRows`: the programs' row values are loaded once per tile."""
+            """This consumer's `TileRows`: the programs' row values are loaded once per tile (their copy was
+            started by `load_row_operands`)."""
             values = NO_VALUES
             if rows_ref is not None:
-                b, h = stack_index(rows_ref, batch, head)
-                source = rows_ref.at[b, h, :, pl.ds(q_start, block_q)]
-                plgpu.copy_gmem_to_smem(source, rows_smem.at[wg], rows_ready.at[wg])
                 plgpu.barrier_wait(rows_ready.at[wg])
                 values = programs.values("row", lambda r: load(rows_smem.at[wg, r], row), masked=True)
             if dropout is None:
@@ -520,7 +560,7 @@ def _kernel(
                 return acc
             return pl.run_state(update)(plgpu.ACC.init(acc))
 
-        def overlapped_blocks(acc, m, l, *, rows, kv_lo, kv_hi, unmasked, slot_of):
+        def overlapped_blocks(acc, m, l, *, tile, rows, kv_lo, kv_hi, unmasked, slot_of):
             """`config.overlap`, FlashAttention-3's intra-warpgroup pipelining on top of the ping-pong: step j
             issues S_j = Q K_j^T and then O += P_{j-1} V_{j-1}, waits for S_j alone (wgmma groups complete in
             order: at most one, the P V, left in flight) and computes P_j's softmax while that P V runs.
@@ -584,6 +624,7 @@ def _kernel(
             acc, m, l, p_last = masked_edge_loops(
                 step, carry, kv_lo + 1 if leading else None, unmasked_lo, unmasked_hi, kv_hi
             )
+            q_read(tile, True)  # every S is done; the last P V is not
             last = slot_of(kv_hi - 1)
             plgpu.barrier_wait(v_ready.at[last])
             my_turn()
@@ -602,27 +643,23 @@ def _kernel(
             m = layout(jnp.full((block_q,), -jnp.inf, jnp.float32), row)
             l = layout(jnp.zeros((block_q,), jnp.float32), row)
             acc = layout(jnp.zeros((block_q, v_smem.shape[-1]), jnp.float32), plgpu.Layout.WGMMA)
+            if not prefetching:
+                load_row_operands(i)
             q_seg = None
             if has_segments:
                 q_ids_smem, _, q_ids_ready, _ = segments
-                q_seg = load_own_ids(
-                    q_ids_ref,
-                    q_ids_smem,
-                    q_ids_ready,
-                    wg=wg,
-                    batch=batch,
-                    start=q_start,
-                    size=block_q,
-                    layout=row,
-                    load=load,
-                )
+                plgpu.barrier_wait(q_ids_ready.at[wg])
+                q_seg = load(q_ids_smem.at[wg], row)
             rows = tile_rows(batch, head, q_start, q_seg, hull(batch, head, tile_start))
+            next_row_operands(i)
 
             def slot_of(kv_step):
                 return lax.rem(ring_steps + kv_step - kv_lo, num_stages)
 
             plgpu.barrier_wait(q_ready.at[wg])
             plgpu.barrier_wait(k_ready.at[slot_of(kv_lo)])  # kv_hi > kv_lo always (query_tile_schedule)
+            # The next tile's (batch, head, first row), worked out once here rather than in every step.
+            next_tile = schedule(jnp.minimum(i + 1, num_tiles - 1))[:3] if q_in_step else None
 
             def step(kv_step, carry, *, masked: bool):
                 acc, m, l = carry
@@ -630,6 +667,8 @@ def _kernel(
                 cols = block_values(slot, masked=masked)
                 # Our QK^T is queued: the other consumer may issue its PV.
                 s = qk(slot, after_issue=lambda: plgpu.barrier_arrive(turn))
+                if q_in_step:
+                    q_read(i, kv_step == kv_hi - 1, next_tile)
                 tiles = block_tiles(slot, masked=masked)
                 plgpu.barrier_arrive(k_free.at[slot])
                 plgpu.barrier_wait(turn)
@@ -666,6 +705,7 @@ def _kernel(
                     acc,
                     m,
                     l,
+                    tile=i,
                     rows=rows,
                     kv_lo=kv_lo,
                     kv_hi=kv_hi,
@@ -677,8 +717,9 @@ def _kernel(
                     step, (acc, m, l), kv_lo if leading else None, unmasked_lo, unmasked_hi, kv_hi
                 )
 
-            if separate_out:  # Q is spent: the next tile's loads while this one's output is stored
-                pl.when(i + 1 < num_tiles)(lambda: load_q(i + 1))
+            if not config.overlap and not q_in_step:
+                q_read(i, True)
+            if separate_out:
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store has read o_smem
             inv_l = (1.0 if dropout is None else dropout.scale) / l  # the kept probabilities' 1 / (1 - rate)
             log_l = m + jnp.log2(l)
@@ -694,6 +735,8 @@ def _kernel(
 
         if separate_out:
             load_q(0)
+        if prefetching:
+            load_row_operands(0)
         # Consumer 1 parks at the schedule barrier until consumer 0 has issued its first QK^T; from then on
         # the two alternate, across tiles too.
         if config.overlap:  # consumer 0 goes first; its last "your turn" is waited for at the end

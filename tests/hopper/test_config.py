@@ -18,41 +18,43 @@ from pallas_flash.hopper.config import H100_SHARED_MEMORY, HopperBwdConfig, Hopp
 
 
 @pytest.mark.parametrize(
-    "head_dim, kv_len, is_causal, window, overlap",
+    "head_dim, kv_len, is_causal, window, overlap, persistent",
     [
-        (128, 2048, False, None, True),
-        (128, 16384, True, None, True),
-        (128, None, False, None, True),
-        (128, 1024, False, None, False),  # short rows: no overlap (unmeasured with it)
-        (128, 2048, False, (300, 77), False),  # a window's rows are as long as its size (377 keys): short
-        (128, 16384, True, (1024, None), False),  # a 1k causal window
-        (128, 16384, True, (2048, None), True),  # 2k: long
-        (128, 4096, False, (None, 0), True),  # causal: as unmasked calls
-        (64, 8192, False, None, False),
-        (256, 4096, False, None, True),  # wider heads: always (64-key blocks)
-        (192, 1024, True, None, True),
+        (128, 2048, False, None, True, True),
+        (128, 4096, True, None, True, True),
+        (128, 8192, False, None, True, False),
+        (128, 16384, True, None, True, False),
+        (128, None, False, None, True, False),
+        (128, 1024, False, None, False, True),  # short rows: no overlap (unmeasured with it)
+        (128, 2048, False, (300, 77), False, True),  # a window's rows are as long as its size (377 keys): short
+        (128, 16384, True, (1024, None), False, True),  # a 1k causal window
+        (128, 16384, True, (2048, None), True, True),  # 2k: long, but not past 4k
+        (128, 16384, True, (8192, None), True, False),
+        (128, 4096, False, (None, 0), True, True),  # causal: as unmasked calls
+        (64, 8192, False, None, False, False),
+        (64, 4096, False, None, False, True),
+        (256, 4096, False, None, True, False),  # wider heads: always (64-key blocks)
+        (192, 1024, True, None, True, True),
     ],
 )
-def test_hopper_default_overlaps_only_where_measured(head_dim, kv_len, is_causal, window, overlap):
+def test_hopper_default_overlaps_only_where_measured(head_dim, kv_len, is_causal, window, overlap, persistent):
     """The forward default turns FA3's overlap on at head_dim 128 past 1k keys, a window's rows counting as long
-    as its span, and at wider heads always; it keeps head_dim 64 (slower with it) on the ping-pong; short rows
-    take persistent CTAs."""
+    as its span, and at wider heads always; it keeps head_dim 64 (slower with it) on the ping-pong; rows up to
+    4k keys at head_dim 64 and 128 take persistent CTAs."""
     config = hopper_fwd.default_config(head_dim, kv_len, masks.Band.of(is_causal, window))
-    assert config.overlap == overlap
-    if overlap and head_dim == 128:
-        assert (config.block_kv, config.persistent) == (128, False)
-    elif overlap:
-        assert (config.block_kv, config.persistent) == (64, head_dim <= 192 and is_causal and kv_len <= 8192)
-    elif head_dim == 128 and kv_len > 1024:
-        assert config.persistent  # a window short enough for the short rows' tiles
+    assert (config.overlap, config.persistent) == (overlap, persistent)
+    if overlap:
+        assert config.block_kv == (128 if head_dim == 128 else 64)
 
 
-def test_hopper_default_persists_causal_rows_up_to_2k_at_head_dim_128():
-    """Causal rows up to 2k keys at head_dim 128 take persistent CTAs with the overlap (2k: 0.276 ms against 0.300
-    with one CTA per tile); longer ones one CTA per tile."""
-    assert HopperConfig.default(128, 2048, True) == HopperConfig(64, 128, 2, persistent=True, overlap=True)
-    assert HopperConfig.default(128, 2049, True) == HopperConfig(64, 128, 2, persistent=False, overlap=True)
-    assert HopperConfig.default(128, 2048, False) == HopperConfig(64, 128, 2, persistent=False, overlap=True)
+def test_hopper_default_persists_rows_up_to_4k_at_head_dim_128():
+    """Rows up to 4k keys at head_dim 128 take persistent CTAs with the overlap (non-causal 2k 5% faster than one
+    CTA per tile, causal 4k 4%); longer ones one CTA per tile (a tie at 8k, causal 16k 6% slower)."""
+    persistent = HopperConfig(64, 128, 2, persistent=True, overlap=True)
+    for is_causal in (False, True):
+        assert HopperConfig.default(128, 2048, is_causal) == persistent
+        assert HopperConfig.default(128, 4096, is_causal) == persistent
+        assert HopperConfig.default(128, 4097, is_causal) == HopperConfig(64, 128, 2, persistent=False, overlap=True)
 
 
 def test_hopper_default_persists_sparse_rows_at_head_dim_128():
@@ -86,10 +88,13 @@ def test_hopper_default_persists_causal_rows_up_to_8k_up_to_head_dim_192():
 
 def test_hopper_default_tiles_at_head_dim_64():
     """head_dim 64: causal rows up to 1k on 128-key blocks, 3 stages, persistent; longer causal rows (2k
-    measured 1.040x cuDNN on 256-key blocks against 0.989x on 128) on 256-key blocks, persistent up to 8k."""
+    measured 1.040x cuDNN on 256-key blocks against 0.989x on 128) on 256-key blocks, persistent up to 8k;
+    non-causal rows persistent up to 4k (2k: 8% faster than one CTA per tile)."""
     assert HopperConfig.default(64, 1024, True) == HopperConfig(64, 128, 3, True)
     assert HopperConfig.default(64, 2048, True) == HopperConfig(64, 256, 2, True)
     assert HopperConfig.default(64, 8193, True) == HopperConfig(64, 256, 2, False)
+    assert HopperConfig.default(64, 4096, False) == HopperConfig(64, 256, 2, True)
+    assert HopperConfig.default(64, 4097, False) == HopperConfig(64, 256, 2, False)
 
 
 # ---- backward -------------------------------------------------------------------------------------------------
