@@ -410,8 +410,7 @@ def _kernel(
             if (has_segments or rows_ref is not None) and prefetching:
 
                 def load_next():
-                    if not interpreting:
-                        plgpu.commit_smem()  # our reads before the copies' writes
+                    plgpu.commit_smem()  # our reads before the copies' writes
                     load_row_operands(i + 1)
 
                 pl.when(i + 1 < num_tiles)(load_next)
