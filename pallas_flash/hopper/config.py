@@ -99,7 +99,8 @@ class HopperConfig:
     def default(
         cls, head_dim: int, kv_len: int | None = None, is_causal: bool = False, sparse: bool = False
     ) -> HopperConfig:
-        """The fastest tiles measured on the H100 per padded head_dim (docs/performance.md).
+        """The fastest tiles measured on the H100 per padded head_dim (docs/performance.md; the persistent
+        thresholds at head_dim 64 and 128 on an H200, the H100's bar at 2k agreeing).
 
         head_dim 64: 256-key blocks (fewer, longer wgmmas per softmax), but 128 for causal rows up to 1k
         (mostly diagonal blocks); persistent CTAs for rows up to 4k and causal rows up to 8k (a CTA's fixed cost
