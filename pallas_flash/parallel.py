@@ -136,9 +136,9 @@ def _options(plan, case, q_ids=None, kv_ids=None, q_pos=None, kv_pos=None):
 @dataclasses.dataclass(frozen=True)
 class _Pairs:
     """A causal step against another shard's K/V, as full attention of query rows to key rows in equal-shaped
-    pieces stacked on the batch axis, the same calls on every device whatever the shard pair (no branch on
-    the device index: XLA runs a traced switch on the GPU by reading its index back to the host, stalling
-    the queue at every step).
+    pieces, two per example interleaved on the batch axis ([B, 2, ...] as [2B, ...]), the same calls on every
+    device whatever the shard pair (no branch on the device index: XLA runs a traced switch on the GPU by
+    reading its index back to the host, stalling the queue at every step).
 
       * contiguous: the local queries against the held K/V whole (one piece); `seen` says whether they are
         visible at all (the source comes earlier), else the piece counts for nothing;
@@ -150,13 +150,14 @@ class _Pairs:
     zigzag: bool
 
     def _stack(self, x, fixed: int, axis: int):
-        """Chunk `fixed` (0 or 1) of a local [B, T, ...] array's two chunks along `axis`, then the second piece's
-        chunk (the first chunk when the source comes earlier, else the second), stacked on the batch axis."""
+        """Chunk `fixed` (0 or 1) of a [B, T, ...] array's two chunks along `axis`, then the second piece's
+        chunk (the first when the source comes earlier, else the second), interleaved on the batch axis."""
         if x is None or not self.zigzag:
             return x
         half = x.shape[axis] // 2
         chosen = lax.dynamic_slice_in_dim(x, jnp.where(self.seen, 0, half), half, axis=axis)
-        return jnp.concatenate([lax.slice_in_dim(x, fixed * half, (fixed + 1) * half, axis=axis), chosen], axis=0)
+        pieces = jnp.stack([lax.slice_in_dim(x, fixed * half, (fixed + 1) * half, axis=axis), chosen], axis=1)
+        return pieces.reshape(2 * x.shape[0], *chosen.shape[1:])
 
     def rows(self, x, axis=1):
         """The pieces' query rows of a local [B, T, ...] array (lse: axis 2): b, then a or b."""
@@ -170,52 +171,73 @@ class _Pairs:
         """(first piece, second piece) of a stacked result ([2B, ...]); (x, None) for one piece."""
         if not self.zigzag:
             return x, None
-        batch = x.shape[0] // 2
-        return x[:batch], x[batch:]
+        pieces = x.reshape(x.shape[0] // 2, 2, *x.shape[1:])
+        return pieces[:, 0], pieces[:, 1]
+
+    def key_rows(self, g):
+        """A float32 gradient of the pieces' keys (`keys`) as one of the held [B, T, ...] K/V, zero where the
+        layout hides: rows c, d."""
+        f32 = lambda x: x.astype(jnp.float32)
+        if not self.zigzag:
+            return jnp.where(self.seen, f32(g), jnp.zeros(g.shape, jnp.float32))
+        g_bc, g_2 = map(f32, self.unstack(g))
+        zero = jnp.zeros_like(g_2)
+        return jnp.concatenate([g_bc + jnp.where(self.seen, g_2, zero), jnp.where(self.seen, zero, g_2)], axis=1)
 
 
 def _pairs(plan, shard, source):
     return _Pairs(seen=source < shard, zigzag=plan.layout == "zigzag")
 
 
+def _sends_pieces(plan) -> bool:
+    """Whether the ring sends K/V already cut into the receiver's key pieces (`_Pairs.keys`) and gets their
+    dK/dV back uncut: on two devices, where K/V make one hop and the sender knows the receiver's pieces. The cut
+    then rides the send buffer's own copy, the receiver attends to what arrives as it is, and the owner lays
+    the returning dK/dV over its rows in the add it does anyway (two copies of K/V fewer per step)."""
+    return plan.band.is_causal and plan.num_shards == 2
+
+
+def _receiver_pairs(plan, shard):
+    """The `_Pairs` of the device that receives this one's K/V (the next on the axis)."""
+    return _pairs(plan, (shard + 1) % plan.num_shards, shard)
+
+
 def _foreign_forward(plan, pairs, q, k, v, q_ids, kv_ids):
-    """(out, lse) parts of a causal step against another shard's K/V: the pieces' attention, with lse -inf on
-    what the layout hides (see `_Pairs`); for `_merge_foreign`."""
-    options = _options(plan, FULL, pairs.rows(q_ids), pairs.keys(kv_ids))
-    return flash_attention(pairs.rows(q), pairs.keys(k), pairs.keys(v), return_lse=True, **options)
+    """(out, lse) parts of a causal step against another shard's K/V, cut into `pairs`' key pieces; for
+    `_merge_foreign`."""
+    options = _options(plan, FULL, pairs.rows(q_ids), kv_ids)
+    return flash_attention(pairs.rows(q), k, v, return_lse=True, **options)
 
 
 def _merge_foreign(pairs, acc, part):
-    """`acc` (out float32, lse) merged with `_foreign_forward`'s part."""
+    """`acc` (out float32, lse) merged with `_foreign_forward`'s part, its pieces laid over the rows they
+    cover (lse -inf elsewhere) so that the merge is one elementwise pass over the rows."""
     out, lse = part
     hidden = jnp.float32(-jnp.inf)
     if not pairs.zigzag:
         return _merge(acc, (out, jnp.where(pairs.seen, lse, hidden)))
     (out_bc, out_2), (lse_bc, lse_2) = pairs.unstack(out), pairs.unstack(lse)
-    half = acc[0].shape[1] // 2
-    first = _merge((acc[0][:, :half], acc[1][:, :, :half]), (out_2, jnp.where(pairs.seen, lse_2, hidden)))
-    second = _merge(
-        (acc[0][:, half:], acc[1][:, :, half:]), (out_bc, lse_bc), (out_2, jnp.where(pairs.seen, hidden, lse_2))
+    zero_out, no_lse = jnp.zeros_like(out_2), jnp.full_like(lse_2, hidden)
+    rows_b = (jnp.concatenate([zero_out, out_bc], axis=1), jnp.concatenate([no_lse, lse_bc], axis=2))
+    rows_2 = (
+        jnp.where(pairs.seen, jnp.concatenate([out_2, zero_out], axis=1), jnp.concatenate([zero_out, out_2], axis=1)),
+        jnp.where(pairs.seen, jnp.concatenate([lse_2, no_lse], axis=2), jnp.concatenate([no_lse, lse_2], axis=2)),
     )
-    return jnp.concatenate([first[0], second[0]], axis=1), jnp.concatenate([first[1], second[1]], axis=2)
+    return _merge(acc, rows_b, rows_2)
 
 
 def _foreign_backward(plan, pairs, q, k, v, q_ids, kv_ids, out, lse, d_out, d_lse):
-    """dq, dk, dv (float32, zero where the layout hides) of a causal step against another shard's K/V, from
-    the ring's merged out / lse and their cotangents: the same pieces as `_foreign_forward`."""
-    options = _options(plan, FULL, pairs.rows(q_ids), pairs.keys(kv_ids))
+    """dq (float32, zero where the layout hides) and the pieces' dk, dv of a causal step against another
+    shard's K/V cut into `pairs`' key pieces, from the ring's merged out / lse and their cotangents
+    (`_Pairs.key_rows` lays dk, dv over the held rows)."""
+    options = _options(plan, FULL, pairs.rows(q_ids), kv_ids)
     rows = (pairs.rows(out), pairs.rows(lse, axis=2), pairs.rows(d_out), pairs.rows(d_lse, axis=2))
-    dq, dk, dv = attention_backward(pairs.rows(q), pairs.keys(k), pairs.keys(v), *rows, **options)
-    zero = lambda x: jnp.zeros_like(x, jnp.float32)
-    f32 = lambda x: x.astype(jnp.float32)
+    dq, dk, dv = attention_backward(pairs.rows(q), k, v, *rows, **options)
     if not pairs.zigzag:
-        return tuple(jnp.where(pairs.seen, f32(g), zero(g)) for g in (dq, dk, dv))
-    (dq_bc, dq_2), (dk_bc, dk_2), (dv_bc, dv_2) = (tuple(map(f32, pairs.unstack(g))) for g in (dq, dk, dv))
-    seen = lambda x: jnp.where(pairs.seen, x, zero(x))
-    unseen = lambda x: jnp.where(pairs.seen, zero(x), x)
-    dq = jnp.concatenate([seen(dq_2), dq_bc + unseen(dq_2)], axis=1)  # rows a, b
-    dk = jnp.concatenate([dk_bc + seen(dk_2), unseen(dk_2)], axis=1)  # rows c, d
-    dv = jnp.concatenate([dv_bc + seen(dv_2), unseen(dv_2)], axis=1)
+        return jnp.where(pairs.seen, dq.astype(jnp.float32), jnp.zeros(dq.shape, jnp.float32)), dk, dv
+    dq_bc, dq_2 = (x.astype(jnp.float32) for x in pairs.unstack(dq))
+    zero = jnp.zeros_like(dq_2)
+    dq = jnp.concatenate([jnp.where(pairs.seen, dq_2, zero), dq_bc + jnp.where(pairs.seen, zero, dq_2)], axis=1)
     return dq, dk, dv
 
 
@@ -263,9 +285,23 @@ def _ring(plan, axis_name, q, k, v, q_ids, kv_ids):
     return _ring_forward(plan, axis_name, q, k, v, q_ids, kv_ids)
 
 
+def _sent(plan, axis_name, k, v, kv_ids):
+    """What a device sends around the ring of its own K/V (and key ids): cut into the receiver's pieces where
+    `_sends_pieces`, else whole."""
+    if not _sends_pieces(plan):
+        return k, v, kv_ids
+    receiver = _receiver_pairs(plan, lax.axis_index(axis_name))
+    return tuple(receiver.keys(x) for x in (k, v, kv_ids))
+
+
+def _cut(plan, pairs, held):
+    """The held K/V (and key ids) as `pairs`' key pieces (already cut by the sender where `_sends_pieces`)."""
+    return held if _sends_pieces(plan) else tuple(pairs.keys(x) for x in held)
+
+
 def _ring_forward(plan, axis_name, q, k, v, q_ids, kv_ids):
     q_len, kv_len = q.shape[1], k.shape[1]
-    held = (k, v, kv_ids)
+    held = _sent(plan, axis_name, k, v, kv_ids)
     acc = None
     for t in range(plan.num_shards):
         if t + 1 < plan.num_shards:  # issued before this step's kernel: the transfer runs under it
@@ -277,7 +313,8 @@ def _ring_forward(plan, axis_name, q, k, v, q_ids, kv_ids):
             acc = (out.astype(jnp.float32), lse)
         elif plan.band.is_causal:
             pairs = _pairs(plan, shard, source)
-            acc = _merge_foreign(pairs, acc, _foreign_forward(plan, pairs, q, held[0], held[1], q_ids, held[2]))
+            k_cut, v_cut, ids_cut = _cut(plan, pairs, held)
+            acc = _merge_foreign(pairs, acc, _foreign_forward(plan, pairs, q, k_cut, v_cut, q_ids, ids_cut))
         else:
             options = _options(plan, plan.own_case(), q_ids, held[2], q_pos, kv_pos)
             acc = _merge(acc, flash_attention(q, held[0], held[1], return_lse=True, **options))
@@ -309,7 +346,7 @@ def _ring_bwd(plan, axis_name, residuals, cotangents):
     in the inputs' dtype on two (one step's sum, sent once), then added to the home part in float32."""
     q, k, v, q_ids, kv_ids, out, lse = residuals
     d_out, d_lse = cotangents
-    held = (k, v, kv_ids)
+    held = _sent(plan, axis_name, k, v, kv_ids)
     travelling, travel_dtype = None, _accumulator_dtype(plan.num_shards, k.dtype)
     for t in range(plan.num_shards):
         if t + 1 < plan.num_shards:
@@ -322,7 +359,10 @@ def _ring_bwd(plan, axis_name, residuals, cotangents):
         else:
             if plan.band.is_causal:
                 pairs = _pairs(plan, shard, source)
-                parts = _foreign_backward(plan, pairs, q, held[0], held[1], q_ids, held[2], out, lse, d_out, d_lse)
+                k_cut, v_cut, ids_cut = _cut(plan, pairs, held)
+                parts = _foreign_backward(plan, pairs, q, k_cut, v_cut, q_ids, ids_cut, out, lse, d_out, d_lse)
+                if not _sends_pieces(plan):  # laid over the held rows here; else by the K/V's owner
+                    parts = (parts[0], pairs.key_rows(parts[1]), pairs.key_rows(parts[2]))
             else:
                 options = _options(plan, plan.own_case(), q_ids, held[2], q_pos, kv_pos)
                 parts = attention_backward(q, held[0], held[1], out, lse, d_out, d_lse, **options)
@@ -337,7 +377,12 @@ def _ring_bwd(plan, axis_name, residuals, cotangents):
             held = arriving
     dk, dv = dk_home, dv_home
     if travelling is not None:
-        dk, dv = (home.astype(jnp.float32) + away.astype(jnp.float32) for home, away in zip((dk, dv), travelling))
+        if _sends_pieces(plan):
+            receiver = _receiver_pairs(plan, lax.axis_index(axis_name))
+            away = tuple(receiver.key_rows(g) for g in travelling)
+        else:
+            away = tuple(g.astype(jnp.float32) for g in travelling)
+        dk, dv = (home.astype(jnp.float32) + g for home, g in zip((dk, dv), away))
     no_grad = lambda ids: None if ids is None else np.zeros(ids.shape, jax.dtypes.float0)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), no_grad(q_ids), no_grad(kv_ids)
 

@@ -97,6 +97,13 @@ def test_ring_features(kwargs):
     _check(4, **kwargs)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_two_devices_send_key_pieces(layout):
+    """On two devices the K/V travel already cut into the receiver's key pieces and their dK/dV return uncut
+    (`parallel._sends_pieces`): packed documents across the border, GQA."""
+    _check(2, layout=layout, kv_heads=2, docs=True)
+
+
 @pytest.mark.slow
 def test_ring_on_the_portable_kernels():
     """The ring's steps and their residual backwards on the Pallas kernels (interpret mode): the zig-zag cases."""
