@@ -3,6 +3,7 @@ its argument errors; where it writes by default; the paired timing."""
 
 import contextlib
 import datetime
+import gzip
 import io
 import json
 import os
@@ -443,3 +444,33 @@ def test_jaxpr_snapshot_is_deterministic(tmp_path):
         text = (tmp_path / "a" / name).read_text()
         assert text == (tmp_path / "b" / name).read_text() and not text.startswith("ERROR"), name
         assert "/tmp" not in text and not re.search(r" at 0x[0-9a-f]+", text)  # no source paths or addresses
+
+
+def test_gpu_kernel_summary_counts_kinds_and_exposed_collectives(tmp_path):
+    """The profile summary of a made-up trace (two steps on the first GPU; the second GPU's events ignored): per
+    kind of kernel, and the collective's time when nothing else runs."""
+    from tools.kernel_breakdown import gpu_kernel_summary
+
+    def kernel(name, ts, dur, pid=1):
+        return {"ph": "X", "pid": pid, "name": name, "ts": ts, "dur": dur}
+
+    events = [
+        {"name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+        {"name": "process_name", "pid": 2, "args": {"name": "/device:GPU:1"}},
+    ]
+    for step in range(2):
+        t = 10_000 * step
+        events += [
+            kernel("flash_forward_sm90_mosaic_gpu_kernel", t, 4000),
+            kernel("ncclDevKernel_SendRecv", t + 3000, 2000),  # 1000 us under the kernel, 1000 alone
+            kernel("nvjet_sm90_tst", t + 5000, 500),
+            kernel("loop_add_fusion", t + 6000, 260),
+            kernel("flash_forward_sm90_mosaic_gpu_kernel", t, 9000, pid=2),
+        ]
+    folder = tmp_path / "plugins" / "profile" / "run"
+    folder.mkdir(parents=True)
+    with gzip.open(folder / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    summary = gpu_kernel_summary(str(tmp_path), steps=2)
+    assert "device busy 5.76 ms/step of a 8.13 ms/step span, 4 kernels/step" in summary
+    assert "attention 4.00, collective 2.00, gemm 0.50, other 0.26; collectives alone 1.00" in summary

@@ -20,10 +20,40 @@ import json
 import pathlib
 
 
+def kernel_kind(name: str) -> str:
+    """What a GPU kernel of a trace is: "attention" (our Mosaic GPU kernels), "collective" (NCCL), "gemm"
+    (cuBLAS, cuBLASLt's nvjet, XLA's GEMM fusions) or "other" (XLA's fusions, copies, memsets)."""
+    if name.startswith("flash_"):
+        return "attention"
+    if "nccl" in name.lower():
+        return "collective"
+    if name.startswith("nvjet") or "gemm" in name or "cutlass" in name:
+        return "gemm"
+    return "other"
+
+
+def _exposed(kernels) -> float:
+    """Microseconds during which a collective runs and no other kernel does (its time not hidden under compute)."""
+    edges = sorted(
+        (t, delta, kernel_kind(e["name"]) == "collective")
+        for e in kernels
+        for t, delta in ((e["ts"], 1), (e["ts"] + e["dur"], -1))
+    )
+    running = {True: 0, False: 0}
+    alone, last = 0.0, None
+    for t, delta, collective in edges:
+        if last is not None and running[True] and not running[False]:
+            alone += t - last
+        running[collective] += delta
+        last = t
+    return alone
+
+
 def gpu_kernel_summary(trace_dir: str, steps: int, top: int = 12) -> str:
-    """The first GPU's time per step (or call) from a perfetto trace: busy time, wall span, and the kernels that
-    take the most of it (name, ms per step, share of busy time). One GPU's: on a mesh every device runs the same
-    program, and a union over devices would hide one device's idle time under another's kernels."""
+    """The first GPU's time per step (or call) from a perfetto trace: busy time, wall span, time per kind of kernel
+    (`kernel_kind`) with the collectives' exposed part, and the kernels that take the most of it (name, ms per step,
+    share of busy time). One GPU's: on a mesh every device runs the same program, and a union over devices would
+    hide one device's idle time under another's kernels."""
     path = sorted(pathlib.Path(trace_dir).glob("**/perfetto_trace.json.gz"))[-1]
     events = json.load(gzip.open(path))["traceEvents"]
     devices = {
@@ -37,20 +67,26 @@ def gpu_kernel_summary(trace_dir: str, steps: int, top: int = 12) -> str:
         names = sorted({e["args"]["name"] for e in events if e.get("name") == "process_name"})
         return f"no device events in the trace; its processes: {names}"
     by_name: dict[str, float] = {}
+    by_kind: dict[str, float] = {}
     for e in kernels:
         by_name[e["name"]] = by_name.get(e["name"], 0.0) + e["dur"]
+        by_kind[kernel_kind(e["name"])] = by_kind.get(kernel_kind(e["name"]), 0.0) + e["dur"]
     busy, end = 0.0, -1.0
     for e in sorted(kernels, key=lambda e: e["ts"]):  # the union of the kernels' intervals
         start, stop = e["ts"], e["ts"] + e["dur"]
         busy += max(0.0, stop - max(start, end))
         end = max(end, stop)
     span = end - min(e["ts"] for e in kernels)
+    per_step = lambda us: us / steps / 1e3  # noqa: E731
+    kinds = ", ".join(f"{kind} {per_step(us):.2f}" for kind, us in sorted(by_kind.items(), key=lambda item: -item[1]))
     lines = [
-        f"device busy {busy / steps / 1e3:.2f} ms/step of a {span / steps / 1e3:.2f} ms/step span, "
-        f"{len(kernels) / steps:.0f} kernels/step"
+        f"device busy {per_step(busy):.2f} ms/step of a {per_step(span):.2f} ms/step span, "
+        f"{len(kernels) / steps:.0f} kernels/step",
+        f"  by kind (ms/step, overlapping kernels each counted): {kinds}; collectives alone "
+        f"{per_step(_exposed(kernels)):.2f}",
     ]
     for name, total in sorted(by_name.items(), key=lambda item: -item[1])[:top]:
-        lines.append(f"  {total / steps / 1e3:7.3f} ms/step {100 * total / busy:5.1f}%  {name[:110]}")
+        lines.append(f"  {per_step(total):7.3f} ms/step {100 * total / busy:5.1f}%  {name[:110]}")
     return "\n".join(lines)
 
 
