@@ -122,6 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     flex = argparse.ArgumentParser(add_help=False)
     flex.add_argument("--cases", help="comma list of the cases to run (default: all; see benchmarks/README.md)")
+    flex.add_argument(
+        "--hopper",
+        help="mod on other Hopper forward tiles, each its own row: ';'-separated block_q,block_kv,num_stages"
+        "[,persistent][,overlap]",
+    )
     ring = argparse.ArgumentParser(add_help=False)
     ring.add_argument("--seqs-per-gpu", help="tokens per device, e.g. 8192,16384,32768 (the default)")
     decode = argparse.ArgumentParser(add_help=False)
@@ -302,6 +307,12 @@ def run_flex(args, argv: list[str], parser) -> str:
 
     passes = _passes(args, parser, "flex", ("fwd", "fwdbwd"))
     names = _cases(args, parser, flex.case_names())
+    try:
+        from benchmarks import bar
+
+        bar.parse_hopper_configs(args.hopper)
+    except ValueError as e:
+        parser.error(str(e))
     if not args.smoke:
         flex.share_the_gpu_with_torch()
     return _run_own_suite(
@@ -319,6 +330,7 @@ def run_flex(args, argv: list[str], parser) -> str:
             smoke=args.smoke,
             stamp=stamp,
             on_record=on_record,
+            hopper=args.hopper,
         ),
     )
 

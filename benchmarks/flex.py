@@ -16,6 +16,8 @@ Each case and pass has one row per variant, every one timed in interleaved pairs
   torch_flex  torch.compile(flex_attention) on [B, H, N, D] with its own create_block_mask, on causal + soft cap,
               ALiBi, documents and the window; compile time excluded (the warm-up calls compile), each sample
               ended by torch.cuda.synchronize; skipped without torch or CUDA.
+  mod@TILES   with `--hopper`: mod on the given Hopper forward tiles (the bar's syntax, e.g. "64,128,2,persistent"),
+              one row per tile set, to try a default against the case (< 1: those tiles are faster).
 `ratio_to_mod` = this row's ms / mod's ms (> 1: the modifier in our kernel is faster), with its ~95% interval;
 mod's own ms is from its pairing with plain. On plain and band rows, `kept_work_ratio` = mod's ms / (this row's ms
 scaled to the logits mod keeps): a mask should cost about the dense work it keeps (target <= 1.15 for documents).
@@ -43,6 +45,7 @@ import numpy as np
 
 import pallas_flash as pf
 from benchmarks import report, timing
+from benchmarks.bar import describe, parse_hopper_configs
 from benchmarks.impls import Unsupported
 from benchmarks.inputs import DTYPES, FLOP_FACTOR, Point, compile_pass, random_inputs
 from benchmarks.timing import TorchSynced
@@ -367,6 +370,13 @@ def measure_case(case, point, passes, settings, emit) -> None:
         "cudnn": (kept, True, lambda p: cudnn(case, point, p, inputs, arrays)),
         "torch_flex": (kept, True, lambda p: torch_flex(case, point, p, inputs, arrays_np)),
     }
+    for tiles in settings["tiles"]:
+        config = dataclasses.replace(pf.KernelConfig.default(point.head_dim), hopper=tiles)
+        partners[f"mod@{describe(tiles)}"] = (
+            kept,
+            True,
+            lambda p, c=config: ours(lambda a: dict(case.mod(a), config=c), point, p, inputs, arrays, ("mosaic",)),
+        )
     peers = () if settings["smoke"] else [p for p in PEER_CASES if case.name in PEER_CASES[p]]
     reps, min_sample_s = settings["reps"], settings["min_sample_ms"] / 1e3
     wrong = set()  # variants whose forward failed the check: their fwd+bwd is not timed either
@@ -387,7 +397,7 @@ def measure_case(case, point, passes, settings, emit) -> None:
             row("mod", impl=mod.impl, kept_fraction=kept, **checked)
             continue
         mod_ms = None
-        for variant in (*case.partners, *peers):
+        for variant in (*case.partners, *peers, *(f"mod@{describe(tiles)}" for tiles in settings["tiles"])):
             variant_kept, same, build = partners[variant]
             if variant in wrong:
                 row(variant, status="skip", note="its forward failed the check", kept_fraction=variant_kept)
@@ -533,10 +543,11 @@ def run(
     smoke=False,
     stamp=None,
     on_record=None,
+    hopper=None,
 ) -> list[dict]:
     """Measure the suite (the cases in `names`, default all of `case_names()`); returns its records (each with the
     fields of `stamp`). `on_record(records)` is called after each (the caller writes them, so a cut-off run keeps
-    what it measured)."""
+    what it measured). `hopper`: the `--hopper` text (`bar.parse_hopper_configs`), mod's extra tile sets."""
     names = names or case_names()
     sizes = SMOKE if smoke else Sizes()
     settings = dict(
@@ -545,6 +556,7 @@ def run(
         min_sample_ms=0.0 if smoke else 10.0 if min_sample_ms is None else min_sample_ms,
         rotate=1 if smoke else ROTATE,
         chain=OURS if on_nvidia_gpu() else ("xla_chunked",),  # off the GPU the kernels would run interpreted
+        tiles=[c for c in parse_hopper_configs(hopper) if c is not None],
     )
     passes = sorted(passes, key=("fwd", "fwdbwd").index)  # fwd first: its check decides whether fwd+bwd is timed
     records, start = [], time.perf_counter()

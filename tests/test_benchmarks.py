@@ -141,6 +141,17 @@ def test_bar_times_a_value_head_dim_of_its_own_alone_where_no_peer_runs_it():
     assert mla["point"].endswith("-d32-dv16-c1-float32")
 
 
+def test_flex_times_mod_on_other_hopper_tiles():
+    """`--hopper` adds a row per tile set: mod forced onto those Hopper tiles, paired with mod (off a Hopper GPU a
+    skip row saying that the Mosaic kernels could not run)."""
+    rows = flex.run(seqs=[flex.SMOKE_SEQ], head_dims=[32], passes=["fwd"], names=["alibi"], smoke=True,
+                    hopper="64,128,2,persistent;64,64,2")  # fmt: skip
+    by = {r["variant"]: r for r in rows}
+    assert set(by) == {"mod", "plain", "mod@64,128,2,persistent", "mod@64,64,2"}
+    tiled = by["mod@64,128,2,persistent"]
+    assert tiled["status"] == "skip" and "mosaic" in tiled["note"], tiled
+
+
 def test_flex_pairs_every_modifier_with_our_plain_call(smoke):
     """The flex suite's smoke: every case's forward (and the first case's forward+backward) has a checked mod row
     and the plain call (and the built-in band for the window) paired with it; the document and window rows carry
@@ -360,6 +371,7 @@ def test_default_output_folder_is_under_runs(tmp_path, monkeypatch):
         (["flex", "--passes", "up"], "up"),
         (["flex", "--cases", "alibi,nope"], "nope"),
         (["flex", "--impls", "pf:xla"], "--impls"),  # a record suite's option: flex picks its own rows
+        (["flex", "--hopper", "64,128,2,fast"], "--hopper: want"),
         (["ring", "--passes", "bwd"], "bwd"),
         (["ring", "--seqs-per-gpu", "8k"], "--seqs-per-gpu"),
         (["decode", "--cases", "paged64,nope"], "nope"),
