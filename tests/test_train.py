@@ -782,6 +782,7 @@ def test_a_mesh_trains_the_losses_of_one_device(
     assert json.loads((tmp_path / "run.json").read_text())["config"]["mesh"] == mesh
 
 
+@pytest.mark.slow  # CI's time: resuming keeps test_resume_reproduces_the_next_loss_exactly in CI
 def test_a_checkpoint_resumes_on_another_mesh(tmp_path):
     """Checkpoints hold replicated parameters and record the model without its mesh: a one-device run continues
     on a mesh, with dropout drawing the same masks (the RNG is partitionable; in natural token order: the zig-zag
@@ -804,6 +805,7 @@ def test_a_mesh_needs_its_devices(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow  # CI's time: test_context_search_doubles_until_a_step_fails keeps the search itself in CI
 def test_the_context_search_runs_on_the_mesh():
     """Each probe is a real train step on the run's mesh, its batch rounded up to the data axis."""
     cfg = parse_args(SMALL + ["--mesh", "data=2,context=2", "--max_context", "128"])

@@ -104,6 +104,7 @@ def test_ragged_batch_in_more_than_one_wave(monkeypatch):
 
 
 @pytest.mark.interpreter
+@pytest.mark.slow  # CI's time: the interpreter grid checks every case's LSE against the reference
 def test_lse_of_two_halves_merges_into_the_whole():
     """The kernel over the second half of each cache, merged through its LSE with dense attention over the
     first half (which every query sees whole), equals the kernel over the whole cache."""
