@@ -431,7 +431,7 @@ def test_bar_bwd_overrides_parse_and_bad_ones_are_named():
     assert bar.kernel_config(128, 2048, True, True) is None
 
 
-@pytest.mark.parametrize("tool", ["kernel_breakdown", "train_step_breakdown", "hopper_bwd_resources", "tune"])
+@pytest.mark.parametrize("tool", ["kernel_breakdown", "train_step_breakdown", "hopper_resources", "tune"])
 def test_tools_import_and_explain_themselves(tool, capsys):
     """The GPU tools at least import against today's package layout and print their usage."""
     import importlib
@@ -440,6 +440,17 @@ def test_tools_import_and_explain_themselves(tool, capsys):
     with pytest.raises(SystemExit) as done:
         module.main(["--help"])
     assert done.value.code == 0 and f"python -m tools.{tool}" in capsys.readouterr().out
+
+
+def test_hopper_resources_names_the_forward_cases(capsys):
+    """--forward takes the flex suite's cases and the plain calls, and names them when given another."""
+    from tools import hopper_resources
+
+    assert {"plain", "plain_causal", "bias_table", "alibi", "document"} <= set(hopper_resources.forward_cases())
+    with pytest.raises(SystemExit) as done:
+        hopper_resources.main(["--forward", "nope"])
+    assert done.value.code == 2
+    assert "--forward takes one of plain, plain_causal, soft_cap_causal" in capsys.readouterr().err
 
 
 def test_jaxpr_snapshot_is_deterministic(tmp_path):
