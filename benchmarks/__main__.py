@@ -307,9 +307,9 @@ def run_flex(args, argv: list[str], parser) -> str:
 
     passes = _passes(args, parser, "flex", ("fwd", "fwdbwd"))
     names = _cases(args, parser, flex.case_names())
-    try:
-        from benchmarks import bar
+    from benchmarks import bar
 
+    try:
         bar.parse_hopper_configs(args.hopper)
     except ValueError as e:
         parser.error(str(e))

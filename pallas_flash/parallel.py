@@ -330,7 +330,7 @@ def _ring_fwd(plan, axis_name, q, k, v, q_ids, kv_ids):
 
 def _accumulator_dtype(num_shards: int, dtype):
     """The dtype the dK/dV of other shards' K/V travel in (`_ring_bwd`): the input's on two devices (one
-    sum, sent once), else float32."""
+    step's part, sent once), else float32."""
     return dtype if num_shards == 2 else jnp.float32
 
 
@@ -343,7 +343,8 @@ def _ring_bwd(plan, axis_name, residuals, cotangents):
     A device's own K/V gradient stays home; from the second step on, the dK/dV of the K/V a device holds travel
     with them (from the device that first saw them to each next one, then home: one rotation fewer than
     steps). dQ sums in float32 and is rounded once; the travelling dK/dV are float32 from three devices on and
-    in the inputs' dtype on two (one step's sum, sent once), then added to the home part in float32."""
+    in the inputs' dtype on two (one step's part, sent once: a causal step's pieces uncut, `_sends_pieces`),
+    then added to the home part in float32."""
     q, k, v, q_ids, kv_ids, out, lse = residuals
     d_out, d_lse = cotangents
     held = _sent(plan, axis_name, k, v, kv_ids)

@@ -122,8 +122,8 @@ def main(argv=None) -> None:
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
-    if args.forward is not None and args.forward not in forward_cases():
-        parser.error(f"--forward takes one of {', '.join(forward_cases())}, got {args.forward!r}")
+    if args.forward is not None and args.forward not in (known := forward_cases()):
+        parser.error(f"--forward takes one of {', '.join(known)}, got {args.forward!r}")
     if args.child:
         if args.forward:
             compile_forward(args.forward, args.head_dim, args.seq)

@@ -70,7 +70,8 @@ def gpu_kernel_summary(trace_dir: str, steps: int, top: int = 12) -> str:
     by_kind: dict[str, float] = {}
     for e in kernels:
         by_name[e["name"]] = by_name.get(e["name"], 0.0) + e["dur"]
-        by_kind[kernel_kind(e["name"])] = by_kind.get(kernel_kind(e["name"]), 0.0) + e["dur"]
+        kind = kernel_kind(e["name"])
+        by_kind[kind] = by_kind.get(kind, 0.0) + e["dur"]
     busy, end = 0.0, -1.0
     for e in sorted(kernels, key=lambda e: e["ts"]):  # the union of the kernels' intervals
         start, stop = e["ts"], e["ts"] + e["dur"]
