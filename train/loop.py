@@ -439,15 +439,23 @@ def train(cfg: TrainConfig, attention: str, run_dir: pathlib.Path) -> RunResult:
             params, opt_state, rest, metrics = train_step(params, opt_state, rest, batch)
             pending.append(metrics)
             done = step + 1
+            evaluate_now = (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps
+            checkpoint_now = cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == cfg.steps)
             if done % cfg.log_every == 0 or done == cfg.steps:
-                losses = loss_records(pending, done)  # one sync per interval keeps the device queue full
+                # One sync per interval, and on the step before the newest: the newest stays queued while
+                # the host reads, logs and dispatches the next, so the device never waits on the host. It is
+                # read with the next interval, unless an evaluation or checkpoint syncs everything here.
+                keep = 0 if evaluate_now or checkpoint_now or len(pending) < 2 else 1
+                ready, pending = pending[: len(pending) - keep], pending[len(pending) - keep :]
+                losses = loss_records(ready, done - keep)
                 now = time.perf_counter()
-                rate = len(pending) * tokens_per_step / (now - last_time)
-                write([*losses, {"step": done, "tokens_per_s": rate, **({"warmup": True} if warmup else {})}])
+                rate = len(ready) * tokens_per_step / (now - last_time)
+                record = {"step": done - keep, "tokens_per_s": rate, **({"warmup": True} if warmup else {})}
+                write([*losses, record])
                 bar.set_postfix(loss=f"{losses[-1]['loss']:.3f}", tok_s=f"{rate:,.0f}")
-                bar.update(len(pending))
-                pending, last_time, warmup = [], now, False
-            if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
+                bar.update(len(ready))
+                last_time, warmup = now, False
+            if evaluate_now:
                 val = {"step": done, **evaluate(eval_step, params, rest, eval_batches)}
                 write([val])
                 # The log line keeps the loss and the accuracies; metrics.jsonl has every count and loss.
@@ -458,7 +466,7 @@ def train(cfg: TrainConfig, attention: str, run_dir: pathlib.Path) -> RunResult:
                 )
                 bar.write(f"[{attention}] {message}")
                 last_time = time.perf_counter()  # evaluation time is not training time
-            if cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
+            if checkpoint_now:
                 save(done)
             if stop:
                 break
