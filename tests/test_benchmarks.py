@@ -9,6 +9,8 @@ import json
 import os
 import re
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from benchmarks import __main__ as harness
@@ -440,6 +442,19 @@ def test_tools_import_and_explain_themselves(tool, capsys):
     with pytest.raises(SystemExit) as done:
         module.main(["--help"])
     assert done.value.code == 0 and f"python -m tools.{tool}" in capsys.readouterr().out
+
+
+def test_train_step_breakdown_compiler_options_reach_xla():
+    """--compiler-option values as XLA takes them: "false" as a bool (XLA's own parser wants "False"), numbers as
+    text; a compile with them succeeds, and one with the raw string "false" is what the parsing avoids."""
+    from tools.train_step_breakdown import compiler_option
+
+    options = dict(map(compiler_option, ["xla_gpu_enable_triton_gemm=false", "xla_gpu_graph_min_graph_size=1"]))
+    assert options == {"xla_gpu_enable_triton_gemm": False, "xla_gpu_graph_min_graph_size": "1"}
+    lowered = jax.jit(lambda x: x @ x).lower(jnp.ones((8, 8)))
+    lowered.compile(options)
+    with pytest.raises(Exception, match="not a valid bool"):
+        lowered.compile({"xla_gpu_enable_triton_gemm": "false"})
 
 
 def test_hopper_resources_names_the_forward_cases(capsys):

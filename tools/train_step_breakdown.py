@@ -69,6 +69,13 @@ def fingerprint(compiled, cfg, attention, batches, steps=5) -> str:
     return digest.hexdigest()[:16]
 
 
+def compiler_option(text: str) -> tuple[str, bool | str]:
+    """A --compiler-option NAME=VALUE as (name, value), "true"/"false" (any case) as a bool: XLA's parser of
+    option strings takes only "True" and "False" for a bool, so "false" would fail the compile."""
+    name, _, value = text.partition("=")
+    return name, {"true": True, "false": False}.get(value.lower(), value)
+
+
 def time_step(cfg, attention, compiler_options, steps=20, profile_dir=None):
     """Times the compiled step three ways: synchronised one by one, queued back to back (what the trainer
     does between its log syncs), and the host's dispatch alone (how long a call takes to return)."""
@@ -139,7 +146,8 @@ def main(argv=None):
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="an XLA option for the step's compilation, e.g. xla_gpu_graph_min_graph_size=1",
+        help="an XLA option for the step's compilation, e.g. xla_gpu_graph_min_graph_size=1 or "
+        "xla_gpu_enable_triton_gemm=false",
     )
     parser.add_argument("--mesh", help="the trainer's --mesh (data=D,context=C): the step as it runs there")
     parser.add_argument(
@@ -154,7 +162,7 @@ def main(argv=None):
     )
     args = parser.parse_args(argv)
     jax.numpy.zeros(())  # initialise the backend before timing
-    compiler_options = dict(option.split("=", 1) for option in args.compiler_option)
+    compiler_options = dict(compiler_option(option) for option in args.compiler_option)
     cfg = dataclasses.replace(PRESETS["small"], seq_len=args.seq_len, batch_size=args.batch_size, mesh=args.mesh)
     print("jax", jax.__version__, jax.devices()[0].device_kind, "compiler options", compiler_options, flush=True)
     attentions = {"flash": "flash", "dense": "dense", "none": values_only}
