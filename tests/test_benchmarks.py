@@ -485,8 +485,8 @@ def test_jaxpr_snapshot_is_deterministic(tmp_path):
 
 
 def test_gpu_kernel_summary_counts_kinds_and_exposed_collectives(tmp_path):
-    """The profile summary of a made-up trace (two steps on the first GPU; the second GPU's events ignored): per
-    kind of kernel, and the collective's time when nothing else runs."""
+    """The profile summary of a made-up trace (two steps on two GPUs): the first GPU's busy time, idle gaps, time
+    per kind of kernel and the collective's time when nothing else runs; one line for the second GPU."""
     from tools.kernel_breakdown import gpu_kernel_summary
 
     def kernel(name, ts, dur, pid=1):
@@ -512,3 +512,6 @@ def test_gpu_kernel_summary_counts_kinds_and_exposed_collectives(tmp_path):
     summary = gpu_kernel_summary(str(tmp_path), steps=2)
     assert "device busy 5.76 ms/step of a 8.13 ms/step span, 4 kernels/step" in summary
     assert "attention 4.00, collective 2.00, gemm 0.50, other 0.26; collectives alone 1.00" in summary
+    # Gaps 500 us (twice, before the fusion) and 3740 us (before the second step's kernel), per step.
+    assert "idle between kernels 2.37 ms/step, the longest gap 3740 us (before flash_forward_sm90" in summary
+    assert "GPU:1: busy 9.00 ms/step of a 9.50 ms/step span; attention 9.00; collectives alone 0.00" in summary

@@ -49,11 +49,34 @@ def _exposed(kernels) -> float:
     return alone
 
 
+def _busy_and_gaps(kernels) -> tuple[float, float, list[tuple[float, str]]]:
+    """(busy, span, gaps) of one device's kernels in microseconds: the union of their intervals, first start to
+    last end, and each idle stretch between them as (length, the kernel that ends it)."""
+    busy, end, gaps = 0.0, None, []
+    for e in sorted(kernels, key=lambda e: e["ts"]):
+        start, stop = e["ts"], e["ts"] + e["dur"]
+        if end is not None and start > end:
+            gaps.append((start - end, e["name"]))
+        busy += stop - start if end is None else max(0.0, stop - max(start, end))
+        end = stop if end is None else max(end, stop)
+    return busy, end - min(e["ts"] for e in kernels), gaps
+
+
+def _by_kind(kernels) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    for e in kernels:
+        kind = kernel_kind(e["name"])
+        totals[kind] = totals.get(kind, 0.0) + e["dur"]
+    return dict(sorted(totals.items(), key=lambda item: -item[1]))
+
+
 def gpu_kernel_summary(trace_dir: str, steps: int, top: int = 12) -> str:
-    """The first GPU's time per step (or call) from a perfetto trace: busy time, wall span, time per kind of kernel
-    (`kernel_kind`) with the collectives' exposed part, and the kernels that take the most of it (name, ms per step,
-    share of busy time). One GPU's: on a mesh every device runs the same program, and a union over devices would
-    hide one device's idle time under another's kernels."""
+    """The first GPU's time per step (or call) from a perfetto trace: busy time, wall span, its idle time between
+    kernels (and the longest such gap), time per kind of kernel (`kernel_kind`) with the collectives' exposed part,
+    and the kernels that take the most of it (name, ms per step, share of busy time). One GPU's: on a mesh every
+    device runs the same program, and a union over devices would hide one device's idle time under another's
+    kernels; each other GPU gets one line of busy time and kinds, so that one device waiting on another (a
+    collective that runs long on one side) shows."""
     path = sorted(pathlib.Path(trace_dir).glob("**/perfetto_trace.json.gz"))[-1]
     events = json.load(gzip.open(path))["traceEvents"]
     devices = {
@@ -61,33 +84,35 @@ def gpu_kernel_summary(trace_dir: str, steps: int, top: int = 12) -> str:
         for e in events
         if e.get("name") == "process_name" and e["args"]["name"].startswith("/device:GPU")
     }
-    first = devices[min(devices)] if devices else None
-    kernels = [e for e in events if e.get("ph") == "X" and e["pid"] == first]
+    per_device = {name: [e for e in events if e.get("ph") == "X" and e["pid"] == pid] for name, pid in devices.items()}
+    kernels = per_device[min(devices)] if devices else []
     if not kernels:
         names = sorted({e["args"]["name"] for e in events if e.get("name") == "process_name"})
         return f"no device events in the trace; its processes: {names}"
-    by_name: dict[str, float] = {}
-    by_kind: dict[str, float] = {}
-    for e in kernels:
-        by_name[e["name"]] = by_name.get(e["name"], 0.0) + e["dur"]
-        kind = kernel_kind(e["name"])
-        by_kind[kind] = by_kind.get(kind, 0.0) + e["dur"]
-    busy, end = 0.0, -1.0
-    for e in sorted(kernels, key=lambda e: e["ts"]):  # the union of the kernels' intervals
-        start, stop = e["ts"], e["ts"] + e["dur"]
-        busy += max(0.0, stop - max(start, end))
-        end = max(end, stop)
-    span = end - min(e["ts"] for e in kernels)
     per_step = lambda us: us / steps / 1e3  # noqa: E731
-    kinds = ", ".join(f"{kind} {per_step(us):.2f}" for kind, us in sorted(by_kind.items(), key=lambda item: -item[1]))
+    kinds = lambda totals: ", ".join(f"{kind} {per_step(us):.2f}" for kind, us in totals.items())  # noqa: E731
+    busy, span, gaps = _busy_and_gaps(kernels)
+    longest = max(gaps, default=(0.0, "-"))
     lines = [
         f"device busy {per_step(busy):.2f} ms/step of a {per_step(span):.2f} ms/step span, "
-        f"{len(kernels) / steps:.0f} kernels/step",
-        f"  by kind (ms/step, overlapping kernels each counted): {kinds}; collectives alone "
+        f"{len(kernels) / steps:.0f} kernels/step; idle between kernels {per_step(sum(g for g, _ in gaps)):.2f} "
+        f"ms/step, the longest gap {longest[0]:.0f} us (before {longest[1][:60]})",
+        f"  by kind (ms/step, overlapping kernels each counted): {kinds(_by_kind(kernels))}; collectives alone "
         f"{per_step(_exposed(kernels)):.2f}",
     ]
+    by_name: dict[str, float] = {}
+    for e in kernels:
+        by_name[e["name"]] = by_name.get(e["name"], 0.0) + e["dur"]
     for name, total in sorted(by_name.items(), key=lambda item: -item[1])[:top]:
         lines.append(f"  {per_step(total):7.3f} ms/step {100 * total / busy:5.1f}%  {name[:110]}")
+    for name in sorted(devices)[1:]:
+        if others := per_device[name]:
+            other_busy, other_span, _ = _busy_and_gaps(others)
+            lines.append(
+                f"{name.removeprefix('/device:')}: busy {per_step(other_busy):.2f} ms/step of a "
+                f"{per_step(other_span):.2f} ms/step span; {kinds(_by_kind(others))}; collectives alone "
+                f"{per_step(_exposed(others)):.2f}"
+            )
     return "\n".join(lines)
 
 

@@ -4,19 +4,19 @@
         [--compiler-option NAME=VALUE ...] [--mesh data=D,context=C] [--attentions flash,dense,none]
 
 Times the jitted train step (forward, backward, AdamW update) of the `small` GPT at the given context with three
-attentions: "flash" (what the trainer runs), "dense" (XLA), and "none" (attention replaced by returning the
-values: the cost of everything but attention). Prints ms per step three ways: synchronised after each step
-(median and minimum of 20), queued back to back as the trainer runs them, and the host's dispatch time per call
-(if it is as long as a queued step, the step is bound by the host, not the GPU); then XLA's cost analysis (FLOPs,
-bytes accessed) and how many kernels the step launches. The step threads its parameters and optimiser state
-from call to call, so it is timed here rather than by `benchmarks.timing` (which repeats fixed arguments). The
-summary's speed-up and shares are from the queued times. With --mesh, the step runs as the trainer runs it on that
-mesh (batches placed by `shard_batch`, flash as ring attention), and profiles count the first GPU's kernels.
-With --profile DIR, also the device's busy time per step
-and the kernels that take it, from a trace of 5 queued steps (`tools.kernel_breakdown.gpu_kernel_summary`). Each
-line ends with a hash of the parameters after 5 steps from the seed's initialisation, taken twice: compare them
-within the process, and across two runs, to see whether training there is bitwise reproducible (and with which
---compiler-option).
+attentions: "flash" (what the trainer runs), "dense" (XLA), and "none" (attention replaced by returning the values:
+the cost of everything but attention). Prints ms per step three ways: synchronised after each step (median and
+minimum of 20), queued back to back as the trainer runs them, and the host's dispatch time per call (as long as a
+queued step once the device's queue is full, as the call then waits for room: the profile's idle time between
+kernels says whether the GPU ever waits on the host); then XLA's cost analysis (FLOPs, bytes accessed) and how many
+kernels the step launches. The step threads its parameters and optimiser state from call to call, so it is timed
+here rather than by `benchmarks.timing` (which repeats fixed arguments). The summary's speed-up and shares are from
+the queued times. With --mesh, the step runs as the trainer runs it on that mesh (batches placed by `shard_batch`,
+flash as ring attention), and profiles count the first GPU's kernels (with a line for each other GPU). With
+--profile DIR, also the device's busy time per step and the kernels that take it, from a trace of 5 queued steps
+(`tools.kernel_breakdown.gpu_kernel_summary`). Each line ends with a hash of the parameters after 5 steps from the
+seed's initialisation, taken twice: compare them within the process, and across two runs, to see whether training
+there is bitwise reproducible (and with which --compiler-option).
 """
 
 import argparse
