@@ -224,6 +224,25 @@ def test_tiny_steps_lower_the_loss(tmp_path):
     assert config["attention"] == "flash" and config["steps"] == 30 and config["seq_len"] == 64
 
 
+@pytest.mark.parametrize(
+    ("eval_every", "rate_steps"),
+    [(0, [4, 9, 12]), (5, [5, 10, 12])],
+)
+def test_log_intervals_leave_the_newest_step_queued(eval_every, rate_steps, tmp_path):
+    """Each log interval syncs on the step before the newest (the newest is read with the next interval), unless
+    an evaluation syncs everything at that step: every step's loss is written once and in order, and each
+    tokens/s record says the last step it counted."""
+    cfg = parse_args(
+        SMALL
+        + ["--steps", "12", "--warmup_steps", "1", "--checkpoint_every", "0", "--eval_every", str(eval_every)]
+        + ["--run_dir", str(tmp_path)]
+    )
+    loop.train(cfg, "flash", tmp_path)
+    metrics = tmp_path / "metrics.jsonl"
+    assert _steps(metrics, "loss") == list(range(1, 13))
+    assert _steps(metrics, "tokens_per_s") == rate_steps
+
+
 def test_evaluation_records_the_standard_error_over_windows():
     from flax import nnx
 
