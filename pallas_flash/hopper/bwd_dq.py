@@ -100,6 +100,7 @@ def _dq_kernel(
         ring,
         dbias_smem,
         split_barriers,
+        split_keys_scratch,
     ) = scoped
     split = config.split_columns
     tile_rows = config.row_tiles * config.block_q_dq
@@ -357,6 +358,109 @@ def _dq_kernel(
             plgpu.barrier_arrive(k_free.at[prev])
             return dq, ds.astype(dtype), add_rows(acc, d_rows)
 
+        # dq_split_keys: consumer 0 computes a key block's S and P, consumer 1 its dP and, from P passed through
+        # shared memory, dS, which it passes back: each then adds its columns of dQ from the shared dS tile (no
+        # product done twice). One slot each for P and dS: consumer 0 rewrites P once consumer 1 has read it
+        # ("p_free"), consumer 1 rewrites dS once both dQ products of the last step have read it ("ds_free").
+        split_keys = split_keys_scratch is not None and all(
+            x is None for x in (rows_ref, cols_ref, mask_ranges_ref, dbias_ref, dropout, score_mod, mask_mod)
+        )
+        split_keys = split_keys and not dense.active and not dense.forms_logits
+
+        def shared_step(kv_step, carry, *, masked: bool):
+            dq, acc = carry
+            p_smem, ds_smem, (p_ready, p_free, ds_ready, ds_free) = split_keys_scratch
+            slot = slot_of(kv_step)
+            t = kv_step - kv_lo
+            plgpu.barrier_wait(k_ready.at[slot])
+            plgpu.barrier_wait(v_ready.at[slot])
+            tile = plgpu.ACC((block_q, block_kv), jnp.float32)
+
+            @pl.when(wg == 0)
+            def _():
+                if interpreting:
+                    s = dot_t(wgmma_operand(q_smem), wgmma_operand(k_smem.at[slot]))
+                else:
+
+                    def scores(s_ref):
+                        plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                        return s_ref[...]
+
+                    s = pl.run_scoped(scores, tile)
+                p = jnp.exp2(s * c - lax.broadcast_in_dim(lse2, s.shape, [0]))
+                kv_seg = None
+                if has_segments:  # every step waits (one wait per phase), masked ones read the ids
+                    plgpu.barrier_wait(kv_ids_ready.at[slot])
+                    if masked:
+                        kv_seg = load_vector(kv_ids_smem.at[slot], column)
+                if masked:
+                    visible = tile_visible(
+                        q_start + iota(s.shape, 0),
+                        kv_step * block_kv + iota(s.shape, 1),
+                        band=band,
+                        kv_len=kv_len if kv_len % block_kv else None,
+                        q_seg=q_seg,
+                        kv_seg=kv_seg,
+                        shape=s.shape,
+                        q_axis=0,
+                    )
+                    if visible is not None:  # None: traced for a loop that runs no iterations
+                        p = jnp.where(visible, p, 0.0)
+
+                @pl.when(t > 0)
+                def _():
+                    plgpu.barrier_wait(p_free)
+
+                p_smem[...] = p
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(p_ready)
+
+            @pl.when(wg == 1)
+            def _():
+                if interpreting:
+                    dp = dot_t(wgmma_operand(do_smem), wgmma_operand(v_smem.at[slot]))
+                else:
+
+                    def d_probabilities(dp_ref):
+                        plgpu.wgmma(dp_ref, do_smem, v_smem.at[slot].transpose((1, 0)))
+                        return dp_ref[...]
+
+                    dp = pl.run_scoped(d_probabilities, tile)
+                plgpu.barrier_wait(p_ready)
+                p = load_vector(p_smem, plgpu.Layout.WGMMA)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(p_free)
+                ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
+
+                @pl.when(t > 0)
+                def _():
+                    plgpu.barrier_wait(ds_free)
+
+                ds_smem[...] = ds.astype(dtype)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(ds_ready)
+
+            plgpu.barrier_arrive(v_free.at[slot])
+            plgpu.barrier_wait(ds_ready)
+            if interpreting:
+                dq = dq + jnp.dot(
+                    wgmma_operand(ds_smem), wgmma_operand(k_part(slot)), preferred_element_type=jnp.float32
+                )
+            else:
+                dq = pl.run_state(lambda dq_ref: plgpu.wgmma(dq_ref, ds_smem, k_part(slot)))(plgpu.ACC.init(dq))
+            plgpu.barrier_arrive(ds_free)
+            plgpu.barrier_arrive(k_free.at[slot])
+            return dq, acc
+
+        def drain_shared(steps):
+            """The last phases of p_free (consumer 0) and ds_free (consumer 1), waited once after the loop."""
+            _, _, (_, p_free, _, ds_free) = split_keys_scratch
+
+            @pl.when(steps > 0)
+            def _():
+                pl.when(wg == 0)(lambda: plgpu.barrier_wait(p_free))
+                pl.when(wg == 1)(lambda: plgpu.barrier_wait(ds_free))
+
         # Only the band's edges, the ragged last block and (with segment ids) blocks that are not wholly in
         # the tile's one segment pay for the mask.
         _, *band_range, _ = blocks.kv_block_range(
@@ -397,7 +501,10 @@ def _dq_kernel(
             dq = add_ds_k(dq, ds_last, last)
             plgpu.barrier_arrive(k_free.at[last])
         else:
-            dq, acc = masked_edge_loops(step, (dq, acc), kv_lo if leading else None, unmasked_lo, unmasked_hi, kv_hi)
+            step_fn = shared_step if split_keys else step
+            dq, acc = masked_edge_loops(step_fn, (dq, acc), kv_lo if leading else None, unmasked_lo, unmasked_hi, kv_hi)
+            if split_keys:
+                drain_shared(kv_hi - kv_lo)
 
         def store_zeros_and_rows():
             """dbias's zeros outside the visited key blocks and the program's row gradients (split_columns: one
@@ -566,6 +673,24 @@ def dq_pass(
             else None,
             # split_columns: both consumers are done reading Q; both wrote their halves of dQ
             (plgpu.Barrier(num_arrivals=NUM_CONSUMERS),) * 2 if config.split_columns else None,
+            # dq_split_keys: a block's P (float32) and dS tiles between the consumers, and their barriers (p_ready,
+            # p_free, ds_ready, ds_free)
+            (
+                plgpu.SMEM(
+                    (block_q, block_kv),
+                    jnp.float32,
+                    transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)),
+                ),
+                plgpu.SMEM((block_q, block_kv), q.dtype, transforms=head_dim_transforms(block_kv)),
+                (
+                    plgpu.Barrier(),
+                    plgpu.Barrier(),
+                    plgpu.Barrier(),
+                    plgpu.Barrier(num_arrivals=NUM_CONSUMERS),
+                ),
+            )
+            if config.dq_split_keys
+            else None,
             collective_axes="wg",
         )
 

@@ -145,8 +145,18 @@ BACKWARD_CASES = {
         HopperBwdConfig(num_stages_dkv=3, num_stages_dq=3, dq_overlap=True, dkv_overlap=True),
         False,
     ),
-    # head_dim 256 at its default (split_columns), causal, GQA, ragged
-    "256_split_causal": ((1, 100, 130, 2, 1, 256, 256), dict(is_causal=True), None, False),
+    # head_dim 256 on split_columns alone (the dQ pass as calls with programs, dense tiles or dropout run it)
+    "256_split_causal": (
+        (1, 100, 130, 2, 1, 256, 256),
+        dict(is_causal=True),
+        HopperBwdConfig(split_columns=True),
+        False,
+    ),
+    # head_dim 256 at its default: split_columns with dq_split_keys (the dQ pass's S and P on one consumer, dP and
+    # dS on the other, dS shared), causal, GQA, ragged
+    "256_split_keys_causal": ((1, 100, 130, 2, 1, 256, 256), dict(is_causal=True), None, False),
+    # the same with value head_dim 128, segment ids and q_len > kv_len
+    "256_128_split_keys_segments": ((2, 130, 70, 2, 2, 256, 128), dict(segments=(50,)), None, False),
     # split_columns with value head_dim 128 and a score program's row and column gradients (one consumer stores)
     "256_128_split_score_program": ((1, 130, 100, 2, 1, 256, 128), dict(), None, True),
     # square 192, computed at 256 (zero columns: `backward_head_dims`), causal, GQA, ragged
@@ -157,9 +167,10 @@ BACKWARD_CASES = {
 
 
 # `slow` for CI time (the overlapped loops at a value head_dim of its own; MLA's dims, whose value head_dim of its
-# own 80_64 covers; square 192 runs 256's kernels with zero columns; split columns with a score program; run them
-# with -m slow):
+# own 80_64 covers; square 192 runs 256's kernels with zero columns; split columns with a score program;
+# dq_split_keys at a value head_dim of its own, which the lowering tests cover; run them with -m slow):
 SLOW_BACKWARD_CASES = {
+    "256_128_split_keys_segments",
     "128_64_segments_overlap",
     "mla_192_128_causal",
     "192_padded_to_256_causal",
@@ -254,6 +265,29 @@ def test_backward_at_head_dims_lowers_for_gpu(head_dims, is_causal):
 
     def backward(q, k, v, out, lse, d_out, ids):
         return hopper_bwd.hopper_backward(q, k, v, out, lse, d_out, None, scale=SCALE, is_causal=is_causal, **ids)
+
+    assert lower_for_cuda(backward, q, k, v, out, lse, out, ids).count(MOSAIC_CALL) == 2
+
+
+@pytest.mark.lowering
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("head_dims", [(256, 256), (256, 128)], ids=lambda d: f"{d[0]}-{d[1]}")
+def test_dq_split_keys_lowers_for_gpu(head_dims, is_causal):
+    """The dQ pass with dq_split_keys (S and P on one consumer, dP and dS on the other, P and dS passed through
+    shared memory) goes through Mosaic GPU's lowering, ragged and GQA, with segment ids when causal."""
+    q, k, v, out, lse = _abstract(head_dims)
+    ids = {}
+    if is_causal:
+        ids = dict(
+            q_segment_ids=jax.ShapeDtypeStruct((2, 300), jnp.int32),
+            kv_segment_ids=jax.ShapeDtypeStruct((2, 333), jnp.int32),
+        )
+    config = HopperBwdConfig(split_columns=True, dq_split_keys=True)
+
+    def backward(q, k, v, out, lse, d_out, ids):
+        return hopper_bwd.hopper_backward(
+            q, k, v, out, lse, d_out, None, scale=SCALE, is_causal=is_causal, config=config, **ids
+        )
 
     assert lower_for_cuda(backward, q, k, v, out, lse, out, ids).count(MOSAIC_CALL) == 2
 
