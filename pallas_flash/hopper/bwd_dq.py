@@ -362,10 +362,7 @@ def _dq_kernel(
         # shared memory, dS, which it passes back: each then adds its columns of dQ from the shared dS tile (no
         # product done twice). One slot each for P and dS: consumer 0 rewrites P once consumer 1 has read it
         # ("p_free"), consumer 1 rewrites dS once both dQ products of the last step have read it ("ds_free").
-        split_keys = split_keys_scratch is not None and all(
-            x is None for x in (rows_ref, cols_ref, mask_ranges_ref, dbias_ref, dropout, score_mod, mask_mod)
-        )
-        split_keys = split_keys and not dense.active and not dense.forms_logits
+        split_keys = split_keys_scratch is not None  # `dq_pass` allocates it where the call takes this way
 
         def shared_step(kv_step, carry, *, masked: bool):
             dq, acc = carry
@@ -611,6 +608,13 @@ def dq_pass(
 
     rows, cols, _ = mod_operands
     score_mod = programs.score
+    # dq_split_keys serves calls without a score or mask program, dense tiles or dropout (the others run
+    # split_columns' way, without its scratch).
+    shares_ds = (
+        config.dq_split_keys
+        and all(x is None for x in (*mod_operands, *dense_arrays, dropout, programs.score, programs.mask))
+        and not (dense.active or dense.forms_logits or dense.writes_dbias)
+    )
     num_d_rows = len(score_mod.group("row", "float")) if score_mod is not None and score_mod.needs_grad else 0
 
     def flash_backward_dq_sm90(*refs):  # the kernel's name in profiles
@@ -689,7 +693,7 @@ def dq_pass(
                     plgpu.Barrier(num_arrivals=NUM_CONSUMERS),
                 ),
             )
-            if config.dq_split_keys
+            if shares_ds
             else None,
             collective_axes="wg",
         )

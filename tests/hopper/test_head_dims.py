@@ -339,6 +339,19 @@ def test_default_tiles_fit_at_head_dims(head_dims):
     backward = hopper_bwd.default_config(head_dim, 4096, band, True, head_dim_v=head_dim_v)
     hopper_bwd.check_config(backward, head_dim, head_dim_v=head_dim_v)
     assert backward.split_columns == (head_dim == 256)
+    assert backward.dq_split_keys == (head_dim == 256)
+
+
+@pytest.mark.parametrize(
+    ("extras", "split_keys"), [({}, True), ({"programs": True}, False), ({"tile_bytes": 1}, False)]
+)
+def test_dq_split_keys_is_the_plain_calls_default_at_256(extras, split_keys):
+    """At head_dim 256 the dQ pass shares P and dS where a call has no program or dense tiles; with them it runs
+    split_columns' way, whose shared memory leaves room for a dense mask's tiles (the P and dS tiles would not)."""
+    backward = hopper_bwd.default_config(256, 4096, masks.Band.of(True, None), True, **extras)
+    assert backward is not None and backward.split_columns and backward.dq_split_keys == split_keys
+    if "tile_bytes" in extras:
+        assert dataclasses.replace(backward, dq_split_keys=True).smem_bytes_dq(256, 2, 1) > H100_SHARED_MEMORY
 
 
 @pytest.mark.parametrize(
