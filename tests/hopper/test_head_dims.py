@@ -168,9 +168,11 @@ BACKWARD_CASES = {
 
 # `slow` for CI time (the overlapped loops at a value head_dim of its own; MLA's dims, whose value head_dim of its
 # own 80_64 covers; square 192 runs 256's kernels with zero columns; split columns with a score program;
-# dq_split_keys at a value head_dim of its own, which the lowering tests cover; run them with -m slow):
+# dq_split_keys at a value head_dim of its own, which the lowering tests cover; split_columns' own dQ pass,
+# which the score-program case and the lowering tests cover; run them with -m slow):
 SLOW_BACKWARD_CASES = {
     "256_128_split_keys_segments",
+    "256_split_causal",
     "128_64_segments_overlap",
     "mla_192_128_causal",
     "192_padded_to_256_causal",
