@@ -100,7 +100,7 @@ def _dq_kernel(
         ring,
         dbias_smem,
         split_barriers,
-        split_keys_scratch,
+        shared_scratch,
     ) = scoped
     split = config.split_columns
     tile_rows = config.row_tiles * config.block_q_dq
@@ -358,15 +358,15 @@ def _dq_kernel(
             plgpu.barrier_arrive(k_free.at[prev])
             return dq, ds.astype(dtype), add_rows(acc, d_rows)
 
-        # dq_split_keys: consumer 0 computes a key block's S and P, consumer 1 its dP and, from P passed through
+        # dq_split_products: consumer 0 computes a key block's S and P, consumer 1 its dP and, from P passed through
         # shared memory, dS, which it passes back: each then adds its columns of dQ from the shared dS tile (no
         # product done twice). One slot each for P and dS: consumer 0 rewrites P once consumer 1 has read it
         # ("p_free"), consumer 1 rewrites dS once both dQ products of the last step have read it ("ds_free").
-        split_keys = split_keys_scratch is not None  # `dq_pass` allocates it where the call takes this way
+        split_products = shared_scratch is not None  # `dq_pass` allocates it where the call takes this way
 
         def shared_step(kv_step, carry, *, masked: bool):
             dq, acc = carry
-            p_smem, ds_smem, (p_ready, p_free, ds_ready, ds_free) = split_keys_scratch
+            p_smem, ds_smem, (p_ready, p_free, ds_ready, ds_free) = shared_scratch
             slot = slot_of(kv_step)
             t = kv_step - kv_lo
             plgpu.barrier_wait(k_ready.at[slot])
@@ -451,7 +451,7 @@ def _dq_kernel(
 
         def drain_shared(steps):
             """The last phases of p_free (consumer 0) and ds_free (consumer 1), waited once after the loop."""
-            _, _, (_, p_free, _, ds_free) = split_keys_scratch
+            _, _, (_, p_free, _, ds_free) = shared_scratch
 
             @pl.when(steps > 0)
             def _():
@@ -498,9 +498,9 @@ def _dq_kernel(
             dq = add_ds_k(dq, ds_last, last)
             plgpu.barrier_arrive(k_free.at[last])
         else:
-            step_fn = shared_step if split_keys else step
+            step_fn = shared_step if split_products else step
             dq, acc = masked_edge_loops(step_fn, (dq, acc), kv_lo if leading else None, unmasked_lo, unmasked_hi, kv_hi)
-            if split_keys:
+            if split_products:
                 drain_shared(kv_hi - kv_lo)
 
         def store_zeros_and_rows():
@@ -608,10 +608,10 @@ def dq_pass(
 
     rows, cols, _ = mod_operands
     score_mod = programs.score
-    # dq_split_keys serves calls without a score or mask program, dense tiles or dropout (the others run
+    # dq_split_products serves calls without a score or mask program, dense tiles or dropout (the others run
     # split_columns' way, without its scratch).
     shares_ds = (
-        config.dq_split_keys
+        config.dq_split_products
         and all(x is None for x in (*mod_operands, *dense_arrays, dropout, programs.score, programs.mask))
         and not (dense.active or dense.forms_logits or dense.writes_dbias)
     )
@@ -677,7 +677,7 @@ def dq_pass(
             else None,
             # split_columns: both consumers are done reading Q; both wrote their halves of dQ
             (plgpu.Barrier(num_arrivals=NUM_CONSUMERS),) * 2 if config.split_columns else None,
-            # dq_split_keys: a block's P (float32) and dS tiles between the consumers, and their barriers (p_ready,
+            # dq_split_products: a block's P (float32) and dS tiles between the consumers, and their barriers (p_ready,
             # p_free, ds_ready, ds_free)
             (
                 plgpu.SMEM(

@@ -147,7 +147,7 @@ _BWD_FLAGS = (
     "dkv_overlap",
     "portable",
     "split_columns",
-    "dq_split_keys",
+    "dq_split_products",
 )
 # dK and dV of a consumer's 64 keys hold (head_dim + head_dim_v) / 2 float32 registers per thread: past this
 # many they leave too few of the consumers' 240 for S^T, dP^T and P^T (`HopperBwdConfig.needs_split_columns`).
@@ -193,7 +193,7 @@ class HopperBwdConfig:
         (where two consumers' own tiles exceed shared memory and their accumulators the register file), at the
         price of the S and dP products done twice. Half of each head_dim must be whole 64-column tiles; not
         with dq_atomic.
-      dq_split_keys: with split_columns, the dQ pass's consumer 0 computes a block's S and P, consumer 1 its dP
+      dq_split_products: with split_columns, the dQ pass's consumer 0 computes a block's S and P, consumer 1 its dP
         and dS from P passed through shared memory, and both add their columns of dQ from the shared dS tile: no
         product is done twice (3 tile products a step instead of 5). For calls without a score or mask program,
         dense tiles or dropout (the others run split_columns' way).
@@ -212,7 +212,7 @@ class HopperBwdConfig:
     dkv_overlap: bool = False
     portable: bool = False
     split_columns: bool = False
-    dq_split_keys: bool = False
+    dq_split_products: bool = False
 
     def __post_init__(self):
         for name in _BWD_FLAGS:
@@ -223,9 +223,9 @@ class HopperBwdConfig:
                 "HopperBwdConfig.dq_ordered orders the one-pass backward's dQ reduce-adds: it needs "
                 "dq_atomic=True (the two-pass backward is deterministic already)"
             )
-        if self.dq_split_keys and (not self.split_columns or self.dq_overlap):
+        if self.dq_split_products and (not self.split_columns or self.dq_overlap):
             raise ValueError(
-                "HopperBwdConfig.dq_split_keys splits split_columns' dQ products: it needs split_columns=True "
+                "HopperBwdConfig.dq_split_products splits split_columns' dQ products: it needs split_columns=True "
                 "and dq_overlap=False"
             )
         if self.split_columns and self.dq_atomic:
@@ -276,7 +276,7 @@ class HopperBwdConfig:
         ring = self.num_stages_dq * self.block_kv_dq * both * itemsize
         dense = dense_ring_bytes(self.num_stages_dq, queries, self.block_kv_dq, tile_bytes)
         staging = self.row_tiles * self.block_q_dq * self.block_kv_dq * 4 if dbias else 0
-        if self.dq_split_keys:  # a block's float32 P and its dS between the consumers
+        if self.dq_split_products:  # a block's float32 P and its dS between the consumers
             staging += self.block_q_dq * self.block_kv_dq * (4 + itemsize)
         return q_and_do + ring + dense + staging + _SMEM_SLACK
 
@@ -333,7 +333,7 @@ class HopperBwdConfig:
         9-18%), delta_in_dp for causal rows up to 8k keys (slower on longer and non-causal rows). Larger: the
         two passes over 64-row blocks and 2-stage rings (3 stages and the overlaps' extra operands do not fit
         beside the larger tiles), with `split_columns` where a consumer's dK and dV would not fit its registers
-        (head_dim 256; `needs_split_columns`) and then `dq_split_keys` (backward 2-5% faster at head_dim 256, 4k
+        (head_dim 256; `needs_split_columns`) and then `dq_split_products` (backward 2-5% faster at head_dim 256, 4k
         and 16k); a ValueError where they need it but cannot be split."""
         widest = max(head_dim, head_dim_v or head_dim)
         if widest <= 64:
@@ -369,4 +369,4 @@ class HopperBwdConfig:
                 f"the Hopper backward at head_dims {head_dim} (query, key) and {head_dim_v or head_dim} (value) "
                 "needs split_columns, whose halves of each head_dim must be whole 64-column tiles"
             )
-        return cls(split_columns=split, dq_split_keys=split)
+        return cls(split_columns=split, dq_split_products=split)

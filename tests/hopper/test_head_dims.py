@@ -152,11 +152,11 @@ BACKWARD_CASES = {
         HopperBwdConfig(split_columns=True),
         False,
     ),
-    # head_dim 256 at its default: split_columns with dq_split_keys (the dQ pass's S and P on one consumer, dP and
+    # head_dim 256 at its default: split_columns with dq_split_products (the dQ pass's S and P on one consumer, dP and
     # dS on the other, dS shared), causal, GQA, ragged
-    "256_split_keys_causal": ((1, 100, 130, 2, 1, 256, 256), dict(is_causal=True), None, False),
+    "256_split_products_causal": ((1, 100, 130, 2, 1, 256, 256), dict(is_causal=True), None, False),
     # the same with value head_dim 128, segment ids and q_len > kv_len
-    "256_128_split_keys_segments": ((2, 130, 70, 2, 2, 256, 128), dict(segments=(50,)), None, False),
+    "256_128_split_products_segments": ((2, 130, 70, 2, 2, 256, 128), dict(segments=(50,)), None, False),
     # split_columns with value head_dim 128 and a score program's row and column gradients (one consumer stores)
     "256_128_split_score_program": ((1, 130, 100, 2, 1, 256, 128), dict(), None, True),
     # square 192, computed at 256 (zero columns: `backward_head_dims`), causal, GQA, ragged
@@ -168,10 +168,10 @@ BACKWARD_CASES = {
 
 # `slow` for CI time (the overlapped loops at a value head_dim of its own; MLA's dims, whose value head_dim of its
 # own 80_64 covers; square 192 runs 256's kernels with zero columns; split columns with a score program;
-# dq_split_keys at a value head_dim of its own, which the lowering tests cover; split_columns' own dQ pass,
+# dq_split_products at a value head_dim of its own, which the lowering tests cover; split_columns' own dQ pass,
 # which the score-program case and the lowering tests cover; run them with -m slow):
 SLOW_BACKWARD_CASES = {
-    "256_128_split_keys_segments",
+    "256_128_split_products_segments",
     "256_split_causal",
     "128_64_segments_overlap",
     "mla_192_128_causal",
@@ -274,8 +274,8 @@ def test_backward_at_head_dims_lowers_for_gpu(head_dims, is_causal):
 @pytest.mark.lowering
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("head_dims", [(256, 256), (256, 128)], ids=lambda d: f"{d[0]}-{d[1]}")
-def test_dq_split_keys_lowers_for_gpu(head_dims, is_causal):
-    """The dQ pass with dq_split_keys (S and P on one consumer, dP and dS on the other, P and dS passed through
+def test_dq_split_products_lowers_for_gpu(head_dims, is_causal):
+    """The dQ pass with dq_split_products (S and P on one consumer, dP and dS on the other, P and dS passed through
     shared memory) goes through Mosaic GPU's lowering, ragged and GQA, with segment ids when causal."""
     q, k, v, out, lse = _abstract(head_dims)
     ids = {}
@@ -284,7 +284,7 @@ def test_dq_split_keys_lowers_for_gpu(head_dims, is_causal):
             q_segment_ids=jax.ShapeDtypeStruct((2, 300), jnp.int32),
             kv_segment_ids=jax.ShapeDtypeStruct((2, 333), jnp.int32),
         )
-    config = HopperBwdConfig(split_columns=True, dq_split_keys=True)
+    config = HopperBwdConfig(split_columns=True, dq_split_products=True)
 
     def backward(q, k, v, out, lse, d_out, ids):
         return hopper_bwd.hopper_backward(
@@ -341,19 +341,19 @@ def test_default_tiles_fit_at_head_dims(head_dims):
     backward = hopper_bwd.default_config(head_dim, 4096, band, True, head_dim_v=head_dim_v)
     hopper_bwd.check_config(backward, head_dim, head_dim_v=head_dim_v)
     assert backward.split_columns == (head_dim == 256)
-    assert backward.dq_split_keys == (head_dim == 256)
+    assert backward.dq_split_products == (head_dim == 256)
 
 
 @pytest.mark.parametrize(
-    ("extras", "split_keys"), [({}, True), ({"programs": True}, False), ({"tile_bytes": 1}, False)]
+    ("extras", "split_products"), [({}, True), ({"programs": True}, False), ({"tile_bytes": 1}, False)]
 )
-def test_dq_split_keys_is_the_plain_calls_default_at_256(extras, split_keys):
+def test_dq_split_products_is_the_plain_calls_default_at_256(extras, split_products):
     """At head_dim 256 the dQ pass shares P and dS where a call has no program or dense tiles; with them it runs
     split_columns' way, whose shared memory leaves room for a dense mask's tiles (the P and dS tiles would not)."""
     backward = hopper_bwd.default_config(256, 4096, masks.Band.of(True, None), True, **extras)
-    assert backward is not None and backward.split_columns and backward.dq_split_keys == split_keys
+    assert backward is not None and backward.split_columns and backward.dq_split_products == split_products
     if "tile_bytes" in extras:
-        assert dataclasses.replace(backward, dq_split_keys=True).smem_bytes_dq(256, 2, 1) > H100_SHARED_MEMORY
+        assert dataclasses.replace(backward, dq_split_products=True).smem_bytes_dq(256, 2, 1) > H100_SHARED_MEMORY
 
 
 @pytest.mark.parametrize(
