@@ -224,6 +224,41 @@ def _dq_kernel(
                 products, plgpu.ACC((block_q, block_kv), jnp.float32), plgpu.ACC((block_q, block_kv), jnp.float32)
             )
 
+        def band_visible(shape, kv_step, slot, *, masked: bool):
+            """(visibility of block kv_step's [block_q, block_kv] tile under the band, the ragged last block and
+            segment ids, its key positions): (None, None) where not `masked`. The block's ids ride with K (released
+            with it): every step waits for them (one wait per phase), masked ones read them."""
+            kv_seg = None
+            if has_segments:
+                plgpu.barrier_wait(kv_ids_ready.at[slot])
+                if masked:
+                    kv_seg = load_vector(kv_ids_smem.at[slot], column)
+            if not masked:
+                return None, None
+            kv_pos = kv_step * block_kv + iota(shape, 1)
+            visible = tile_visible(
+                q_start + iota(shape, 0),
+                kv_pos,
+                band=band,
+                kv_len=kv_len if kv_len % block_kv else None,
+                q_seg=q_seg,
+                kv_seg=kv_seg,
+                shape=shape,
+                q_axis=0,
+            )
+            return visible, kv_pos
+
+        def product_t(lhs, rhs):
+            """lhs rhs^T in float32 ([block_q, D] by [block_kv, D] shared-memory tiles), waited for."""
+            if interpreting:
+                return dot_t(wgmma_operand(lhs), wgmma_operand(rhs))
+
+            def product(ref):
+                plgpu.wgmma(ref, lhs, rhs.transpose((1, 0)))
+                return ref[...]
+
+            return pl.run_scoped(product, plgpu.ACC((block_q, block_kv), jnp.float32))
+
         def d_scores(s, dp, kv_step, slot, *, masked: bool):
             """(dS, d rows) of block kv_step: dS = P (dP - delta) (float32), P recomputed from S and lse2, with a
             score program taken back through it to the raw logits; d rows: the block's part of the gradient of
@@ -255,23 +290,8 @@ def _dq_kernel(
                     grad_side="row" if grads else None, **position
                 )  # fmt: skip
                 p = jnp.exp2(logits2 - lax.broadcast_in_dim(lse2, s.shape, [0]))
-            kv_seg = None
-            if has_segments:  # the block's ids ride with K (released with it); every step waits (one wait
-                plgpu.barrier_wait(kv_ids_ready.at[slot])  # per phase), masked ones read them
-                if masked:
-                    kv_seg = load_vector(kv_ids_smem.at[slot], plgpu.Layout.WGMMA.reduce(0))
+            visible, kv_pos = band_visible(s.shape, kv_step, slot, masked=masked)
             if masked:
-                q_pos, kv_pos = q_start + iota(s.shape, 0), kv_step * block_kv + iota(s.shape, 1)
-                visible = tile_visible(
-                    q_pos,
-                    kv_pos,
-                    band=band,
-                    kv_len=kv_len if kv_len % block_kv else None,
-                    q_seg=q_seg,
-                    kv_seg=kv_seg,
-                    shape=s.shape,
-                    q_axis=0,
-                )
                 if mask_mod is not None:
                     seen = program_mask(mask_mod, row_values.mask, cols.mask, **position)
                     visible = seen if visible is None else visible & seen
@@ -371,38 +391,14 @@ def _dq_kernel(
             t = kv_step - kv_lo
             plgpu.barrier_wait(k_ready.at[slot])
             plgpu.barrier_wait(v_ready.at[slot])
-            tile = plgpu.ACC((block_q, block_kv), jnp.float32)
 
             @pl.when(wg == 0)
             def _():
-                if interpreting:
-                    s = dot_t(wgmma_operand(q_smem), wgmma_operand(k_smem.at[slot]))
-                else:
-
-                    def scores(s_ref):
-                        plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-                        return s_ref[...]
-
-                    s = pl.run_scoped(scores, tile)
+                s = product_t(q_smem, k_smem.at[slot])
                 p = jnp.exp2(s * c - lax.broadcast_in_dim(lse2, s.shape, [0]))
-                kv_seg = None
-                if has_segments:  # every step waits (one wait per phase), masked ones read the ids
-                    plgpu.barrier_wait(kv_ids_ready.at[slot])
-                    if masked:
-                        kv_seg = load_vector(kv_ids_smem.at[slot], column)
-                if masked:
-                    visible = tile_visible(
-                        q_start + iota(s.shape, 0),
-                        kv_step * block_kv + iota(s.shape, 1),
-                        band=band,
-                        kv_len=kv_len if kv_len % block_kv else None,
-                        q_seg=q_seg,
-                        kv_seg=kv_seg,
-                        shape=s.shape,
-                        q_axis=0,
-                    )
-                    if visible is not None:  # None: traced for a loop that runs no iterations
-                        p = jnp.where(visible, p, 0.0)
+                visible, _ = band_visible(s.shape, kv_step, slot, masked=masked)
+                if visible is not None:  # None: unmasked, or traced for a loop that runs no iterations
+                    p = jnp.where(visible, p, 0.0)
 
                 @pl.when(t > 0)
                 def _():
@@ -414,15 +410,7 @@ def _dq_kernel(
 
             @pl.when(wg == 1)
             def _():
-                if interpreting:
-                    dp = dot_t(wgmma_operand(do_smem), wgmma_operand(v_smem.at[slot]))
-                else:
-
-                    def d_probabilities(dp_ref):
-                        plgpu.wgmma(dp_ref, do_smem, v_smem.at[slot].transpose((1, 0)))
-                        return dp_ref[...]
-
-                    dp = pl.run_scoped(d_probabilities, tile)
+                dp = product_t(do_smem, v_smem.at[slot])
                 plgpu.barrier_wait(p_ready)
                 p = load_vector(p_smem, plgpu.Layout.WGMMA)
                 plgpu.commit_smem()

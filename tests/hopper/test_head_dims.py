@@ -255,8 +255,8 @@ def test_forward_at_head_dims_lowers_for_gpu(head_dims, schedule):
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("head_dims", LOWERING_DIMS, ids=lambda d: f"{d[0]}-{d[1]}")
 def test_backward_at_head_dims_lowers_for_gpu(head_dims, is_causal):
-    """Both passes at their default tiles for these head dims (256: split_columns) go through Mosaic GPU's
-    lowering, ragged and GQA, with segment ids when causal."""
+    """Both passes at their default tiles for these head dims (256: split_columns, the dQ pass with
+    dq_split_products) go through Mosaic GPU's lowering, ragged and GQA, with segment ids when causal."""
     q, k, v, out, lse = _abstract(head_dims)
     ids = {}
     if is_causal:
@@ -267,29 +267,6 @@ def test_backward_at_head_dims_lowers_for_gpu(head_dims, is_causal):
 
     def backward(q, k, v, out, lse, d_out, ids):
         return hopper_bwd.hopper_backward(q, k, v, out, lse, d_out, None, scale=SCALE, is_causal=is_causal, **ids)
-
-    assert lower_for_cuda(backward, q, k, v, out, lse, out, ids).count(MOSAIC_CALL) == 2
-
-
-@pytest.mark.lowering
-@pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("head_dims", [(256, 256), (256, 128)], ids=lambda d: f"{d[0]}-{d[1]}")
-def test_dq_split_products_lowers_for_gpu(head_dims, is_causal):
-    """The dQ pass with dq_split_products (S and P on one consumer, dP and dS on the other, P and dS passed through
-    shared memory) goes through Mosaic GPU's lowering, ragged and GQA, with segment ids when causal."""
-    q, k, v, out, lse = _abstract(head_dims)
-    ids = {}
-    if is_causal:
-        ids = dict(
-            q_segment_ids=jax.ShapeDtypeStruct((2, 300), jnp.int32),
-            kv_segment_ids=jax.ShapeDtypeStruct((2, 333), jnp.int32),
-        )
-    config = HopperBwdConfig(split_columns=True, dq_split_products=True)
-
-    def backward(q, k, v, out, lse, d_out, ids):
-        return hopper_bwd.hopper_backward(
-            q, k, v, out, lse, d_out, None, scale=SCALE, is_causal=is_causal, config=config, **ids
-        )
 
     assert lower_for_cuda(backward, q, k, v, out, lse, out, ids).count(MOSAIC_CALL) == 2
 
