@@ -62,11 +62,11 @@ def _busy_and_gaps(kernels) -> tuple[float, float, list[tuple[float, str]]]:
     return busy, end - min(e["ts"] for e in kernels), gaps
 
 
-def _by_kind(kernels) -> dict[str, float]:
+def _totals(kernels, key=kernel_kind) -> dict[str, float]:
+    """Microseconds per key of the kernels' names (by default their kind), largest first."""
     totals: dict[str, float] = {}
     for e in kernels:
-        kind = kernel_kind(e["name"])
-        totals[kind] = totals.get(kind, 0.0) + e["dur"]
+        totals[key(e["name"])] = totals.get(key(e["name"]), 0.0) + e["dur"]
     return dict(sorted(totals.items(), key=lambda item: -item[1]))
 
 
@@ -97,20 +97,17 @@ def gpu_kernel_summary(trace_dir: str, steps: int, top: int = 12) -> str:
         f"device busy {per_step(busy):.2f} ms/step of a {per_step(span):.2f} ms/step span, "
         f"{len(kernels) / steps:.0f} kernels/step; idle between kernels {per_step(sum(g for g, _ in gaps)):.2f} "
         f"ms/step, the longest gap {longest[0]:.0f} us (before {longest[1][:60]})",
-        f"  by kind (ms/step, overlapping kernels each counted): {kinds(_by_kind(kernels))}; collectives alone "
+        f"  by kind (ms/step, overlapping kernels each counted): {kinds(_totals(kernels))}; collectives alone "
         f"{per_step(_exposed(kernels)):.2f}",
     ]
-    by_name: dict[str, float] = {}
-    for e in kernels:
-        by_name[e["name"]] = by_name.get(e["name"], 0.0) + e["dur"]
-    for name, total in sorted(by_name.items(), key=lambda item: -item[1])[:top]:
+    for name, total in list(_totals(kernels, key=str).items())[:top]:
         lines.append(f"  {per_step(total):7.3f} ms/step {100 * total / busy:5.1f}%  {name[:110]}")
     for name in sorted(devices)[1:]:
         if others := per_device[name]:
             other_busy, other_span, _ = _busy_and_gaps(others)
             lines.append(
                 f"{name.removeprefix('/device:')}: busy {per_step(other_busy):.2f} ms/step of a "
-                f"{per_step(other_span):.2f} ms/step span; {kinds(_by_kind(others))}; collectives alone "
+                f"{per_step(other_span):.2f} ms/step span; {kinds(_totals(others))}; collectives alone "
                 f"{per_step(_exposed(others)):.2f}"
             )
     return "\n".join(lines)
