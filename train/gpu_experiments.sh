@@ -9,11 +9,13 @@
 #   recall: the associative-recall task (the `long` preset; train/data.py) trained at 1k and at 4k context on
 #           the same tokens: validation loss, and accuracy on values whose key was last shown more than 1k
 #           tokens back (a 1-in-16 guess without it); about 2 x 40 s, under a 240 s limit each.
-#   context (two GPUs; not in `all`): the small preset at batch 1 on one GPU and on `--mesh context=2`: tokens/s
-#           at 32k context (zig-zag and contiguous layouts), and the longest context each trains at (doubling
-#           from 256k; one train step per context; a 2M step takes minutes); about 10 minutes in all; its own
-#           summary (logs/summary.log), no report.
-# Usage: bash train/gpu_experiments.sh [OUT_DIR] [speed|agree|recall|all|context]   (default: $OUT, else
+#   context (two GPUs; not in `all`): the small preset at batch 1, tokens/s at 32k context on one GPU and on
+#           `--mesh context=2` (zig-zag) in three interleaved pairs (runs differ by ~1% from process to process:
+#           a ratio is a pair's, and the median of the pairs is reported), then the contiguous layout once;
+#           about 5 minutes; its own summary (logs/summary.log), no report.
+#   context_longest (two GPUs; not in `all`): the longest context one GPU and two train at (doubling from 256k;
+#           one train step per context; a 2M step takes minutes); about 8 minutes.
+# Usage: bash train/gpu_experiments.sh [OUT_DIR] [speed|agree|recall|all|context|context_longest]   (default: $OUT, else
 #        runs/gpu_experiments/<date>, outside the source tree; all = speed, agree, recall in that order). The
 #        summary is rebuilt from whatever parts OUT_DIR holds. Published results: train/results/.
 # Writes OUT_DIR/results.{md,json}, agreement.png, long_range.png, small_both{,_seed1,_seed2}/{report.md,
@@ -22,8 +24,8 @@ set -uo pipefail
 OUT_DIR="${1:-${OUT:-runs/gpu_experiments/$(date -u +%Y-%m-%d)}}"
 PART="${2:-all}"
 case "$PART" in
-  speed|agree|recall|all|context) ;;
-  *) echo "part must be speed, agree, recall, all or context, got '$PART'" >&2; exit 2;;
+  speed|agree|recall|all|context|context_longest) ;;
+  *) echo "part must be speed, agree, recall, all, context or context_longest, got '$PART'" >&2; exit 2;;
 esac
 mkdir -p "$OUT_DIR/logs"
 # Let the longest-context search use most of the GPU instead of XLA's default 75% pool.
@@ -40,18 +42,22 @@ run() {  # run NAME TIME_LIMIT_S ARGS...: one training run, logged; a failure do
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT_DIR/logs/gpu.csv" 2>&1
 if [[ $PART == context ]]; then
-  AT_32K=(--preset small --batch_size 1 --seq_len 32768 --steps 40 --warmup_steps 1 --eval_every 0 --log_every 5
+  AT_32K=(--preset small --batch_size 1 --seq_len 32768 --steps 100 --warmup_steps 1 --eval_every 0 --log_every 10
           --eval_tokens 32768)
+  for pair in 1 2 3; do  # CUDA_VISIBLE_DEVICES=0: the one-GPU run sees device 0 only
+    CUDA_VISIBLE_DEVICES=0 run "context_one_32k_$pair" 200 "${AT_32K[@]}"
+    run "context_zigzag_32k_$pair" 200 "${AT_32K[@]}" --mesh context=2
+  done
+  run context_contiguous_32k 200 "${AT_32K[@]}" --mesh context=2 --context_layout contiguous
+  grep -h "tokens/s" "$OUT_DIR"/logs/context_*.log | tee "$OUT_DIR/logs/summary.log"
+  exit 0
+fi
+if [[ $PART == context_longest ]]; then
   LONGEST=(--preset small --batch_size 1 --seq_len 262144 --steps 1 --warmup_steps 0 --eval_every 0
            --eval_tokens 262144 --find_max_context true --max_context 4194304)
-  export CUDA_VISIBLE_DEVICES=0  # the one-GPU runs see device 0 only
-  run context_one_32k 200 "${AT_32K[@]}"
-  run context_one_longest 600 "${LONGEST[@]}"
-  unset CUDA_VISIBLE_DEVICES
-  run context_zigzag_32k 200 "${AT_32K[@]}" --mesh context=2
-  run context_contiguous_32k 200 "${AT_32K[@]}" --mesh context=2 --context_layout contiguous
+  CUDA_VISIBLE_DEVICES=0 run context_one_longest 600 "${LONGEST[@]}"
   run context_two_longest 900 "${LONGEST[@]}" --mesh context=2
-  grep -h "tokens/s\|context [0-9]*:" "$OUT_DIR"/logs/context_*.log | tee "$OUT_DIR/logs/summary.log"
+  grep -h "context [0-9]*:" "$OUT_DIR"/logs/context_*.log | tee "$OUT_DIR/logs/summary.log"
   exit 0
 fi
 if [[ $PART == speed || $PART == all ]]; then
