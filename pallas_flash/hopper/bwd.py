@@ -209,8 +209,8 @@ def default_config(
         if score == "nonlinear":
             no_overlap = dict(dq_overlap=False, dkv_overlap=False, num_stages_dq=2, num_stages_dkv=2)
             config = dataclasses.replace(config, **no_overlap)
-    if (programs or tile_bytes) and config.dq_split_products:  # served the split_columns way: no scratch to fit
-        config = dataclasses.replace(config, dq_split_products=False)
+    if programs or tile_bytes:  # served the split_columns way: no scratch to fit
+        config = dataclasses.replace(config, dq_split_products=False, dkv_split_products=False)
     if tile_bytes or (head_dim_v or head_dim) != head_dim:
         return config.fit(head_dim, 2, tile_bytes, dbias, head_dim_v)
     return config

@@ -4,7 +4,8 @@ in the transposed tiles S^T = K Q^T, P^T = exp2(c S^T - lse2), dV += P^T dO, dP^
 delta), dK += dS^T Q. With `HopperBwdConfig.dq_atomic` it is the one pass and also adds each query block's
 dQ = dS K into a float32 buffer (`bwd_ordered` for the split and the order of those adds). With
 `HopperBwdConfig.split_columns` the CTA owns block_kv_dkv keys, K and V resident once, and each consumer
-accumulates half of dK's and dV's columns (both compute the block's S^T and dP^T)."""
+accumulates half of dK's and dV's columns (both compute the block's S^T and dP^T, or with
+`HopperBwdConfig.dkv_split_products` one S^T and P^T, the other dP^T and dS^T, shared)."""
 
 from __future__ import annotations
 
@@ -39,12 +40,15 @@ from pallas_flash.hopper.common import (
     dense_ring,
     dense_tiles,
     dot_t,
+    drain_last_phases,
     drain_ring,
     fill_ring,
+    hand_over,
     head_dim_transforms,
     load_own_ids,
     masked_edge_loops,
     outside_hull_hidden,
+    product_t,
     program_mask,
     program_score,
     register_ops,
@@ -101,6 +105,7 @@ def _dkdv_kernel(
     dropout: KernelDropout | None = None,
     seed_ref=None,
     dense: DenseMods = DenseMods(),
+    split_products: bool = False,
 ):
     """Grid (batch, kv_heads, kv_tiles) (with config.dq_ordered `ordered_launch`'s), 3 warpgroups ("wg"):
     0 and 1 consume, 2 produces (with config.dq_ordered its first warp loads, its second stores dQ).
@@ -126,9 +131,11 @@ def _dkdv_kernel(
     dO (the 1 / (1 - rate) applied once, to dV), dP^T = Z (V dO^T) with Z = keep / (1 - rate).
     bias_ref/mask_ref (two passes only): None or `dense`'s arrays key-major, [Bd, Hd, kv_pad, q_pad]
     (`dense_operands(..., transpose=True)`), whose [2 block_kv, block_q] tiles ride the Q ring.
-    Q, K and dK at query's head_dim, V, dO and dV at value's (may differ)."""
+    Q, K and dK at query's head_dim, V, dO and dV at value's (may differ).
+    `split_products` (`HopperBwdConfig.dkv_split_products`, where `dkdv_pass` serves the call that way): the
+    scoped refs end with the shared P^T and dS^T tiles and their four barriers."""
     (
-        (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, *dq_staging),
+        (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, *extra_tiles),
         (k_ready, v_ready),
         (q_ready, do_ready, lse_ready, delta_ready),
         free,
@@ -136,7 +143,7 @@ def _dkdv_kernel(
         (rows_smem, rows_ready, cols_smem, cols_ready, d_cols_smem),
         ring,
         split_barriers,
-        *ds_barriers,
+        *extra_barriers,
     ) = scoped
     split = config.split_columns
     score_mod, mask_mod = programs.score, programs.mask
@@ -435,8 +442,8 @@ def _dkdv_kernel(
             # tile; every phase is waited once (at the next step, or after the loop for the last one).
             # `ds_ready` (two arrivals, each after its half's store and commit_smem) orders the stores before
             # the other warpgroup's dQ wgmma.
-            ds_ready, ds_free = ds_barriers
-            ds_t_smem, dq_staging_smem = dq_staging
+            ds_ready, ds_free = extra_barriers
+            ds_t_smem, dq_staging_smem = extra_tiles
             ds = ds.astype(dtype)
 
             @pl.when(t > 0)
@@ -485,6 +492,50 @@ def _dkdv_kernel(
             plgpu.copy_smem_to_gmem(
                 dq_smem, dq_acc_ref.at[batch, q_rows, kv_head * group + g, dq_cols], reduction_op="add"
             )
+            return dk, dv, acc
+
+        def add_product(acc, lhs, rhs):
+            """acc + lhs rhs (float32) of shared-memory tiles."""
+            if interpreting:
+                return acc + jnp.dot(wgmma_operand(lhs), wgmma_operand(rhs), preferred_element_type=jnp.float32)
+            return pl.run_state(lambda ref: plgpu.wgmma(ref, lhs, rhs))(plgpu.ACC.init(acc))
+
+        # dkv_split_products: consumer 0 computes a query block's S^T and P^T, consumer 1 its dP^T and, from P^T
+        # passed through shared memory (bf16), dS^T, which it passes back: each then adds its columns of dV and dK
+        # from the shared tiles (no product done twice). One slot each: consumer 0 rewrites P^T once both dV
+        # products and consumer 1's read of the last step have read it ("p_free", two arrivals), consumer 1
+        # rewrites dS^T once both dK products have read it ("ds_free").
+        def shared_step(q_block, carry, *, g, cols, masked: bool):
+            dk, dv, acc = carry
+            p_smem, ds_smem = extra_tiles
+            p_ready, p_free, ds_ready, ds_free = extra_barriers
+            t = g * q_steps + q_block - q_lo
+            slot = lax.rem(t, num_stages)
+            q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
+            wait_q(slot)
+            wait_do(slot)
+
+            @pl.when(wg == 0)
+            def _():
+                s = product_t(k_smem, q_tile, interpreting=interpreting)
+                p, _ = probabilities(s, q_block, slot, g=g, cols=cols, masked=masked)
+                hand_over(p_smem, p.astype(dtype), ready=p_ready, free=p_free, reuse=t > 0)
+
+            @pl.when(wg == 1)
+            def _():
+                dp = product_t(v_smem, do_tile, interpreting=interpreting)
+                plgpu.barrier_wait(p_ready)
+                p = load_vector(p_smem, plgpu.Layout.WGMMA).astype(jnp.float32)
+                ds = p * (dp - delta_columns(slot, dp.shape))
+                hand_over(ds_smem, ds.astype(dtype), ready=ds_ready, free=ds_free, reuse=t > 0)
+
+            pl.when(wg == 0)(lambda: plgpu.barrier_wait(p_ready))  # consumer 1 waited in its branch
+            dv = add_product(dv, p_smem, own_columns(do_smem, slot, v_cols))
+            plgpu.barrier_arrive(p_free)
+            plgpu.barrier_wait(ds_ready)
+            dk = add_product(dk, ds_smem, own_columns(q_smem, slot, k_cols))
+            plgpu.barrier_arrive(ds_free)
+            plgpu.barrier_arrive(free.at[slot])
             return dk, dv, acc
 
         def overlapped_step(q_block, carry, *, g, cols, masked: bool):
@@ -573,7 +624,7 @@ def _dkdv_kernel(
         trailing = band.left is not None or always_mask or has_segments or mask_ranges_ref is not None
 
         overlap = config.dkv_overlap and dq_acc_ref is None
-        step_fn = overlapped_step if overlap else step
+        step_fn = overlapped_step if overlap else shared_step if split_products else step
 
         num_d_cols = 0 if d_cols_ref is None else d_cols_ref.shape[2]
 
@@ -608,6 +659,8 @@ def _dkdv_kernel(
         if overlap:
             carry += (zeros((block_kv, block_q)).astype(dtype),)
         dk, dv, *ds_last = lax.fori_loop(0, group, head, carry)
+        if split_products:  # consumer 0 waits p_free's phases, consumer 1 ds_free's
+            drain_last_phases(total_steps, wg, extra_barriers[1::2])
         if split:  # K and V are shared: overwrite them with the results once neither consumer's wgmmas read them
             plgpu.barrier_arrive(split_barriers[0])
             plgpu.barrier_wait(split_barriers[0])
@@ -619,7 +672,7 @@ def _dkdv_kernel(
 
             @pl.when(total_steps > 0)
             def _():  # the last step's phase: the other warpgroup's last dQ wgmma has read this K
-                plgpu.barrier_wait(ds_barriers[1])
+                plgpu.barrier_wait(extra_barriers[1])
 
         # K and V of this warpgroup are read by wgmmas that have all returned: reuse them for the output.
         if overlap:  # the last step's dK product, then its slot is free
@@ -716,7 +769,7 @@ def _dkdv_kernel(
             def _():
                 store_dq_in_order(
                     dq_order,
-                    dq_staging[1],
+                    extra_tiles[1],
                     dq_acc_ref,
                     batch=batch,
                     kv_head=kv_head,
@@ -803,6 +856,22 @@ def dkdv_pass(
                 plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=2),
                 plgpu.Barrier(num_arrivals=1, num_barriers=2),
             )
+    # dkv_split_products serves calls without a score or mask program, dense tiles or dropout (the others run
+    # split_columns' way, without its tiles): a query block's P^T and dS^T between the consumers, and their
+    # barriers (p_ready, p_free, ds_ready, ds_free).
+    shares_tiles = (
+        config.dkv_split_products
+        and all(x is None for x in (*mod_operands, *dense_arrays, dropout, programs.score, programs.mask))
+        and not (dense.active or dense.forms_logits)
+    )
+    if shares_tiles:
+        smem += [plgpu.SMEM((block_kv, block_q), q.dtype, transforms=transforms)] * 2
+        extra_barriers = (
+            plgpu.Barrier(),
+            plgpu.Barrier(num_arrivals=NUM_CONSUMERS),
+            plgpu.Barrier(),
+            plgpu.Barrier(num_arrivals=NUM_CONSUMERS),
+        )
     group = q.shape[2] // kv_heads
     rows, cols, _ = mod_operands
     score_mod = programs.score
@@ -829,6 +898,7 @@ def dkdv_pass(
         interpreting=interpret is not None,
         dropout=dropout,
         dense=dense,
+        split_products=shares_tiles,
     )
 
     num_q_blocks = q.shape[1] // block_q

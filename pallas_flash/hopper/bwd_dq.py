@@ -25,12 +25,15 @@ from pallas_flash.hopper.common import (
     dense_ring,
     dense_tiles,
     dot_t,
+    drain_last_phases,
     drain_ring,
+    hand_over,
     head_dim_transforms,
     load_own_ids,
     masked_edge_loops,
     narrow_to_mask_ranges,
     outside_hull_hidden,
+    product_t,
     program_mask,
     program_score,
     query_tile_schedule,
@@ -248,17 +251,6 @@ def _dq_kernel(
             )
             return visible, kv_pos
 
-        def product_t(lhs, rhs):
-            """lhs rhs^T in float32 ([block_q, D] by [block_kv, D] shared-memory tiles), waited for."""
-            if interpreting:
-                return dot_t(wgmma_operand(lhs), wgmma_operand(rhs))
-
-            def product(ref):
-                plgpu.wgmma(ref, lhs, rhs.transpose((1, 0)))
-                return ref[...]
-
-            return pl.run_scoped(product, plgpu.ACC((block_q, block_kv), jnp.float32))
-
         def d_scores(s, dp, kv_step, slot, *, masked: bool):
             """(dS, d rows) of block kv_step: dS = P (dP - delta) (float32), P recomputed from S and lse2, with a
             score program taken back through it to the raw logits; d rows: the block's part of the gradient of
@@ -394,36 +386,23 @@ def _dq_kernel(
 
             @pl.when(wg == 0)
             def _():
-                s = product_t(q_smem, k_smem.at[slot])
+                s = product_t(q_smem, k_smem.at[slot], interpreting=interpreting)
                 p = jnp.exp2(s * c - lax.broadcast_in_dim(lse2, s.shape, [0]))
                 visible, _ = band_visible(s.shape, kv_step, slot, masked=masked)
                 if visible is not None:  # None: unmasked, or traced for a loop that runs no iterations
                     p = jnp.where(visible, p, 0.0)
-
-                @pl.when(t > 0)
-                def _():
-                    plgpu.barrier_wait(p_free)
-
-                p_smem[...] = p
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(p_ready)
+                hand_over(p_smem, p, ready=p_ready, free=p_free, reuse=t > 0)
 
             @pl.when(wg == 1)
             def _():
-                dp = product_t(do_smem, v_smem.at[slot])
+                dp = product_t(do_smem, v_smem.at[slot], interpreting=interpreting)
                 plgpu.barrier_wait(p_ready)
                 p = load_vector(p_smem, plgpu.Layout.WGMMA)
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(p_free)
                 ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
 
-                @pl.when(t > 0)
-                def _():
-                    plgpu.barrier_wait(ds_free)
-
-                ds_smem[...] = ds.astype(dtype)
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(ds_ready)
+                hand_over(ds_smem, ds.astype(dtype), ready=ds_ready, free=ds_free, reuse=t > 0)
 
             plgpu.barrier_arrive(v_free.at[slot])
             plgpu.barrier_wait(ds_ready)
@@ -436,15 +415,6 @@ def _dq_kernel(
             plgpu.barrier_arrive(ds_free)
             plgpu.barrier_arrive(k_free.at[slot])
             return dq, acc
-
-        def drain_shared(steps):
-            """The last phases of p_free (consumer 0) and ds_free (consumer 1), waited once after the loop."""
-            _, _, (_, p_free, _, ds_free) = shared_scratch
-
-            @pl.when(steps > 0)
-            def _():
-                pl.when(wg == 0)(lambda: plgpu.barrier_wait(p_free))
-                pl.when(wg == 1)(lambda: plgpu.barrier_wait(ds_free))
 
         # Only the band's edges, the ragged last block and (with segment ids) blocks that are not wholly in
         # the tile's one segment pay for the mask.
@@ -488,8 +458,8 @@ def _dq_kernel(
         else:
             step_fn = shared_step if split_products else step
             dq, acc = masked_edge_loops(step_fn, (dq, acc), kv_lo if leading else None, unmasked_lo, unmasked_hi, kv_hi)
-            if split_products:
-                drain_shared(kv_hi - kv_lo)
+            if split_products:  # consumer 0 waits p_free's phases, consumer 1 ds_free's
+                drain_last_phases(kv_hi - kv_lo, wg, shared_scratch[2][1::2])
 
         def store_zeros_and_rows():
             """dbias's zeros outside the visited key blocks and the program's row gradients (split_columns: one

@@ -314,6 +314,38 @@ def wgmma_operand(ref):
     return value
 
 
+def product_t(lhs, rhs, *, interpreting: bool):
+    """lhs rhs^T in float32 of [m, D] and [n, D] shared-memory tiles, waited for (a plain dot in the
+    interpreter)."""
+    if interpreting:
+        return dot_t(wgmma_operand(lhs), wgmma_operand(rhs))
+
+    def product(ref):
+        plgpu.wgmma(ref, lhs, rhs.transpose((1, 0)))
+        return ref[...]
+
+    return pl.run_scoped(product, plgpu.ACC((lhs.shape[0], rhs.shape[0]), jnp.float32))
+
+
+def hand_over(ref, value, *, ready, free, reuse):
+    """`value` into the shared tile `ref` for the other consumer: once its readers of the last step are done
+    (`free`, waited where `reuse`: from the second step on), stored, fenced for the wgmmas, `ready` arrived."""
+    pl.when(reuse)(functools.partial(plgpu.barrier_wait, free))
+    ref[...] = value
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(ready)
+
+
+def drain_last_phases(steps, wg, waits):
+    """After a loop of `steps` steps whose consumers waited each phase of a "free" barrier at the next step: the
+    last phase of `waits[i]`, waited by consumer i (none where the loop ran no step)."""
+
+    @pl.when(steps > 0)
+    def _():
+        for i, barrier in enumerate(waits):
+            pl.when(wg == i)(functools.partial(plgpu.barrier_wait, barrier))
+
+
 # The options `hopper_forward` and `hopper_backward` take as static: the call's, so that both trace once per them.
 KERNEL_STATIC_ARGNAMES = (
     "scale",

@@ -154,6 +154,23 @@ def test_head_dim_256_splits_the_columns():
         hopper_bwd.check_config(HopperBwdConfig(), 256)
 
 
+def test_split_products_need_split_columns_and_fit_at_256():
+    """Each pass's split products split split_columns' work (not with that pass's overlap), and their shared
+    tiles fit beside head_dim 256's (the dK/dV pass's P^T and dS^T: 16 KiB)."""
+    for bad in (
+        dict(dq_split_products=True),
+        dict(dkv_split_products=True),
+        dict(split_columns=True, dq_split_products=True, dq_overlap=True),
+        dict(split_columns=True, dkv_split_products=True, dkv_overlap=True),
+        dict(split_columns=True, dkv_split_products=1),
+    ):
+        with pytest.raises(ValueError, match="split_products"):
+            HopperBwdConfig(**bad)
+    both = dataclasses.replace(HopperBwdConfig.default(256), dkv_split_products=True)
+    hopper_bwd.check_config(both, 256)
+    assert both.smem_bytes_dkv(256) - HopperBwdConfig.default(256).smem_bytes_dkv(256) == 2 * 64 * 64 * 2
+
+
 def test_dq_ordered_config():
     """dq_ordered is a bool, only with dq_atomic (the two-pass backward is deterministic already). The
     defaults are deterministic unless asked not to be: head_dim 64 runs the one pass, ordered by default,

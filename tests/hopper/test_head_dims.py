@@ -157,6 +157,14 @@ BACKWARD_CASES = {
     "256_split_products_causal": ((1, 100, 130, 2, 1, 256, 256), dict(is_causal=True), None, False),
     # the same with value head_dim 128, segment ids and q_len > kv_len
     "256_128_split_products_segments": ((2, 130, 70, 2, 2, 256, 128), dict(segments=(50,)), None, False),
+    # both passes' products split (dkv_split_products: the dK/dV pass's S^T and P^T on one consumer, dP^T and dS^T
+    # on the other, both shared), segment ids, GQA, ragged, q_len < kv_len
+    "256_dkv_split_products_segments": (
+        (1, 100, 130, 2, 1, 256, 256),
+        dict(segments=(40,)),
+        HopperBwdConfig(split_columns=True, dq_split_products=True, dkv_split_products=True),
+        False,
+    ),
     # split_columns with value head_dim 128 and a score program's row and column gradients (one consumer stores)
     "256_128_split_score_program": ((1, 130, 100, 2, 1, 256, 128), dict(), None, True),
     # square 192, computed at 256 (zero columns: `backward_head_dims`), causal, GQA, ragged
@@ -169,8 +177,10 @@ BACKWARD_CASES = {
 # `slow` for CI time (the overlapped loops at a value head_dim of its own; MLA's dims, whose value head_dim of its
 # own 80_64 covers; square 192 runs 256's kernels with zero columns; split columns with a score program;
 # dq_split_products at a value head_dim of its own, which the lowering tests cover; split_columns' own dQ pass,
-# which the score-program case and the lowering tests cover; run them with -m slow):
+# which the score-program case and the lowering tests cover; dkv_split_products, not a default yet, whose lowering
+# tests run; run them with -m slow):
 SLOW_BACKWARD_CASES = {
+    "256_dkv_split_products_segments",
     "256_128_split_products_segments",
     "256_split_causal",
     "128_64_segments_overlap",
@@ -233,6 +243,14 @@ def _abstract(head_dims, batch=2, q_len=300, kv_len=333, heads=4, kv_heads=2):
     return q, k, v, out, jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)
 
 
+def _abstract_ids(batch=2, q_len=300, kv_len=333):
+    """Abstract int32 segment ids of `_abstract`'s call, as hopper_backward's keyword arguments."""
+    return dict(
+        q_segment_ids=jax.ShapeDtypeStruct((batch, q_len), jnp.int32),
+        kv_segment_ids=jax.ShapeDtypeStruct((batch, kv_len), jnp.int32),
+    )
+
+
 @pytest.mark.lowering
 @pytest.mark.parametrize("schedule", ["default", "persistent", "overlap"])
 @pytest.mark.parametrize("head_dims", [*LOWERING_DIMS[:3], (32, 32)], ids=lambda d: f"{d[0]}-{d[1]}")
@@ -258,12 +276,7 @@ def test_backward_at_head_dims_lowers_for_gpu(head_dims, is_causal):
     """Both passes at their default tiles for these head dims (256: split_columns, the dQ pass with
     dq_split_products) go through Mosaic GPU's lowering, ragged and GQA, with segment ids when causal."""
     q, k, v, out, lse = _abstract(head_dims)
-    ids = {}
-    if is_causal:
-        ids = dict(
-            q_segment_ids=jax.ShapeDtypeStruct((2, 300), jnp.int32),
-            kv_segment_ids=jax.ShapeDtypeStruct((2, 333), jnp.int32),
-        )
+    ids = _abstract_ids() if is_causal else {}
 
     def backward(q, k, v, out, lse, d_out, ids):
         return hopper_bwd.hopper_backward(q, k, v, out, lse, d_out, None, scale=SCALE, is_causal=is_causal, **ids)
@@ -272,18 +285,39 @@ def test_backward_at_head_dims_lowers_for_gpu(head_dims, is_causal):
 
 
 @pytest.mark.lowering
-def test_split_columns_with_a_score_program_and_dropout_lowers_for_gpu():
-    """split_columns with a score program's row and column gradients (stored by one consumer) and dropout."""
+@pytest.mark.parametrize(("head_dims", "is_causal"), [((256, 256), True), ((256, 128), False)], ids=["256", "256_128"])
+def test_dkv_split_products_lowers_for_gpu(head_dims, is_causal):
+    """The dK/dV pass with dkv_split_products (P^T and dS^T tiles shared between the consumers) goes through Mosaic
+    GPU's lowering, ragged and GQA, with segment ids when causal."""
+    q, k, v, out, lse = _abstract(head_dims)
+    ids = _abstract_ids() if is_causal else {}
+    config = HopperBwdConfig(split_columns=True, dq_split_products=True, dkv_split_products=True)
+
+    def backward(q, k, v, out, lse, d_out, ids):
+        return hopper_bwd.hopper_backward(
+            q, k, v, out, lse, d_out, None, scale=SCALE, is_causal=is_causal, config=config, **ids
+        )
+
+    assert lower_for_cuda(backward, q, k, v, out, lse, out, ids).count(MOSAIC_CALL) == 2
+
+
+@pytest.mark.lowering
+@pytest.mark.parametrize("split_products", [False, True])
+def test_split_columns_with_a_score_program_and_dropout_lowers_for_gpu(split_products):
+    """split_columns with a score program's row and column gradients (stored by one consumer) and dropout; asked
+    for both passes' split products, it runs split_columns' way (they serve plain calls only)."""
     shape = (2, 300, 333, 4, 2, 256, 256)
     q, k, v, out, lse = _abstract(shape[5:])
     program, consts = _key_query_bias(shape)
     staged = mods.stage(program)[0]
     stacks = staged.stacks(consts, batch=2, heads=4, q_len=300, kv_len=333)
 
+    config = HopperBwdConfig(split_columns=True, dq_split_products=True, dkv_split_products=True)
+
     def backward(q, k, v, out, lse, d_out, stacks):
         return hopper_bwd.hopper_backward(
             q, k, v, out, lse, d_out, None, scale=SCALE, score_mod=staged, score_stacks=stacks, dropout_rate=0.1,
-            dropout_seed=jnp.zeros((2,), jnp.uint32),
+            dropout_seed=jnp.zeros((2,), jnp.uint32), config=config if split_products else None,
         )  # fmt: skip
 
     assert lower_for_cuda(backward, q, k, v, out, lse, out, stacks).count(MOSAIC_CALL) == 2
@@ -394,3 +428,25 @@ def test_head_dims_on_hopper(head_dims, is_causal):
     grads = vjp((d_out, jnp.zeros_like(lse)))
     for name, got, ref in zip(("dq", "dk", "dv"), grads, ref_vjp((d_out.astype(jnp.float32), jnp.zeros_like(lse)))):
         assert_close(got, ref, jnp.bfloat16, table=GRADIENT, what=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", [dict(), dict(is_causal=True, segments=(150,))], ids=["full", "causal_segments"])
+@pytest.mark.parametrize("head_dims", [(256, 256), (256, 128)], ids=lambda d: f"{d[0]}-{d[1]}")
+def test_dkv_split_products_on_hopper(head_dims, options):
+    """On sm90, the backward with both passes' products split (`dkv_split_products`) against the float32
+    reference's vjp, ragged and GQA, and against the default backward (split_columns' dK/dV pass) within the same
+    tolerance."""
+    if not device.on_hopper_gpu():
+        pytest.skip("needs an sm90 GPU")
+    shape = (2, 333, 460, 4, 2, *head_dims)
+    q, k, v, d_out, d_lse = _inputs(shape, seed=44)
+    (out, lse), vjp = jax.vjp(lambda *x: _reference(*x, options), *(x.astype(jnp.float32) for x in (q, k, v)))
+    want = vjp((d_out.astype(jnp.float32), d_lse))
+    config = HopperBwdConfig(split_columns=True, dq_split_products=True, dkv_split_products=True)
+    for chosen in (config, None):
+        grads = hopper_bwd.hopper_backward(
+            q, k, v, out.astype(q.dtype), lse, d_out, d_lse, scale=SCALE, config=chosen,
+            **_kernel_options(shape, options),
+        )  # fmt: skip
+        assert_gradients_close(grads[:3], want, (q, k, v))
