@@ -66,7 +66,8 @@ def _totals(kernels, key=kernel_kind) -> dict[str, float]:
     """Microseconds per key of the kernels' names (by default their kind), largest first."""
     totals: dict[str, float] = {}
     for e in kernels:
-        totals[key(e["name"])] = totals.get(key(e["name"]), 0.0) + e["dur"]
+        name = key(e["name"])
+        totals[name] = totals.get(name, 0.0) + e["dur"]
     return dict(sorted(totals.items(), key=lambda item: -item[1]))
 
 

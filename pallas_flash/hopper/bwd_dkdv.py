@@ -35,6 +35,7 @@ from pallas_flash.hopper.bwd_ordered import (
 from pallas_flash.hopper.common import (
     REGISTERS,
     DenseMods,
+    add_product,
     biased_logits,
     column_half,
     dense_ring,
@@ -54,6 +55,7 @@ from pallas_flash.hopper.common import (
     register_ops,
     segment_block_ranges,
     segment_scratch,
+    serves_split_products,
     stack_index,
     step_block,
     swizzle_transforms,
@@ -494,12 +496,6 @@ def _dkdv_kernel(
             )
             return dk, dv, acc
 
-        def add_product(acc, lhs, rhs):
-            """acc + lhs rhs (float32) of shared-memory tiles."""
-            if interpreting:
-                return acc + jnp.dot(wgmma_operand(lhs), wgmma_operand(rhs), preferred_element_type=jnp.float32)
-            return pl.run_state(lambda ref: plgpu.wgmma(ref, lhs, rhs))(plgpu.ACC.init(acc))
-
         # dkv_split_products: consumer 0 computes a query block's S^T and P^T, consumer 1 its dP^T and, from P^T
         # passed through shared memory (bf16), dS^T, which it passes back: each then adds its columns of dV and dK
         # from the shared tiles (no product done twice). One slot each: consumer 0 rewrites P^T once both dV
@@ -530,10 +526,10 @@ def _dkdv_kernel(
                 hand_over(ds_smem, ds.astype(dtype), ready=ds_ready, free=ds_free, reuse=t > 0)
 
             pl.when(wg == 0)(lambda: plgpu.barrier_wait(p_ready))  # consumer 1 waited in its branch
-            dv = add_product(dv, p_smem, own_columns(do_smem, slot, v_cols))
+            dv = add_product(dv, p_smem, own_columns(do_smem, slot, v_cols), interpreting=interpreting)
             plgpu.barrier_arrive(p_free)
             plgpu.barrier_wait(ds_ready)
-            dk = add_product(dk, ds_smem, own_columns(q_smem, slot, k_cols))
+            dk = add_product(dk, ds_smem, own_columns(q_smem, slot, k_cols), interpreting=interpreting)
             plgpu.barrier_arrive(ds_free)
             plgpu.barrier_arrive(free.at[slot])
             return dk, dv, acc
@@ -856,13 +852,10 @@ def dkdv_pass(
                 plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=2),
                 plgpu.Barrier(num_arrivals=1, num_barriers=2),
             )
-    # dkv_split_products serves calls without a score or mask program, dense tiles or dropout (the others run
-    # split_columns' way, without its tiles): a query block's P^T and dS^T between the consumers, and their
-    # barriers (p_ready, p_free, ds_ready, ds_free).
-    shares_tiles = (
-        config.dkv_split_products
-        and all(x is None for x in (*mod_operands, *dense_arrays, dropout, programs.score, programs.mask))
-        and not (dense.active or dense.forms_logits)
+    # dkv_split_products where it serves the call (the others run split_columns' way, without its tiles): a query
+    # block's P^T and dS^T between the consumers, and their barriers (p_ready, p_free, ds_ready, ds_free).
+    shares_tiles = config.dkv_split_products and serves_split_products(
+        mod_operands, dense_arrays, dropout, programs, dense
     )
     if shares_tiles:
         smem += [plgpu.SMEM((block_kv, block_q), q.dtype, transforms=transforms)] * 2

@@ -19,6 +19,7 @@ from pallas_flash.blocks import LOG2E
 from pallas_flash.hopper.common import (
     REGISTERS,
     DenseMods,
+    add_product,
     biased_logits,
     column_half,
     dense_riders,
@@ -40,6 +41,7 @@ from pallas_flash.hopper.common import (
     register_ops,
     segment_block_ranges,
     segment_scratch,
+    serves_split_products,
     stack_index,
     stream_kv_blocks,
     tile_visible,
@@ -406,12 +408,7 @@ def _dq_kernel(
 
             plgpu.barrier_arrive(v_free.at[slot])
             plgpu.barrier_wait(ds_ready)
-            if interpreting:
-                dq = dq + jnp.dot(
-                    wgmma_operand(ds_smem), wgmma_operand(k_part(slot)), preferred_element_type=jnp.float32
-                )
-            else:
-                dq = pl.run_state(lambda dq_ref: plgpu.wgmma(dq_ref, ds_smem, k_part(slot)))(plgpu.ACC.init(dq))
+            dq = add_product(dq, ds_smem, k_part(slot), interpreting=interpreting)
             plgpu.barrier_arrive(ds_free)
             plgpu.barrier_arrive(k_free.at[slot])
             return dq, acc
@@ -566,13 +563,8 @@ def dq_pass(
 
     rows, cols, _ = mod_operands
     score_mod = programs.score
-    # dq_split_products serves calls without a score or mask program, dense tiles or dropout (the others run
-    # split_columns' way, without its scratch).
-    shares_ds = (
-        config.dq_split_products
-        and all(x is None for x in (*mod_operands, *dense_arrays, dropout, programs.score, programs.mask))
-        and not (dense.active or dense.forms_logits or dense.writes_dbias)
-    )
+    # dq_split_products where it serves the call (the others run split_columns' way, without its scratch).
+    shares_ds = config.dq_split_products and serves_split_products(mod_operands, dense_arrays, dropout, programs, dense)
     num_d_rows = len(score_mod.group("row", "float")) if score_mod is not None and score_mod.needs_grad else 0
 
     def flash_backward_dq_sm90(*refs):  # the kernel's name in profiles

@@ -327,6 +327,21 @@ def product_t(lhs, rhs, *, interpreting: bool):
     return pl.run_scoped(product, plgpu.ACC((lhs.shape[0], rhs.shape[0]), jnp.float32))
 
 
+def add_product(acc, lhs, rhs, *, interpreting: bool):
+    """acc + lhs rhs in float32, of shared-memory tiles (a plain dot in the interpreter)."""
+    if interpreting:
+        return acc + jnp.dot(wgmma_operand(lhs), wgmma_operand(rhs), preferred_element_type=jnp.float32)
+    return pl.run_state(lambda ref: plgpu.wgmma(ref, lhs, rhs))(plgpu.ACC.init(acc))
+
+
+def serves_split_products(mod_operands, dense_arrays, dropout, programs, dense: DenseMods) -> bool:
+    """Whether a backward pass's call is one its split products serve (`HopperBwdConfig.dq_split_products`,
+    `dkv_split_products`): no score or mask program, dense tiles or dropout, whose operands they leave no room
+    for."""
+    plain = all(x is None for x in (*mod_operands, *dense_arrays, dropout, programs.score, programs.mask))
+    return plain and not (dense.active or dense.forms_logits)
+
+
 def hand_over(ref, value, *, ready, free, reuse):
     """`value` into the shared tile `ref` for the other consumer: once its readers of the last step are done
     (`free`, waited where `reuse`: from the second step on), stored, fenced for the wgmmas, `ready` arrived."""
