@@ -201,7 +201,7 @@ class HopperBwdConfig:
       dkv_split_products: with split_columns, the dK/dV pass's consumer 0 computes a block's S^T and P^T, consumer 1
         its dP^T and dS^T from P^T passed through shared memory (bf16, the precision dV's product reads it in), and
         both add their columns of dV and dK from the shared P^T and dS^T tiles: 4 tile products a step instead of 6.
-        Off by default until measured on the GPU; same calls as dq_split_products, not with dkv_overlap.
+        Same calls as dq_split_products; not with dkv_overlap.
     """
 
     block_q_dkv: int = 64
@@ -346,8 +346,9 @@ class HopperBwdConfig:
         9-18%), delta_in_dp for causal rows up to 8k keys (slower on longer and non-causal rows). Larger: the
         two passes over 64-row blocks and 2-stage rings (3 stages and the overlaps' extra operands do not fit
         beside the larger tiles), with `split_columns` where a consumer's dK and dV would not fit its registers
-        (head_dim 256; `needs_split_columns`) and then `dq_split_products` (backward 2-5% faster at head_dim 256, 4k
-        and 16k); a ValueError where they need it but cannot be split."""
+        (head_dim 256; `needs_split_columns`) and then both passes' split products (`dq_split_products`: backward
+        2-5% faster at head_dim 256, 4k and 16k; `dkv_split_products` on top: fwd+bwd 8-11% faster); a ValueError
+        where they need it but cannot be split."""
         widest = max(head_dim, head_dim_v or head_dim)
         if widest <= 64:
             ordered_pays = not (is_causal and kv_len is not None and kv_len <= 2048)
@@ -382,4 +383,4 @@ class HopperBwdConfig:
                 f"the Hopper backward at head_dims {head_dim} (query, key) and {head_dim_v or head_dim} (value) "
                 "needs split_columns, whose halves of each head_dim must be whole 64-column tiles"
             )
-        return cls(split_columns=split, dq_split_products=split)
+        return cls(split_columns=split, dq_split_products=split, dkv_split_products=split)

@@ -166,9 +166,10 @@ def test_split_products_need_split_columns_and_fit_at_256():
     ):
         with pytest.raises(ValueError, match="split_products"):
             HopperBwdConfig(**bad)
-    both = dataclasses.replace(HopperBwdConfig.default(256), dkv_split_products=True)
+    both = HopperBwdConfig.default(256)
     hopper_bwd.check_config(both, 256)
-    assert both.smem_bytes_dkv(256) - HopperBwdConfig.default(256).smem_bytes_dkv(256) == 2 * 64 * 64 * 2
+    unshared = dataclasses.replace(both, dkv_split_products=False)
+    assert both.smem_bytes_dkv(256) - unshared.smem_bytes_dkv(256) == 2 * 64 * 64 * 2
 
 
 def test_dq_ordered_config():

@@ -152,19 +152,14 @@ BACKWARD_CASES = {
         HopperBwdConfig(split_columns=True),
         False,
     ),
-    # head_dim 256 at its default: split_columns with dq_split_products (the dQ pass's S and P on one consumer, dP and
-    # dS on the other, dS shared), causal, GQA, ragged
+    # head_dim 256 at its default: split_columns with both passes' products split (the dQ pass's S and P on one
+    # consumer, dP and dS on the other, dS shared; the dK/dV pass's S^T and P^T on one, dP^T and dS^T on the other,
+    # P^T and dS^T shared), causal, GQA, ragged
     "256_split_products_causal": ((1, 100, 130, 2, 1, 256, 256), dict(is_causal=True), None, False),
     # the same with value head_dim 128, segment ids and q_len > kv_len
     "256_128_split_products_segments": ((2, 130, 70, 2, 2, 256, 128), dict(segments=(50,)), None, False),
-    # both passes' products split (dkv_split_products: the dK/dV pass's S^T and P^T on one consumer, dP^T and dS^T
-    # on the other, both shared), segment ids, GQA, ragged, q_len < kv_len
-    "256_dkv_split_products_segments": (
-        (1, 100, 130, 2, 1, 256, 256),
-        dict(segments=(40,)),
-        HopperBwdConfig(split_columns=True, dq_split_products=True, dkv_split_products=True),
-        False,
-    ),
+    # the same with segment ids and q_len < kv_len (key tiles with no query step)
+    "256_split_products_segments": ((1, 100, 130, 2, 1, 256, 256), dict(segments=(40,)), None, False),
     # split_columns with value head_dim 128 and a score program's row and column gradients (one consumer stores)
     "256_128_split_score_program": ((1, 130, 100, 2, 1, 256, 128), dict(), None, True),
     # square 192, computed at 256 (zero columns: `backward_head_dims`), causal, GQA, ragged
@@ -176,11 +171,10 @@ BACKWARD_CASES = {
 
 # `slow` for CI time (the overlapped loops at a value head_dim of its own; MLA's dims, whose value head_dim of its
 # own 80_64 covers; square 192 runs 256's kernels with zero columns; split columns with a score program;
-# dq_split_products at a value head_dim of its own, which the lowering tests cover; split_columns' own dQ pass,
-# which the score-program case and the lowering tests cover; dkv_split_products, not a default yet, whose lowering
-# tests run; run them with -m slow):
+# the split products at a value head_dim of its own or with segment ids, which the lowering tests cover;
+# split_columns' own passes, which the score-program case and the lowering tests cover; run them with -m slow):
 SLOW_BACKWARD_CASES = {
-    "256_dkv_split_products_segments",
+    "256_split_products_segments",
     "256_128_split_products_segments",
     "256_split_causal",
     "128_64_segments_overlap",
@@ -273,30 +267,13 @@ def test_forward_at_head_dims_lowers_for_gpu(head_dims, schedule):
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("head_dims", LOWERING_DIMS, ids=lambda d: f"{d[0]}-{d[1]}")
 def test_backward_at_head_dims_lowers_for_gpu(head_dims, is_causal):
-    """Both passes at their default tiles for these head dims (256: split_columns, the dQ pass with
-    dq_split_products) go through Mosaic GPU's lowering, ragged and GQA, with segment ids when causal."""
+    """Both passes at their default tiles for these head dims (256: split_columns with both passes' products
+    split) go through Mosaic GPU's lowering, ragged and GQA, with segment ids when causal."""
     q, k, v, out, lse = _abstract(head_dims)
     ids = _abstract_ids() if is_causal else {}
 
     def backward(q, k, v, out, lse, d_out, ids):
         return hopper_bwd.hopper_backward(q, k, v, out, lse, d_out, None, scale=SCALE, is_causal=is_causal, **ids)
-
-    assert lower_for_cuda(backward, q, k, v, out, lse, out, ids).count(MOSAIC_CALL) == 2
-
-
-@pytest.mark.lowering
-@pytest.mark.parametrize(("head_dims", "is_causal"), [((256, 256), True), ((256, 128), False)], ids=["256", "256_128"])
-def test_dkv_split_products_lowers_for_gpu(head_dims, is_causal):
-    """The dK/dV pass with dkv_split_products (P^T and dS^T tiles shared between the consumers) goes through Mosaic
-    GPU's lowering, ragged and GQA, with segment ids when causal."""
-    q, k, v, out, lse = _abstract(head_dims)
-    ids = _abstract_ids() if is_causal else {}
-    config = HopperBwdConfig(split_columns=True, dq_split_products=True, dkv_split_products=True)
-
-    def backward(q, k, v, out, lse, d_out, ids):
-        return hopper_bwd.hopper_backward(
-            q, k, v, out, lse, d_out, None, scale=SCALE, is_causal=is_causal, config=config, **ids
-        )
 
     assert lower_for_cuda(backward, q, k, v, out, lse, out, ids).count(MOSAIC_CALL) == 2
 
@@ -352,17 +329,19 @@ def test_default_tiles_fit_at_head_dims(head_dims):
     backward = hopper_bwd.default_config(head_dim, 4096, band, True, head_dim_v=head_dim_v)
     hopper_bwd.check_config(backward, head_dim, head_dim_v=head_dim_v)
     assert backward.split_columns == (head_dim == 256)
-    assert backward.dq_split_products == (head_dim == 256)
+    assert backward.dq_split_products == backward.dkv_split_products == (head_dim == 256)
 
 
 @pytest.mark.parametrize(
     ("extras", "split_products"), [({}, True), ({"programs": True}, False), ({"tile_bytes": 1}, False)]
 )
-def test_dq_split_products_is_the_plain_calls_default_at_256(extras, split_products):
-    """At head_dim 256 the dQ pass shares P and dS where a call has no program or dense tiles; with them it runs
-    split_columns' way, whose shared memory leaves room for a dense mask's tiles (the P and dS tiles would not)."""
+def test_split_products_are_the_plain_calls_default_at_256(extras, split_products):
+    """At head_dim 256 both passes share their products' tiles where a call has no program or dense tiles; with
+    them they run split_columns' way, whose shared memory leaves room for a dense mask's tiles (the P and dS tiles
+    would not)."""
     backward = hopper_bwd.default_config(256, 4096, masks.Band.of(True, None), True, **extras)
-    assert backward is not None and backward.split_columns and backward.dq_split_products == split_products
+    assert backward is not None and backward.split_columns
+    assert backward.dq_split_products == backward.dkv_split_products == split_products
     if "tile_bytes" in extras:
         assert dataclasses.replace(backward, dq_split_products=True).smem_bytes_dq(256, 2, 1) > H100_SHARED_MEMORY
 
@@ -433,18 +412,18 @@ def test_head_dims_on_hopper(head_dims, is_causal):
 @pytest.mark.gpu
 @pytest.mark.parametrize("options", [dict(), dict(is_causal=True, segments=(150,))], ids=["full", "causal_segments"])
 @pytest.mark.parametrize("head_dims", [(256, 256), (256, 128)], ids=lambda d: f"{d[0]}-{d[1]}")
-def test_dkv_split_products_on_hopper(head_dims, options):
-    """On sm90, the backward with both passes' products split (`dkv_split_products`) against the float32
-    reference's vjp, ragged and GQA, and against the default backward (split_columns' dK/dV pass) within the same
-    tolerance."""
+def test_split_backward_variants_on_hopper(head_dims, options):
+    """On sm90, the default backward at head_dim 256 (both passes' products split) and the one with split_columns'
+    own dK/dV pass (what calls with programs or dense tiles run) against the float32 reference's vjp, ragged and
+    GQA."""
     if not device.on_hopper_gpu():
         pytest.skip("needs an sm90 GPU")
     shape = (2, 333, 460, 4, 2, *head_dims)
     q, k, v, d_out, d_lse = _inputs(shape, seed=44)
     (out, lse), vjp = jax.vjp(lambda *x: _reference(*x, options), *(x.astype(jnp.float32) for x in (q, k, v)))
     want = vjp((d_out.astype(jnp.float32), d_lse))
-    config = HopperBwdConfig(split_columns=True, dq_split_products=True, dkv_split_products=True)
-    for chosen in (config, None):
+    config = HopperBwdConfig(split_columns=True, dq_split_products=True)
+    for chosen in (None, config):
         grads = hopper_bwd.hopper_backward(
             q, k, v, out.astype(q.dtype), lse, d_out, d_lse, scale=SCALE, config=chosen,
             **_kernel_options(shape, options),
