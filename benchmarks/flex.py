@@ -26,7 +26,8 @@ is timed, every row that computes the modifier's function is checked (forward ou
 queries) against the float32 dense reference (`implementation="xla"` on the host); a wrong one gets FAIL.
 Last, block-mask construction: the block classes of a document mask (`mods.block_classes` under jit, B=8, N=32k,
 128 x 128 blocks; target <= 1 ms) paired with torch's create_block_mask of the same mask.
-With `--smoke` (CPU): tiny float32 shapes, the XLA path (xla_chunked), no peers, fwd+bwd for the first case only.
+With `--smoke` (CPU): tiny float32 shapes, the XLA path (xla_chunked), no peers, `SMOKE_CASES` unless --cases
+names others, fwd+bwd for the first case only.
 """
 
 from __future__ import annotations
@@ -531,6 +532,12 @@ def case_names() -> list[str]:
     return [case.name for case in cases(SMOKE.window)] + [BLOCK_CLASSES]
 
 
+# A smoke run's cases: one of each kind of row the suite writes (a score program, with forward+backward; sinks; a
+# dense operand; a sparse mask with its kept work; a band with its built-in partner), then the block-mask build.
+# Every mod's numbers are tests/test_mods.py's.
+SMOKE_CASES = ("soft_cap_causal", "sinks", "dense_bias", "document", "sliding_window", BLOCK_CLASSES)
+
+
 def run(
     *,
     seqs,
@@ -548,7 +555,7 @@ def run(
     """Measure the suite (the cases in `names`, default all of `case_names()`); returns its records (each with the
     fields of `stamp`). `on_record(records)` is called after each (the caller writes them, so a cut-off run keeps
     what it measured). `hopper`: the `--hopper` text (`bar.parse_hopper_configs`), mod's extra tile sets."""
-    names = names or case_names()
+    names = names or (SMOKE_CASES if smoke else case_names())
     sizes = SMOKE if smoke else Sizes()
     settings = dict(
         smoke=smoke,

@@ -258,7 +258,7 @@ INTERVAL_CASES = {
 
 
 @pytest.mark.parametrize("name", INTERVAL_CASES)
-@pytest.mark.parametrize("blocks", [(8, 16), (16, 8)])
+@pytest.mark.parametrize("blocks", [(8, 16), pytest.param((16, 8), marks=pytest.mark.slow)])  # slow: CI's time
 def test_block_classes_by_intervals_are_sound_and_exact_for_builtins(name, blocks):
     """Interval arithmetic over each block's ranges never calls a block empty or full that is not (against the
     evaluation at every position), and is exact for the built-in masks."""
