@@ -88,14 +88,13 @@ from pallas_flash.hopper.fwd import KernelMods, dense_tile_bytes, kernel_dropout
 def backward_head_dims(head_dim: int, head_dim_v: int | None = None) -> tuple[int, int]:
     """The (query/key, value) head dims the backward computes at for these head dims (value's None: head_dim):
     96 (and 65-96) at 96, on 64-byte swizzled tiles (`common.head_dim_transforms`); the others padded to the
-    64-element tile; where a consumer's dK and dV then need `split_columns` (they would not fit its registers)
-    but half a head_dim is not whole 64-column tiles (192, 160), both padded on to multiples of 128: zero columns
-    change no gradient, and the Hopper passes at 256 serve them (the portable backward ran 192 at ~150 TFLOP/s on
-    the H100)."""
+    64-element tile (160 at 192, whose `split_columns` halves are 96 columns under a 64-byte swizzle); where a
+    consumer's dK and dV then need `split_columns` (they would not fit its registers) but half a head_dim is not
+    whole 32-column tiles, both padded on until it is: zero columns change no gradient."""
     at = lambda d: 96 if forward_head_dim(d) == 96 else padded_head_dim(d)
     dims = at(head_dim), at(head_dim_v or head_dim)
     if HopperBwdConfig.needs_split_columns(*dims) and not HopperBwdConfig.can_split_columns(*dims):
-        dims = tuple(round_up(d, NUM_CONSUMERS * HEAD_DIM_TILE) for d in dims)
+        dims = tuple(round_up(d, NUM_CONSUMERS * HEAD_DIM_TILE // 2) for d in dims)
     return dims
 
 
@@ -153,7 +152,7 @@ def check_config(
         )
     if config.split_columns and not HopperBwdConfig.can_split_columns(head_dim, head_dim_v):
         raise ValueError(
-            f"{config}: split_columns halves the head dims into whole 64-column tiles, but they are {head_dim} "
+            f"{config}: split_columns halves the head dims into whole 32-column tiles, but they are {head_dim} "
             f"(query, key) and {head_dim_v or head_dim} (value)"
         )
     if config.dq_atomic and (head_dim % HEAD_DIM_TILE or (head_dim_v or head_dim) % HEAD_DIM_TILE):

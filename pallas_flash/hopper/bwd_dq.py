@@ -29,6 +29,7 @@ from pallas_flash.hopper.common import (
     drain_last_phases,
     drain_ring,
     hand_over,
+    head_dim_swizzle,
     head_dim_transforms,
     load_own_ids,
     masked_edge_loops,
@@ -44,6 +45,7 @@ from pallas_flash.hopper.common import (
     serves_split_products,
     stack_index,
     stream_kv_blocks,
+    swizzled,
     tile_visible,
     unmasked_blocks,
     wgmma_operand,
@@ -559,7 +561,9 @@ def dq_pass(
     num_q_tiles = q_pad // (tiles * block_q)
     has_segments = q_ids is not None
     # Q and K under one swizzle (S = Q K^T), V and dO under theirs: each the widest that divides its row.
-    transforms_qk, transforms_v = head_dim_transforms(head_dim), head_dim_transforms(head_dim_v)
+    split = config.split_columns  # each consumer's columns whole swizzle tiles
+    transforms_qk = head_dim_transforms(head_dim, split=split)
+    transforms_v = head_dim_transforms(head_dim_v, split=split)
 
     rows, cols, _ = mod_operands
     score_mod = programs.score
@@ -635,7 +639,8 @@ def dq_pass(
                     jnp.float32,
                     transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)),
                 ),
-                plgpu.SMEM((block_q, block_kv), q.dtype, transforms=head_dim_transforms(block_kv)),
+                # the left operand of dS K over this consumer's columns of K: under K's swizzle
+                plgpu.SMEM((block_q, block_kv), q.dtype, transforms=swizzled(head_dim_swizzle(head_dim, split=True))),
                 (
                     plgpu.Barrier(),
                     plgpu.Barrier(),

@@ -192,8 +192,8 @@ class HopperBwdConfig:
         block_q_dq queries per dQ CTA) and each accumulates half of the head_dim columns of dK and dV (or dQ),
         recomputing the block's S and dP in full: half the resident tiles and accumulators, for head_dim 256
         (where two consumers' own tiles exceed shared memory and their accumulators the register file), at the
-        price of the S and dP products done twice. Half of each head_dim must be whole 64-column tiles; not
-        with dq_atomic.
+        price of the S and dP products done twice. Half of each head_dim must be whole 32-column tiles (192: 96
+        each, under a 64-byte swizzle); not with dq_atomic.
       dq_split_products: with split_columns, the dQ pass's consumer 0 computes a block's S and P, consumer 1 its dP
         and dS from P passed through shared memory, and both add their columns of dQ from the shared dS tile: no
         product is done twice (3 tile products a step instead of 5). For calls without a score or mask program,
@@ -325,8 +325,9 @@ class HopperBwdConfig:
 
     @staticmethod
     def can_split_columns(head_dim: int, head_dim_v: int | None = None) -> bool:
-        """Whether half of each (padded) head_dim is whole 64-column tiles (`split_columns`)."""
-        return all(d % (NUM_CONSUMERS * 64) == 0 for d in (head_dim, head_dim_v or head_dim))
+        """Whether half of each (padded) head_dim is whole 32-column tiles (`split_columns`: a 64-byte swizzle's
+        tile of 16-bit elements, the narrowest wgmma's contraction takes)."""
+        return all(d % (NUM_CONSUMERS * 32) == 0 for d in (head_dim, head_dim_v or head_dim))
 
     @classmethod
     def default(
@@ -381,6 +382,6 @@ class HopperBwdConfig:
         if split and not cls.can_split_columns(head_dim, head_dim_v):
             raise ValueError(
                 f"the Hopper backward at head_dims {head_dim} (query, key) and {head_dim_v or head_dim} (value) "
-                "needs split_columns, whose halves of each head_dim must be whole 64-column tiles"
+                "needs split_columns, whose halves of each head_dim must be whole 32-column tiles"
             )
         return cls(split_columns=split, dq_split_products=split, dkv_split_products=split)

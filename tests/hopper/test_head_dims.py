@@ -162,16 +162,16 @@ BACKWARD_CASES = {
     "256_split_products_segments": ((1, 100, 130, 2, 1, 256, 256), dict(segments=(40,)), None, False),
     # split_columns with value head_dim 128 and a score program's row and column gradients (one consumer stores)
     "256_128_split_score_program": ((1, 130, 100, 2, 1, 256, 128), dict(), None, True),
-    # square 192, computed at 256 (zero columns: `backward_head_dims`), causal, GQA, ragged
-    "192_padded_to_256_causal": ((1, 100, 130, 2, 1, 192, 192), dict(is_causal=True), None, False),
+    # square 192, split into 96-column halves (64-byte swizzled tiles), causal, GQA, ragged
+    "192_split_causal": ((1, 100, 130, 2, 1, 192, 192), dict(is_causal=True), None, False),
     # head_dim 80 computed at 96 (64-byte swizzled Q/K tiles), value 64, causal, GQA, ragged
     "80_64_causal": ((1, 100, 130, 2, 1, 80, 64), dict(is_causal=True), None, False),
 }
 
 
 # `slow` for CI time (the overlapped loops at a value head_dim of its own; MLA's dims, whose value head_dim of its
-# own 80_64 covers; square 192 runs 256's kernels with zero columns; split columns with a score program;
-# the split products at a value head_dim of its own or with segment ids, which the lowering tests cover;
+# own 80_64 covers; square 192 runs the split passes, which 256 and the lowering cover; split columns with a score
+# program; the split products at a value head_dim of its own or with segment ids, which the lowering tests cover;
 # split_columns' own passes, which the score-program case and the lowering tests cover; run them with -m slow):
 SLOW_BACKWARD_CASES = {
     "256_split_products_segments",
@@ -179,7 +179,7 @@ SLOW_BACKWARD_CASES = {
     "256_split_causal",
     "128_64_segments_overlap",
     "mla_192_128_causal",
-    "192_padded_to_256_causal",
+    "192_split_causal",
     "256_128_split_score_program",
 }
 
@@ -348,20 +348,19 @@ def test_split_products_are_the_plain_calls_default_at_256(extras, split_product
 
 @pytest.mark.parametrize(
     "head_dims, computed",
-    [((192, 192), (256, 256)), ((160, 160), (256, 256)), ((192, 256), (256, 256)), ((192, 128), (192, 128)),
+    [((192, 192), (192, 192)), ((160, 160), (192, 192)), ((192, 256), (192, 256)), ((192, 128), (192, 128)),
      ((256, 128), (256, 128)), ((96, 96), (96, 96)), ((80, 64), (96, 64)), ((112, 48), (128, 64))],
 )  # fmt: skip
-def test_the_backward_pads_head_dims_it_cannot_split(head_dims, computed):
-    """Where a consumer's dK and dV need split_columns but half a head_dim is not whole 64-column tiles (192,
-    160), the backward computes at the next multiples of 128; 65-96 at 96 (64-byte swizzled tiles); elsewhere at
-    the 64-element tile."""
+def test_the_backward_computes_at_head_dims_it_can_split(head_dims, computed):
+    """The backward computes at the 64-element tile (192 split into 96-column halves under a 64-byte swizzle;
+    160 at 192), 65-96 at 96 (64-byte swizzled tiles)."""
     assert hopper_bwd.backward_head_dims(*head_dims) == computed
 
 
 def test_head_dims_without_tiles_are_refused_by_name(monkeypatch):
     """Query/key 192 with value 256: no forward tiles fit, and the Mosaic GPU implementation says so naming both head
-    dims; it serves MLA's (192, 128), (128, 64), (256, 128) and square 192 (its backward padded to 256) on sm90
-    (faked)."""
+    dims; it serves MLA's (192, 128), (128, 64), (256, 128) and square 192 (its backward split into 96-column
+    halves) on sm90 (faked)."""
     with pytest.raises(ValueError, match="split_columns"):
         HopperBwdConfig(split_columns=True, dq_atomic=True)
     monkeypatch.setattr(device, "on_hopper_gpu", lambda: True)
@@ -388,8 +387,8 @@ def test_head_dims_without_tiles_are_refused_by_name(monkeypatch):
 def test_head_dims_on_hopper(head_dims, is_causal):
     """On sm90, flash_attention(implementation="mosaic") and its gradients at MLA's head dims, at head_dim 256 (the
     Hopper backward, split_columns), 96 and 80 (both kernels at 96 on 64-byte swizzled tiles), 32 (the forward
-    unpadded, the backward at 64) and square 192 (the backward at 256), ragged, GQA, against the float32
-    reference."""
+    unpadded, the backward at 64) and square 192 (the backward split into 96-column halves), ragged, GQA, against
+    the float32 reference."""
     if not device.on_hopper_gpu():
         pytest.skip("needs an sm90 GPU")
     shape = (2, 333, 460, 4, 2, *head_dims)
