@@ -318,6 +318,20 @@ def test_forward_head_dims_and_their_swizzle(head_dim, runs_at, swizzle):
     assert runs_at % (swizzle // 2) == 0
 
 
+@pytest.mark.parametrize(("head_dim", "swizzle"), [(256, 128), (192, 64), (128, 128)])
+def test_split_columns_tiles_each_half_under_its_own_swizzle(head_dim, swizzle):
+    """With split_columns each consumer's half of a row is whole swizzle tiles: 256's halves of 128 columns under
+    128 bytes, 192's of 96 under 64 (a 128-byte swizzle would cut a tile in two); the backward's config for 192
+    splits there, at 192."""
+    from pallas_flash.hopper.common import head_dim_transforms
+
+    tiling, swizzled = head_dim_transforms(head_dim, split=True)
+    assert (tiling.tiling, swizzled.swizzle) == ((8, swizzle // 2), swizzle)
+    assert head_dim // 2 % (swizzle // 2) == 0
+    if head_dim >= 192:
+        assert HopperBwdConfig.default(head_dim).split_columns and HopperBwdConfig.can_split_columns(head_dim)
+
+
 @pytest.mark.parametrize("head_dims", [(192, 128), (128, 64), (256, 256), (256, 128), (64, 128), (96, 96)])
 def test_default_tiles_fit_at_head_dims(head_dims):
     """The default forward and backward tiles fit an H100's shared memory at these (padded) head dims; the
