@@ -247,8 +247,8 @@ def test_delta_in_dp_config():
 def test_backward_after_the_hopper_forward():
     """Which backward runs after the Hopper forward: the Hopper one (the call's default tiles, or
     config.hopper_bwd's), the portable one where `HopperBwdConfig(portable=True)` asks for it, and the
-    portable one where the head dims need split_columns and config.hopper_bwd has none (256); head dims that cannot
-    be split (192) take 256's tiles."""
+    portable one where the head dims need split_columns and config.hopper_bwd has none (256); square 192 splits
+    at 192 (96-column halves) and 160 at 192 too."""
     band = masks.Band.of(True)
     choose = hopper_vjp._backward_config
     assert choose(KernelConfig(), 64, 1024, band, True) == hopper_bwd.default_config(64, 1024, band, True)
@@ -257,6 +257,7 @@ def test_backward_after_the_hopper_forward():
     assert choose(KernelConfig(hopper_bwd=tiles), 64, 1024, band, True) == tiles
     assert choose(KernelConfig(hopper_bwd=HopperBwdConfig(portable=True)), 64, 1024, band, True) is None
     assert choose(KernelConfig(hopper_bwd=tiles), 256, 1024, band, True) is None
-    # square 192 cannot split its columns: the backward runs 256's split passes on zero-padded columns
-    assert choose(KernelConfig(), 192, 1024, band, True) == hopper_bwd.default_config(256, 1024, band, True)
-    assert choose(KernelConfig(), 192, 1024, band, True).split_columns
+    # square 192 splits its columns into 96-column halves, unpadded; 160 computes at 192
+    assert hopper_bwd.backward_head_dims(192) == hopper_bwd.backward_head_dims(160) == (192, 192)
+    assert choose(KernelConfig(), 192, 1024, band, True) == hopper_bwd.default_config(192, 1024, band, True)
+    assert choose(KernelConfig(), 160, 1024, band, True).split_columns
