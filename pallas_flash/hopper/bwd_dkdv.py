@@ -45,7 +45,6 @@ from pallas_flash.hopper.common import (
     drain_ring,
     fill_ring,
     hand_over,
-    head_dim_swizzle,
     head_dim_transforms,
     load_own_ids,
     masked_edge_loops,
@@ -60,7 +59,6 @@ from pallas_flash.hopper.common import (
     stack_index,
     step_block,
     swizzle_transforms,
-    swizzled,
     tile_visible,
     unmasked_blocks,
     wgmma_operand,
@@ -815,10 +813,9 @@ def dkdv_pass(
     has_segments = q_ids is not None
     transforms = swizzle_transforms()  # tiles without a head_dim axis
     # Q and K under one swizzle (S^T = K Q^T), V and dO under theirs (dP^T = V dO^T): each the widest that divides
-    # its head_dim's row (64 bytes at 96).
-    split = config.split_columns  # each consumer's columns whole swizzle tiles
-    transforms_qk = head_dim_transforms(head_dim, split=split)
-    transforms_v = head_dim_transforms(head_dim_v, split=split)
+    # its head_dim's row (64 bytes at 96), with split_columns half of it (64 bytes at 192).
+    transforms_qk = head_dim_transforms(head_dim, split=config.split_columns)
+    transforms_v = head_dim_transforms(head_dim_v, split=config.split_columns)
     # One pass: K as one [2 block_kv, D] tile, since each dQ wgmma reads both warpgroups' keys.
     # split_columns: one K and one V tile, both consumers'.
     k_shape = (NUM_CONSUMERS * block_kv, head_dim) if config.dq_atomic else (NUM_CONSUMERS, block_kv, head_dim)
@@ -862,11 +859,11 @@ def dkdv_pass(
         mod_operands, dense_arrays, dropout, programs, dense
     )
     if shares_tiles:
-        # Each the left operand of a product whose right one is the consumer's columns of dO (P^T) or Q (dS^T):
-        # under its swizzle (wgmma takes none other).
+        # P^T multiplies the consumer's columns of dO, dS^T its columns of Q: each under that tile's swizzle, the
+        # only one wgmma pairs it with.
         smem += [
-            plgpu.SMEM((block_kv, block_q), q.dtype, transforms=swizzled(head_dim_swizzle(d, split=True)))
-            for d in (head_dim_v, head_dim)
+            plgpu.SMEM((block_kv, block_q), q.dtype, transforms=transforms_v),
+            plgpu.SMEM((block_kv, block_q), q.dtype, transforms=transforms_qk),
         ]
         extra_barriers = (
             plgpu.Barrier(),

@@ -29,7 +29,6 @@ from pallas_flash.hopper.common import (
     drain_last_phases,
     drain_ring,
     hand_over,
-    head_dim_swizzle,
     head_dim_transforms,
     load_own_ids,
     masked_edge_loops,
@@ -45,7 +44,6 @@ from pallas_flash.hopper.common import (
     serves_split_products,
     stack_index,
     stream_kv_blocks,
-    swizzled,
     tile_visible,
     unmasked_blocks,
     wgmma_operand,
@@ -560,10 +558,10 @@ def dq_pass(
     tiles = config.row_tiles
     num_q_tiles = q_pad // (tiles * block_q)
     has_segments = q_ids is not None
-    # Q and K under one swizzle (S = Q K^T), V and dO under theirs: each the widest that divides its row.
-    split = config.split_columns  # each consumer's columns whole swizzle tiles
-    transforms_qk = head_dim_transforms(head_dim, split=split)
-    transforms_v = head_dim_transforms(head_dim_v, split=split)
+    # Q and K under one swizzle (S = Q K^T), V and dO under theirs: each the widest that divides its row, with
+    # split_columns half of it.
+    transforms_qk = head_dim_transforms(head_dim, split=config.split_columns)
+    transforms_v = head_dim_transforms(head_dim_v, split=config.split_columns)
 
     rows, cols, _ = mod_operands
     score_mod = programs.score
@@ -639,8 +637,8 @@ def dq_pass(
                     jnp.float32,
                     transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)),
                 ),
-                # the left operand of dS K over this consumer's columns of K: under K's swizzle
-                plgpu.SMEM((block_q, block_kv), q.dtype, transforms=swizzled(head_dim_swizzle(head_dim, split=True))),
+                # dS multiplies the consumer's columns of K: under K's swizzle, the only one wgmma pairs it with
+                plgpu.SMEM((block_q, block_kv), q.dtype, transforms=transforms_qk),
                 (
                     plgpu.Barrier(),
                     plgpu.Barrier(),

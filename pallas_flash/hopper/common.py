@@ -46,22 +46,13 @@ def forward_head_dim(head_dim: int) -> int:
     return round_up(head_dim, HEAD_DIM_TILE // 2)
 
 
-def head_dim_swizzle(head_dim: int, itemsize: int = 2, split: bool = False) -> int:
-    """The swizzle in bytes of a [rows, head_dim] tile: the widest of 128 and 64 that divides a row (128: no bank
-    conflicts on any read), or with `split` half a row (`HopperBwdConfig.split_columns`: each consumer's columns
-    are whole swizzle tiles)."""
-    row = head_dim // NUM_CONSUMERS if split else head_dim
-    return 128 if row * itemsize % 128 == 0 else 64
-
-
-def swizzled(swizzle: int, itemsize: int = 2):
-    """Shared-memory transforms for wgmma: (8, S)-element tiles under an S-byte swizzle."""
-    return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
-
-
 def head_dim_transforms(head_dim: int, itemsize: int = 2, split: bool = False):
-    """Shared-memory transforms of a [rows, head_dim] tile for wgmma, under `head_dim_swizzle`."""
-    return swizzled(head_dim_swizzle(head_dim, itemsize, split), itemsize)
+    """Shared-memory transforms of a [rows, head_dim] tile for wgmma: (8, S)-element tiles under an S-element
+    swizzle, S the widest of 128 and 64 bytes that divides a row (128: no bank conflicts on any read), or with
+    `split` half a row (`HopperBwdConfig.split_columns`: each consumer's columns are whole swizzle tiles)."""
+    row = head_dim // NUM_CONSUMERS if split else head_dim
+    swizzle = 128 if row * itemsize % 128 == 0 else 64
+    return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
 def register_ops(interpreting: bool):
