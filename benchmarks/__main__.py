@@ -127,6 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="mod on other Hopper forward tiles, each its own row: ';'-separated block_q,block_kv,num_stages"
         "[,persistent][,overlap]",
     )
+    flex.add_argument(
+        "--bwd",
+        help="mod on other Hopper backwards, each its own row: ';'-separated items of ','-separated "
+        "HopperBwdConfig field=int overrides of the plain call's default",
+    )
     ring = argparse.ArgumentParser(add_help=False)
     ring.add_argument("--seqs-per-gpu", help="tokens per device, e.g. 8192,16384,32768 (the default)")
     decode = argparse.ArgumentParser(add_help=False)
@@ -311,6 +316,7 @@ def run_flex(args, argv: list[str], parser) -> str:
 
     try:
         bar.parse_hopper_configs(args.hopper)
+        bar.parse_bwd_overrides(args.bwd)
     except ValueError as e:
         parser.error(str(e))
     if not args.smoke:
@@ -331,6 +337,7 @@ def run_flex(args, argv: list[str], parser) -> str:
             stamp=stamp,
             on_record=on_record,
             hopper=args.hopper,
+            bwd=args.bwd,
         ),
     )
 

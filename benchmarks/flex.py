@@ -18,6 +18,8 @@ Each case and pass has one row per variant, every one timed in interleaved pairs
               ended by torch.cuda.synchronize; skipped without torch or CUDA.
   mod@TILES   with `--hopper`: mod on the given Hopper forward tiles (the bar's syntax, e.g. "64,128,2,persistent"),
               one row per tile set, to try a default against the case (< 1: those tiles are faster).
+  mod@bwd:..  with `--bwd`: mod on the plain call's default Hopper backward with the given field overrides (the
+              bar's syntax, e.g. "dq_overlap=0,num_stages_dq=2"), one row per item, likewise.
 `ratio_to_mod` = this row's ms / mod's ms (> 1: the modifier in our kernel is faster), with its ~95% interval;
 mod's own ms is from its pairing with plain. On plain and band rows, `kept_work_ratio` = mod's ms / (this row's ms
 scaled to the logits mod keeps): a mask should cost about the dense work it keeps (target <= 1.15 for documents).
@@ -46,7 +48,7 @@ import numpy as np
 
 import pallas_flash as pf
 from benchmarks import report, timing
-from benchmarks.bar import describe, parse_hopper_configs
+from benchmarks.bar import describe, describe_bwd, overridden_bwd_config, parse_bwd_overrides, parse_hopper_configs
 from benchmarks.impls import Unsupported
 from benchmarks.inputs import DTYPES, FLOP_FACTOR, Point, compile_pass, random_inputs
 from benchmarks.timing import TorchSynced
@@ -378,6 +380,14 @@ def measure_case(case, point, passes, settings, emit) -> None:
             True,
             lambda p, c=config: ours(lambda a: dict(case.mod(a), config=c), point, p, inputs, arrays, ("mosaic",)),
         )
+    for overrides in settings["bwd"]:
+        bwd = overridden_bwd_config(point.head_dim, True, point.seq_k, case.causal, overrides)
+        config = dataclasses.replace(pf.KernelConfig.default(point.head_dim), hopper_bwd=bwd)
+        partners[f"mod@{describe_bwd(overrides).strip()}"] = (
+            kept,
+            True,
+            lambda p, c=config: ours(lambda a: dict(case.mod(a), config=c), point, p, inputs, arrays, ("mosaic",)),
+        )
     peers = () if settings["smoke"] else [p for p in PEER_CASES if case.name in PEER_CASES[p]]
     reps, min_sample_s = settings["reps"], settings["min_sample_ms"] / 1e3
     wrong = set()  # variants whose forward failed the check: their fwd+bwd is not timed either
@@ -551,10 +561,12 @@ def run(
     stamp=None,
     on_record=None,
     hopper=None,
+    bwd=None,
 ) -> list[dict]:
     """Measure the suite (the cases in `names`, default all of `case_names()`); returns its records (each with the
     fields of `stamp`). `on_record(records)` is called after each (the caller writes them, so a cut-off run keeps
-    what it measured). `hopper`: the `--hopper` text (`bar.parse_hopper_configs`), mod's extra tile sets."""
+    what it measured). `hopper`: the `--hopper` text (`bar.parse_hopper_configs`), mod's extra tile sets; `bwd`: the
+    `--bwd` text (`bar.parse_bwd_overrides`), mod's extra backwards."""
     names = names or (SMOKE_CASES if smoke else case_names())
     sizes = SMOKE if smoke else Sizes()
     settings = dict(
@@ -564,6 +576,7 @@ def run(
         rotate=1 if smoke else ROTATE,
         chain=OURS if on_nvidia_gpu() else ("xla_chunked",),  # off the GPU the kernels would run interpreted
         tiles=[c for c in parse_hopper_configs(hopper) if c is not None],
+        bwd=[o for o in parse_bwd_overrides(bwd) if o],
     )
     passes = sorted(passes, key=("fwd", "fwdbwd").index)  # fwd first: its check decides whether fwd+bwd is timed
     records, start = [], time.perf_counter()

@@ -329,8 +329,9 @@ def flex_row(r) -> str:
 def _flex_table(records):
     """The flex records in the order they were measured, each case's mod row first."""
     order = {key: i for i, key in enumerate(dict.fromkeys((r["case"], r["point"]) for r in records))}
-    variants = ("mod", "plain", "band", "cudnn", "torch_flex")
-    rows = sorted(records, key=lambda r: (order[(r["case"], r["point"])], r["pass"], variants.index(r["variant"])))
+    variants = ("mod", "plain", "band", "cudnn", "torch_flex")  # then mod@ rows (--hopper, --bwd), as measured
+    rank = lambda v: variants.index(v) if v in variants else len(variants)
+    rows = sorted(records, key=lambda r: (order[(r["case"], r["point"])], r["pass"], rank(r["variant"])))
     return [
         "### flex: score_mod, mask_mod and sinks against our plain kernel, cuDNN and torch flex_attention",
         "",

@@ -488,7 +488,7 @@ def flash_attention(
       key: [batch, kv_len, kv_heads, head_dim], heads % kv_heads == 0 (MHA, GQA, MQA): query head h
         reads kv head h // (heads // kv_heads). q_len and kv_len may differ.
       value: [batch, kv_len, kv_heads, head_dim_v]; head_dim_v may differ from head_dim (DeepSeek's MLA:
-        192 and 128), served by "xla_chunked" and "xla" only (`implementation=None` picks "xla_chunked").
+        192 and 128), in every implementation.
       scale: softmax scale; default 1 / sqrt(head_dim). A Python float is compiled in; a JAX array (traced
         or learned) is folded into the query before the kernels (one extra rounding of the query to its
         dtype) and gets its gradient.
