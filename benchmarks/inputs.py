@@ -1,7 +1,8 @@
 """What a benchmark runs: a problem (`Point`), its random inputs, and the jitted function of each pass.
 
 Passes: fwd = the attention; bwd = the VJP alone, on residuals saved by a forward run beforehand; fwdbwd =
-`jax.value_and_grad` of sum(out * cotangent) with respect to q, k, v. FLOPs: 4*B*H*Nq*Nk*D for fwd
+the attention and its VJP of a cotangent (out, then dq, dk, dv), as PyTorch's autograd.grad from the output
+computes it: no loss reduction beside the attention. FLOPs: 4*B*H*Nq*Nk*D for fwd
 (2*B*H*Nq*Nk*(D + Dv) with a value head_dim Dv of its own; halved when causal), 2.5x that for bwd and 3.5x for
 fwdbwd.
 """
@@ -113,10 +114,11 @@ def pass_function(fn, pass_: str, extra=()):
         return jax.jit(fn), lambda q, k, v, ct: (q, k, v, *extra)
     if pass_ == "fwdbwd":
 
-        def loss(q, k, v, ct, *extra):
-            return jnp.sum(fn(q, k, v, *extra).astype(jnp.float32) * ct.astype(jnp.float32))
+        def forward_backward(q, k, v, ct, *extra):
+            out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, *extra), q, k, v)
+            return out, vjp(ct.astype(out.dtype))
 
-        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), lambda q, k, v, ct: (q, k, v, ct, *extra)
+        return jax.jit(forward_backward), lambda q, k, v, ct: (q, k, v, ct, *extra)
     if pass_ == "bwd":
         # The VJP alone. jax.vjp's function is a pytree holding the forward's residuals, so it can be an argument
         # of a jitted function; the residuals come from one forward run per input set, untimed.

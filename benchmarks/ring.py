@@ -2,7 +2,7 @@
 
 Points: causal self-attention, batch 1, bf16, D=128, H=16 (and a GQA row, 16 query heads on 4 key heads), with
 `--seqs-per-gpu` tokens on each of the n local devices (default 8k, 16k, 32k), so the whole sequence is n times
-that. Each point and pass (fwd; fwdbwd: `value_and_grad` of sum(out * cotangent)) has one row per variant:
+that. Each point and pass (fwd; fwdbwd: the output and its VJP of a cotangent) has one row per variant:
   single           `flash_attention(is_causal=True)` on the whole sequence on device 0 (the dispatcher's choice);
   ring_zigzag      `context_parallel_attention(strategy="ring", layout="zigzag")` over a mesh of the n devices;
   ring_contiguous  the same ring with the contiguous layout (device r waits while later shards pass by);

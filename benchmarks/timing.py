@@ -62,8 +62,7 @@ def torch_pass(attend, pass_: str, input_sets, dtype: str):
     """A PyTorch attention `attend(q, k, v)` as a timed pass, on CUDA copies of (q, k, v, cotangent) input sets in
     its own [B, H, N, D] layout and `dtype`: (fn, argument sets); fn returns a `TorchSynced` of the output (fwd),
     or of dq, dk, dv, the vector-Jacobian product of the output with the cotangent (any other pass: autograd
-    straight from the output, as `jax.value_and_grad` of sum(out * cotangent) compiles to; an explicit loss would
-    add unfused elementwise kernels that XLA folds away on our side)."""
+    straight from the output, as the JAX side's fwdbwd pass computes it, `benchmarks.inputs.pass_function`)."""
     import torch
 
     torch_dtype, grad = getattr(torch, dtype), pass_ != "fwd"
