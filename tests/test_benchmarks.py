@@ -143,15 +143,20 @@ def test_bar_times_a_value_head_dim_of_its_own_alone_where_no_peer_runs_it():
     assert mla["point"].endswith("-d32-dv16-c1-float32")
 
 
-def test_flex_times_mod_on_other_hopper_tiles():
-    """`--hopper` adds a row per tile set: mod forced onto those Hopper tiles, paired with mod (off a Hopper GPU a
-    skip row saying that the Mosaic kernels could not run)."""
+def test_flex_times_mod_on_other_hopper_tiles_and_backwards():
+    """`--hopper` adds a row per tile set and `--bwd` one per backward (an empty item is mod itself): mod forced
+    onto those Hopper tiles, paired with mod (off a Hopper GPU a skip row saying that the Mosaic kernels could not
+    run); the table lists them after the named variants."""
     rows = flex.run(seqs=[flex.SMOKE_SEQ], head_dims=[32], passes=["fwd"], names=["alibi"], smoke=True,
-                    hopper="64,128,2,persistent;64,64,2")  # fmt: skip
+                    hopper="64,128,2,persistent;64,64,2", bwd=";dq_overlap=0,num_stages_dq=2",
+                    stamp=dict(suites.environment(), command="python -m benchmarks flex"))  # fmt: skip
     by = {r["variant"]: r for r in rows}
-    assert set(by) == {"mod", "plain", "mod@64,128,2,persistent", "mod@64,64,2"}
-    tiled = by["mod@64,128,2,persistent"]
-    assert tiled["status"] == "skip" and "mosaic" in tiled["note"], tiled
+    bwd = "mod@bwd:dq_overlap=0,num_stages_dq=2"
+    assert set(by) == {"mod", "plain", "mod@64,128,2,persistent", "mod@64,64,2", bwd}
+    for variant in ("mod@64,128,2,persistent", bwd):
+        assert by[variant]["status"] == "skip" and "mosaic" in by[variant]["note"], by[variant]
+    table = [line for line in report.markdown(rows).splitlines() if line.startswith("| alibi |")]
+    assert [line.split("|")[4].strip() for line in table][-3:] == ["mod@64,128,2,persistent", "mod@64,64,2", bwd]
 
 
 def test_flex_pairs_every_modifier_with_our_plain_call(smoke):
@@ -375,6 +380,7 @@ def test_default_output_folder_is_under_runs(tmp_path, monkeypatch):
         (["flex", "--cases", "alibi,nope"], "nope"),
         (["flex", "--impls", "pf:xla"], "--impls"),  # a record suite's option: flex picks its own rows
         (["flex", "--hopper", "64,128,2,fast"], "--hopper: want"),
+        (["flex", "--bwd", "dq_overlap=yes"], "--bwd: want"),
         (["ring", "--passes", "bwd"], "bwd"),
         (["ring", "--seqs-per-gpu", "8k"], "--seqs-per-gpu"),
         (["decode", "--cases", "paged64,nope"], "nope"),
