@@ -501,8 +501,10 @@ def flash_attention(
       local_window_size: int w or (left, right): query i sees keys i - left .. i + right (None for an
         unbounded side); combined with is_causal, right is 0.
       block_mask: a `BlockMask` (block-sparse attention): query i sees key j only if the mask's block
-        (i // block_q, j // block_kv) is True, ANDed with the above. The kernels never load False blocks
-        (forward and backward); their tiles shrink to divide the mask's blocks.
+        (i // block_q, j // block_kv) is True, ANDed with the above. The portable kernels never load False
+        blocks (forward and backward), their tiles shrinking to divide the mask's blocks; the Hopper kernels
+        skip them where each kernel tile's kept blocks form one run, and otherwise read the mask as a dense
+        mask (blocks between kept runs are loaded and hidden).
       bias: float array broadcastable to [batch, heads, q_len, kv_len] (rank <= 4, each dim 1 or full, e.g.
         Flax's [batch, heads, q_len, kv_len] or [1, heads, 1, kv_len]), added to the logits. It is read
         tile by tile, never broadcast in memory; differentiable (its gradient has the bias's own shape, and is
@@ -536,7 +538,8 @@ def flash_attention(
         score_mod/mask_mod, a block mask (by its block ranges where its kept blocks form one run per kernel
         tile, else as a dense mask); raises where it cannot serve the call), "pallas" (interpret mode without
         a GPU), "xla_chunked" or "xla" (dense reference).
-      config: a `KernelConfig`; default `KernelConfig.default(head_dim)`.
+      config: a `KernelConfig`; default `KernelConfig.default` at the wider of the two head dims, fitted to
+        the dtype, the device's shared memory and any dense bias/mask tiles.
       deterministic: True (default): gradients are bitwise the same from run to run. False lets the Hopper
         backward add dQ's float32 partial sums in whatever order they arrive where that is faster (head_dim
         <= 64 on the H100), so dQ varies in its last bits between runs. The other implementations are

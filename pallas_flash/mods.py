@@ -1039,7 +1039,7 @@ def soft_cap(cap: float):
 def relative_position_bias(table):
     """score_mod: score + table[head, clip(kv_idx - q_idx, -m, m) + m], a learned bias per head and relative
     position (T5's without its log buckets). table: float [heads, 2 * m + 1]. Indexed by both positions, so
-    it runs on the XLA and portable paths, not the Hopper kernels."""
+    it runs on the XLA paths (`xla_chunked`, `xla`), not in the Pallas or Hopper kernels."""
     table = jnp.asarray(table)
     if table.ndim != 2 or table.shape[1] % 2 != 1 or not jnp.issubdtype(table.dtype, jnp.floating):
         raise ValueError(f"relative_position_bias's table must be float [heads, 2 * m + 1], got {table.shape}")

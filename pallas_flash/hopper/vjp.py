@@ -2,8 +2,8 @@
 call: the Mosaic GPU forward (`fwd`) and a backward on the same residuals (q, k, v, o, lse): the Mosaic GPU backward
 (`bwd`, at `bwd.backward_head_dims`), or the portable backward kernels where no Hopper tiles hold a call's dense
 tiles or `HopperBwdConfig.portable` asks for them. Value may have a head_dim of its own (DeepSeek's MLA) where both
-Mosaic GPU kernels serve it (the portable ones do not). Both forwards return the same natural-log LSE, so the
-portable backward cannot tell which forward ran.
+Mosaic GPU kernels serve it (the portable backward beneath this forward is not exercised at unequal head dims).
+Both forwards return the same natural-log LSE, so the portable backward cannot tell which forward ran.
 
 A score_mod / mask_mod (`masks.ScoreMods`) runs staged (`mods.stage`): its per-query and per-key values are
 computed in XLA from the arrays it closes over, and the custom_vjp differentiates the score program's float
@@ -133,7 +133,7 @@ def unsupported_reason(
     """None if the Hopper kernel serves this call on this machine, else why not (for the dispatcher).
     `unserved`: names of the call's features the Hopper kernel does not have; `mods`: its score modifiers,
     of which the kernel runs the score_mod and mask_mod where they can be staged; `value`: its shape (None:
-    key's); a head_dim of its own needs both Mosaic GPU kernels (the portable backward takes none);
+    key's); a head_dim of its own needs both Mosaic GPU kernels;
     `block_mask`: its `BlockMask` (None: none), counted as a dense mask where its ranges alone cannot serve it."""
     if not device.on_hopper_gpu():
         return (
@@ -173,7 +173,7 @@ def unsupported_reason(
     needed += hopper_fwd.mod_smem_bytes(*staged, hopper_config)
     if needed > H100_SHARED_MEMORY:
         return f"{hopper_config} needs {needed} bytes of shared memory at {dims}{dense}"
-    if head_dim_v != head_dim:  # the portable backward takes no value head_dim of its own: ours must serve it
+    if head_dim_v != head_dim:  # served by both Mosaic GPU kernels only (see the module docstring)
         if _backward_config(config, head_dim, key.shape[1], band, True, mods, tile_bytes, head_dim_v,
                             block_mask=block_mask) is None:  # fmt: skip
             return f"the Mosaic GPU backward has no tiles for {dims}{dense}"
