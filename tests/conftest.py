@@ -4,9 +4,8 @@ import os
 # block inside host callbacks, each holding a thread of XLA's CPU thread pool. That pool has one thread per
 # core unless NPROC says otherwise (read when the CPU client starts): on a 2-core machine the blocked waits and
 # the interpreter's own callback can hold every pool thread while the warpgroup that would arrive waits for
-# one, and the kernel hangs at random (segment-id calls: 4 hangs in 52 calls; none in 170 with NPROC=16;
-# pallas_flash/kernels/NOTES.md). A kernel has at most 3 warpgroups blocked plus that callback: 8 threads
-# leave room.
+# one, and the kernel hangs at random (segment-id calls: 4 hangs in 52 calls; none in 170 with NPROC=16). A
+# kernel has at most 3 warpgroups blocked plus that callback: 8 threads leave room.
 os.environ.setdefault("NPROC", str(max(os.cpu_count() or 1, 8)))
 
 

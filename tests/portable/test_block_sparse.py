@@ -89,8 +89,8 @@ def test_block_sparse_default_blocks_interpret(is_causal):
 def test_kernels_lower_to_triton_for_cuda(is_causal):
     """The block-sparse kernels (fwd, dK/dV, dQ, with segment ids) lowered for CUDA on this machine: Pallas's
     Triton lowering runs without a GPU (it assumes sm90), so primitives or loads it rejects fail here, in CI,
-    not first on the GPU. Triton's own compile to PTX is not run: what fails only there (the scalar select of
-    pallas_flash/kernels/NOTES.md's run 1) still needs the GPU tests."""
+    not first on the GPU. Triton's own compile to PTX is not run: what fails only there still needs the GPU
+    tests."""
     batch, q_len, kv_len, heads, kv_heads, head_dim = 2, 1024, 1000, 8, 2, 128
     block_mask = pf.BlockMask(random_blocks(5, (1, heads, 16, 16), 0.3), 64, 64)
     q = jax.ShapeDtypeStruct((batch, q_len, heads, head_dim), jnp.bfloat16)
