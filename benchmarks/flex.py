@@ -48,7 +48,7 @@ import numpy as np
 
 import pallas_flash as pf
 from benchmarks import report, timing
-from benchmarks.bar import describe, describe_bwd, overridden_bwd_config, parse_bwd_overrides, parse_hopper_configs
+from benchmarks.bar import describe, describe_bwd, kernel_config, parse_bwd_overrides, parse_hopper_configs
 from benchmarks.impls import Unsupported
 from benchmarks.inputs import DTYPES, FLOP_FACTOR, Point, compile_pass, random_inputs
 from benchmarks.timing import TorchSynced
@@ -373,17 +373,11 @@ def measure_case(case, point, passes, settings, emit) -> None:
         "cudnn": (kept, True, lambda p: cudnn(case, point, p, inputs, arrays)),
         "torch_flex": (kept, True, lambda p: torch_flex(case, point, p, inputs, arrays_np)),
     }
-    for tiles in settings["tiles"]:
-        config = dataclasses.replace(pf.KernelConfig.default(point.head_dim), hopper=tiles)
-        partners[f"mod@{describe(tiles)}"] = (
-            kept,
-            True,
-            lambda p, c=config: ours(lambda a: dict(case.mod(a), config=c), point, p, inputs, arrays, ("mosaic",)),
-        )
-    for overrides in settings["bwd"]:
-        bwd = overridden_bwd_config(point.head_dim, True, point.seq_k, case.causal, overrides)
-        config = dataclasses.replace(pf.KernelConfig.default(point.head_dim), hopper_bwd=bwd)
-        partners[f"mod@{describe_bwd(overrides).strip()}"] = (
+    variants = [(describe(tiles), dict(hopper=tiles)) for tiles in settings["tiles"]]
+    variants += [(describe_bwd(overrides).strip(), dict(bwd=overrides)) for overrides in settings["bwd"]]
+    for label, forced in variants:  # mod on other Hopper tiles (--hopper) or backwards (--bwd)
+        config = kernel_config(point.head_dim, point.seq_k, case.causal, True, **forced)
+        partners[f"mod@{label}"] = (
             kept,
             True,
             lambda p, c=config: ours(lambda a: dict(case.mod(a), config=c), point, p, inputs, arrays, ("mosaic",)),
