@@ -295,7 +295,8 @@ class Staged:
         return env
 
     def joint(self, score, batch, head, q_idx, kv_idx, rows_int=(), rows_float=(), cols_int=(), cols_float=(), *,
-              tile=None, q_axis=None, tile_shape=None, scale=1.0, max_position=None, split=False):  # fmt: skip
+              tile=None, q_axis=None, tile_shape=None, scale=1.0, max_position=None, split=False, row_terms=False,
+              key_before_query=False):  # fmt: skip
         """The program's result on one tile of logits (the score `scale * score`, float32; None for a mask_mod).
 
         Tiles (q_axis None): q_idx, kv_idx: int32 positions broadcast to the tile; rows_* / cols_*: the tile's
@@ -313,7 +314,10 @@ class Staged:
         `max_position` (every position is below it), int->float conversions of values made of positions and
         integer literals are moved onto the positions where float32 stays exact. Returns the modified score
         (float32) or the mask (bool), tile-shaped; with `split` (a score program), (x, c): the score is c * x,
-        c a Python float that a kernel folds into its own multiply-add.
+        c a Python float that a kernel folds into its own multiply-add; with `split` and `row_terms` (vector form),
+        (x, c, row): the score is c * x + row, row None or a float32 vector of the tile's queries that a kernel
+        adds to its per-row quantities instead of to each logit (`key_before_query`: every key the kernel keeps
+        visible is at or before its query, so |k - q| may be read as q - k; `_TileEvaluator`).
 
         In the vector form q_idx and kv_idx may be functions that make the vectors (with `tile_shape`, the tile's
         shape): they are called only if the joint part reads them, so a kernel creates no position it does not
@@ -358,15 +362,37 @@ class Staged:
             tile=tile or (lambda x: jnp.broadcast_to(x, shape)),
             positions=inputs[-2:] if max_position is not None else (),
             max_position=max_position,
+            indices=inputs[-2:],
+            row_terms=split and row_terms,
+            key_before_query=key_before_query,
         )
         out = evaluator.operand(self.flat.output)
+        row = None
+        if has_score and split and row_terms and out.row is not None and out.side == TILE and out.literal is None:
+            out, row = dataclasses.replace(out, row=None), out.row.astype(jnp.float32)
+        out = evaluator.flat_row(out)
         if not has_score:
             return evaluator.broadcast(evaluator.materialize(out), out.side, TILE)
         if split and out.literal is None and out.side == TILE:
             x = out.x if out.factor is None else out.x * evaluator.broadcast(out.factor, out.factor_side, TILE)
-            return x.astype(jnp.float32), out.coef
-        x = evaluator.broadcast(evaluator.materialize(out), out.side, TILE).astype(jnp.float32)
-        return (x, 1.0) if split else x
+            x, c = x.astype(jnp.float32), out.coef
+        else:
+            x, c = evaluator.broadcast(evaluator.materialize(out), out.side, TILE).astype(jnp.float32), 1.0
+        if not split:
+            return x
+        return (x, c, row) if row_terms else (x, c)
+
+    @property
+    def translation_invariant(self) -> bool:
+        """Whether the program reads the positions only as their difference (q_idx - kv_idx or kv_idx - q_idx):
+        then the kernels may count both from any common origin (the key block's first position), which keeps
+        float32 values of positions small at long context."""
+        q, k = self.flat.inputs[-2:]
+        for eqn in self.flat.eqns:
+            if q in eqn.inputs or k in eqn.inputs:
+                if eqn.primitive.name != "sub" or set(eqn.inputs) != {q, k}:
+                    return False
+        return self.flat.output not in (q, k)
 
     @property
     def score_derivative(self) -> float | None:
@@ -460,7 +486,8 @@ class _Value:
     scale and the program's multiplies by literals, folded); factor: None or, for a tile, a float array of a
     smaller side that multiplies it (a per-query slope times a tile of distances). Both reach x once, inside
     the multiply-add where the value meets another, or where an operation needs it plain. literal: the
-    Python value of a literal operand."""
+    Python value of a literal operand. row: None or a query vector added to the whole (kept apart only by an
+    evaluator with `row_terms`)."""
 
     x: typing.Any
     side: int
@@ -468,6 +495,7 @@ class _Value:
     factor: typing.Any = None
     factor_side: int = SCALAR
     literal: typing.Any = None
+    row: typing.Any = None  # an additive float32 vector of the tile's queries, not yet added (`row_terms`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -478,16 +506,30 @@ class _Lazy:
     side: int
 
 
+def _negated(v: _Value) -> _Value:
+    return dataclasses.replace(v, coef=-v.coef, row=None if v.row is None else -v.row)
+
+
 class _TileEvaluator:
     """The joint part of a flat program on one tile, demand-driven from its output (`Staged.joint`): `env` maps
     the program's named inputs and staged values to `_Value`s; `positions` are the query and key positions'
-    value ids (empty: no conversion is moved), each below `max_position`."""
+    value ids (empty: no conversion is moved), each below `max_position`; `indices` the (query, key) position
+    inputs' ids.
 
-    def __init__(self, flat, env, *, shape, q_axis, tile, positions, max_position):
+    With `row_terms` (the vector form only), a sum of a query vector and a key vector or tile keeps the query
+    vector apart (`_Value.row`) through sums, negations and multiplies by constants or query vectors, so that
+    a kernel can fold it into its per-row softmax shift instead of adding it to every logit. With
+    `key_before_query` (every visible key is at or before its query: a band whose right edge is <= 0),
+    |k - q| is q - k, which is such a sum (causal ALiBi costs one multiply-add per logit)."""
+
+    def __init__(self, flat, env, *, shape, q_axis, tile, positions, max_position, indices=(),
+                 row_terms=False, key_before_query=False):  # fmt: skip
         self.flat, self.values, self.floats, self.bounds = flat, dict(env), {}, {}
         self.producer = {o: e for e in flat.eqns for o in e.outputs}
         self.shape, self.q_axis, self.tile = shape, q_axis, tile
         self.positions, self.max_position = set(positions), max_position
+        self.indices, self.row_terms = tuple(indices), row_terms and q_axis is not None
+        self.key_before_query = key_before_query
 
     def broadcast(self, x, side, to):
         """x of `side` at side `to` (which contains it)."""
@@ -499,8 +541,32 @@ class _TileEvaluator:
             return jnp.broadcast_to(x, (self.shape[(0 if to == ROW else 1) ^ self.q_axis],))
         return lax.broadcast_in_dim(x, self.shape, [self.q_axis if side == ROW else 1 - self.q_axis])
 
+    def flat_row(self, v: _Value) -> _Value:
+        """v with its row term (if any) added: a plain value at its side joined with the queries'."""
+        if v.row is None:
+            return v
+        side = v.side | ROW
+        x = self.broadcast(jnp.asarray(self.materialize(dataclasses.replace(v, row=None))), v.side, side)
+        return _Value(x + self.broadcast(v.row, ROW, side), side)
+
+    def band_abs(self, eqn, value_of):
+        """|q - k| or |k - q| as q - k under `key_before_query` (`value_of` reads the difference: `operand` or
+        `as_float`), else None."""
+        if not self.key_before_query or eqn.primitive.name != "abs" or len(self.indices) != 2:
+            return None
+        inner = self.producer.get(eqn.inputs[0])
+        if inner is None or inner.primitive.name != "sub" or tuple(inner.inputs) not in (self.indices,
+                                                                                      self.indices[::-1]):  # fmt: skip
+            return None
+        difference = value_of(eqn.inputs[0])
+        if tuple(inner.inputs) == self.indices:  # q - k
+            return difference
+        dtype = difference.x.dtype if difference.row is None else jnp.float32
+        (negated,) = self.compute(lax.neg_p, {}, [difference], dtype)
+        return negated
+
     def materialize(self, v: _Value):
-        """v as a plain array at its side."""
+        """v as a plain array at its side (v has no row term: `flat_row`)."""
         if v.factor is not None:
             factor = v.factor if v.coef == 1.0 else v.factor * np.float32(v.coef)
             return v.x * self.broadcast(factor, v.factor_side, v.side)
@@ -520,6 +586,9 @@ class _TileEvaluator:
         return value
 
     def apply(self, eqn) -> list:
+        banded = self.band_abs(eqn, self.operand)
+        if banded is not None:
+            return [banded]
         out_dtype = self.flat.dtypes[eqn.outputs[0]]
         if eqn.primitive.name == "convert_element_type" and out_dtype == jnp.float32 and self.exact(eqn.inputs[0]):
             return [self.as_float(eqn.inputs[0])]
@@ -530,6 +599,7 @@ class _TileEvaluator:
             folded = self.fold(primitive.name, args)
             if folded is not None:
                 return [folded]
+        args = [self.flat_row(a) for a in args]
         side = functools.reduce(operator.or_, (a.side for a in args), SCALAR)
         xs = [self.broadcast(jnp.asarray(self.materialize(a)), a.side, side) for a in args]
         out = primitive.bind(*xs, **params)
@@ -543,7 +613,9 @@ class _TileEvaluator:
         if name == "mul":
             a, b = args
             if (a.literal is None) == (b.literal is None):
-                return None if a.literal is not None else self.product(a, b)
+                if a.literal is not None:
+                    return None
+                return self.product_rows(a, b) if a.row is not None or b.row is not None else self.product(a, b)
             value, literal = (a, b.literal) if b.literal is not None else (b, a.literal)
             return self.scaled(value, float(literal))
         if name == "div" and args[1].literal is not None and args[0].literal is None and args[1].literal != 0:
@@ -551,10 +623,15 @@ class _TileEvaluator:
         if any(a.literal is not None for a in args):
             return None
         if name == "neg":
-            return dataclasses.replace(args[0], coef=-args[0].coef)
+            return _negated(args[0])
+        if any(a.row is not None for a in args):
+            if name in ("add", "sub"):
+                a, b = args
+                return self.sum_rows(a, _negated(b) if name == "sub" else b)
+            return None
         if name in ("add", "sub"):
             a, b = args
-            return self.sum(a, dataclasses.replace(b, coef=-b.coef) if name == "sub" else b)
+            return self.sum(a, _negated(b) if name == "sub" else b)
         plain = all(a.factor is None for a in args)
         if name == "abs" and plain:
             a = args[0]
@@ -574,7 +651,26 @@ class _TileEvaluator:
         coef = v.coef * c
         if v.literal is not None or not _FOLD_RANGE[0] < abs(coef) < _FOLD_RANGE[1]:
             return None
-        return dataclasses.replace(v, coef=coef)
+        return dataclasses.replace(v, coef=coef, row=None if v.row is None else v.row * np.float32(c))
+
+    def sum_rows(self, a: _Value, b: _Value):
+        """a + b where either carries a row term: the rest summed (`sum`, else plainly), the row terms added."""
+        rest = [dataclasses.replace(v, row=None) for v in (a, b)]
+        out = self.sum(*rest) or self.compute(lax.add_p, {}, rest, jnp.float32)[0]
+        rows = [r for r in (a.row, b.row, out.row) if r is not None]
+        return dataclasses.replace(out, row=functools.reduce(operator.add, rows))
+
+    def product_rows(self, a: _Value, b: _Value):
+        """a * b where one carries a row term and the other is a plain scalar or query vector, else None."""
+        if b.row is not None:
+            a, b = b, a
+        if b.row is not None or b.factor is not None or b.side not in (SCALAR, ROW):
+            return None
+        rest = self.product(dataclasses.replace(a, row=None), b)
+        if rest is None:
+            return None
+        factor = self.broadcast(jnp.asarray(self.materialize(b)), b.side, ROW)
+        return dataclasses.replace(rest, row=a.row * factor)
 
     def product(self, a: _Value, b: _Value):
         """a * b: a tile times a smaller value keeps the smaller one as (part of) its factor."""
@@ -583,6 +679,9 @@ class _TileEvaluator:
             return None
         if a.side != TILE and b.side != TILE:  # no factors: the product at the joined side
             side = a.side | b.side
+            if self.row_terms and {a.side, b.side} == {ROW, COL}:  # the query vector stays a factor
+                (col, row) = (a, b) if a.side == COL else (b, a)
+                return _Value(self.broadcast(col.x, COL, TILE), TILE, coef, row.x, ROW)
             return _Value(self.broadcast(a.x, a.side, side) * self.broadcast(b.x, b.side, side), side, coef)
         if a.side != TILE:
             a, b = b, a
@@ -611,6 +710,10 @@ class _TileEvaluator:
         one multiply-add. A tile and a smaller value: None (plain, which is the tile's constant in one
         multiply-add with the other)."""
         side = a.side | b.side
+        if self.row_terms:
+            for u, w in ((a, b), (b, a)):
+                if u.side == ROW and u.factor is None and w.side in (COL, TILE):
+                    return dataclasses.replace(w, row=jnp.asarray(self.materialize(u)))
         if a.factor is None and b.factor is None and a.coef == b.coef:
             return _Value(self.broadcast(a.x, a.side, side) + self.broadcast(b.x, b.side, side), side, a.coef)
         if a.side != TILE or b.side != TILE:
@@ -663,6 +766,8 @@ class _TileEvaluator:
             if atom in self.positions or eqn is None:
                 v = self.operand(atom)
                 self.floats[atom] = _Value(v.x.astype(jnp.float32), v.side)
+            elif (banded := self.band_abs(eqn, self.as_float)) is not None:
+                self.floats[atom] = banded
             else:
                 args = [self.as_float(i) for i in eqn.inputs]
                 if eqn.primitive.name == "select_n":  # the predicate stays as it is

@@ -662,29 +662,46 @@ def program_mask(mask, rows, cols, *, batch, head, q_idx, kv_idx, q_axis: int, m
                       tile_shape=tile_shape)  # fmt: skip
 
 
+def _from_origin(program, q_idx, kv_idx, relative):
+    """The positions a score program reads: `relative` (None, or the pair (q_idx, kv_idx) counted from the tile's
+    first key position) where `program` reads only their difference (`Staged.translation_invariant`)."""
+    if relative is None or not program.translation_invariant:
+        return q_idx, kv_idx
+    return relative
+
+
 def program_logits(score, s, rows, cols, *, scale: float, batch, head, q_idx, kv_idx, q_axis: int,
-                   max_position: int, tile_shape=None):  # fmt: skip
+                   max_position: int, key_before_query: bool, relative=None, tile_shape=None):  # fmt: skip
     """A score program (`mods.Staged`) on one tile of raw logits `s` (float32; the program sees scale * s), for
-    a forward: (x, c) with the program's result in base-2 units c * x, c a Python float > 0, so that a kernel
-    takes a row maximum of x times c and folds c into exp2's multiply-add. rows, cols and positions as in
-    `program_mask`."""
-    x, c = score.joint(s, batch, head, q_idx, kv_idx, *rows, *cols, q_axis=q_axis, scale=scale,
-                       max_position=max_position, split=True, tile_shape=s.shape)  # fmt: skip
+    a forward: (x, c, row2) with the program's result in base-2 units c * x + row2, c a Python float > 0 and
+    row2 None or a float32 vector of the tile's queries (`Staged.joint`'s row term), so that a kernel takes a
+    row maximum of x times c plus row2 and folds c and row2 into exp2's multiply-add. key_before_query: every
+    key the kernel keeps visible is at or before its query (its band's right edge is <= 0). relative: None or
+    the positions (q_idx, kv_idx) counted from the tile's first key, which a program that reads only their
+    difference gets instead (a per-key term slope * kv_idx then stays small at long context; `_from_origin`).
+    rows, cols and positions as in `program_mask`."""
+    q_idx, kv_idx = _from_origin(score, q_idx, kv_idx, relative)
+    x, c, row = score.joint(s, batch, head, q_idx, kv_idx, *rows, *cols, q_axis=q_axis, scale=scale,
+                            max_position=max_position, split=True, row_terms=True,
+                            key_before_query=key_before_query, tile_shape=s.shape)  # fmt: skip
+    row2 = None if row is None else row * np.float32(blocks.LOG2E)
     if c < 0:
-        return x * np.float32(c * blocks.LOG2E), 1.0
-    return x, c * blocks.LOG2E
+        return x * np.float32(c * blocks.LOG2E), 1.0, row2
+    return x, c * blocks.LOG2E, row2
 
 
 def program_score(score, s, rows, cols, *, scale: float, batch, head, q_idx, kv_idx, q_axis: int,
-                  max_position: int, grad_side=None, tile_shape=None):  # fmt: skip
+                  max_position: int, key_before_query: bool, relative=None, grad_side=None,
+                  tile_shape=None):  # fmt: skip
     """A score program (`mods.Staged`) on one tile of raw logits `s` (float32), for a backward: (logits2,
-    pullback). logits2: the program's result on x = scale * s in base-2 units (P = exp2(logits2 - lse2));
-    pullback(d_score) = (d x, [d value]): d x = d_score * d score / d x elementwise, and with `grad_side`
-    ("row" or "col") the gradient of each of that side's float staged values, a vector like the value (summed
-    over the tile's other axis). Where d score / d x is a constant (`Staged.score_derivative`: biases, ALiBi)
-    the program runs on s with its constants folded, d x is d_score times that constant (d_score itself at 1)
-    and only the values' gradients come from a vjp; otherwise from a vjp in x. rows, cols and positions as
-    in `program_mask`."""
+    pullback, row2). logits2 + row2: the program's result on x = scale * s in base-2 units, so P = exp2(logits2
+    - (lse2 - row2)); row2 None or a vector of the tile's queries (`program_logits`, as is `relative`; only where
+    no staged value needs a gradient). pullback(d_score) = (d x, [d value]): d x = d_score * d score / d x
+    elementwise, and with `grad_side` ("row" or "col") the gradient of each of that side's float staged values,
+    a vector like the value (summed over the tile's other axis). Where d score / d x is a constant
+    (`Staged.score_derivative`: biases, ALiBi) the program runs on s with its constants folded, d x is d_score
+    times that constant (d_score itself at 1) and only the values' gradients come from a vjp; otherwise from a
+    vjp in x. rows, cols and positions as in `program_mask`."""
     (ri, rf), (ci, cf) = rows, cols
     primals = list({"row": rf, "col": cf}.get(grad_side, []))
 
@@ -706,10 +723,17 @@ def program_score(score, s, rows, cols, *, scale: float, batch, head, q_idx, kv_
         c = factor[0]
         # d score / d x = c / scale * d folded_logits / d s: a constant tangent, folded into the derivative's ops
         x, derivative = jax.jvp(folded_logits, (s,), (jnp.full(s.shape, c / scale, jnp.float32),))
-        return x * np.float32(c * blocks.LOG2E), lambda d_score: (d_score * derivative, [])
+        return x * np.float32(c * blocks.LOG2E), lambda d_score: (d_score * derivative, []), None
     if slope is None:
         out, vjp = jax.vjp(lambda x, floats: evaluate(x, floats, x_scale=1.0, split=False), s * scale, primals)
-        return out * blocks.LOG2E, lambda d_score: _pull(vjp, d_score)
+        return out * blocks.LOG2E, lambda d_score: _pull(vjp, d_score), None
+    if not primals:
+        q_idx, kv_idx = _from_origin(score, q_idx, kv_idx, relative)
+        x, c, row = score.joint(s, batch, head, q_idx, kv_idx, ri, rf, ci, cf, q_axis=q_axis, tile_shape=s.shape,
+                                scale=scale, max_position=max_position, split=True, row_terms=True,
+                                key_before_query=key_before_query)  # fmt: skip
+        row2 = None if row is None else row * np.float32(blocks.LOG2E)
+        return x * np.float32(c * blocks.LOG2E), lambda d_score: (_times(d_score, slope), []), row2
     coef = []
 
     def folded(floats):  # the result is coef * folded(floats)
@@ -717,17 +741,18 @@ def program_score(score, s, rows, cols, *, scale: float, batch, head, q_idx, kv_
         coef.append(c)
         return x
 
-    x, vjp = jax.vjp(folded, primals) if primals else (folded(primals), None)
+    x, vjp = jax.vjp(folded, primals)
     (c,) = coef
 
     def pullback(d_score):
-        d_x = d_score if slope == 1.0 else d_score * np.float32(slope)
-        if vjp is None:
-            return d_x, []
         (d_floats,) = _pull(vjp, d_score)
-        return d_x, [d * np.float32(c) for d in d_floats]
+        return _times(d_score, slope), [d * np.float32(c) for d in d_floats]
 
-    return x * np.float32(c * blocks.LOG2E), pullback
+    return x * np.float32(c * blocks.LOG2E), pullback, None
+
+
+def _times(x, c: float):
+    return x if c == 1.0 else x * np.float32(c)
 
 
 def _pull(vjp, cotangent):

@@ -311,6 +311,7 @@ def _kernel(
     num_tiles = num_tiles() if callable(num_tiles) else num_tiles
     separate_out = o_smem2 is not None
     max_position = max(q_ref.shape[1], k_ref.shape[1])  # positions the programs see are below it
+    key_before_query = band.right is not None and band.right <= 0  # every visible key: |k - q| = q - k
 
     def schedule(i):
         """(batch, head, first row, key blocks [lo, hi), unmasked run (same segment, wholly visible to the
@@ -493,10 +494,17 @@ def _kernel(
                     tile_shape=s.shape,
                     max_position=max_position,
                 )
+            row2 = None  # a score program's per-query term (base 2), folded into the row's shift
             if score_mod is not None:  # the program sees scale * s; exp2 takes its result times log2(e)
-                s, c = program_logits(
-                    score_mod, s, rows.values.score, col_values.score, scale=logit_scale, **program_args
-                )
+                s, c, row2 = program_logits(
+                    score_mod, s, rows.values.score, col_values.score, scale=logit_scale,
+                    key_before_query=key_before_query,
+                    relative=(
+                        lambda: positions(rows.q_start - kv_step * block_kv, block_q, row, interpreting=interpreting),
+                        lambda: positions(0, block_kv, column, interpreting=interpreting),
+                    ),
+                    **program_args
+                )  # fmt: skip
             if masked:
                 visible = tile_visible(
                     q_pos,
@@ -517,15 +525,17 @@ def _kernel(
                     s = jnp.where(visible, s, -jnp.inf)
             if dense_visible is not None:
                 s = jnp.where(dense_visible, s, -jnp.inf)
-            # c > 0, so max(c * s) = c * max(s).
-            m_new = jnp.maximum(m, s.max(axis=1) * c)
+            # c > 0, so max(c * s + row2) = c * max(s) + row2.
+            block_max = s.max(axis=1) * c
+            m_new = jnp.maximum(m, block_max if row2 is None else block_max + row2)
             # A row that has seen no key yet has m_new = -inf: shift by 0 so exp2 gives 0, not NaN. (An
             # unmasked block always has a visible key, so only masked steps need this, unless a score program
             # or a dense bias or mask may hide every key of a row.)
             may_be_empty = masked or score_mod is not None or dense.active
             shift = blocks.safe_exp_shift(m_new) if may_be_empty and rows_may_be_empty else m_new
             alpha = jnp.exp2(m - shift)
-            return jnp.exp2(s * c - lax.broadcast_in_dim(shift, s.shape, [0])), alpha, m_new
+            logit_shift = shift if row2 is None else shift - row2
+            return jnp.exp2(s * c - lax.broadcast_in_dim(logit_shift, s.shape, [0])), alpha, m_new
 
         def block_tiles(slot, *, masked):
             """This consumer's dense tiles of the block in ring slot `slot` (`dense_tiles`), read before K's slot

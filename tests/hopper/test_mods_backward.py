@@ -3,6 +3,7 @@ score program's closed-over float arrays, in JAX's Mosaic GPU interpreter agains
 through Mosaic GPU's lowering for CUDA."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -223,6 +224,35 @@ def _gain_times_bias(shape):
     return lambda s, b, h, q, k: -2.0 * s + gain[q] * bias[b, k]
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_len", [4096, 1500])
+def test_causal_alibi_with_fixed_slopes(q_len):
+    """Causal ALiBi with constant slopes (`alibi_slopes`) on the H100: |k - q| read as q - k, its per-query term
+    in each pass's row shift and positions counted from each key block, at a length where positions times the
+    slopes are large; q_len < kv_len. Output, LSE and dq, dk, dv against the float32 reference."""
+    shape = (1, q_len, 4096, 2, 2, 128)
+    q, k, v, cotangent = make_inputs(shape, jnp.bfloat16, seed=12)
+    slopes = jnp.asarray([0.5, 0.0625], jnp.float32)
+
+    def ours(q, k, v):
+        return pf.flash_attention(q, k, v, is_causal=True, alibi_slopes=slopes, implementation="mosaic",
+                                  return_lse=True)  # fmt: skip
+
+    def ref(q, k, v):
+        f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+        return reference.attention_reference(*f32, scale=128**-0.5, is_causal=True, alibi_slopes=slopes)
+
+    def loss(attend, q, k, v):
+        return jnp.sum(attend(q, k, v)[0].astype(jnp.float32) * cotangent.astype(jnp.float32))
+
+    (out, lse), (ref_out, ref_lse) = jax.jit(ours)(q, k, v), jax.jit(ref)(q, k, v)
+    assert_close(out, ref_out, jnp.bfloat16, what="out")
+    np.testing.assert_allclose(lse, ref_lse, rtol=2e-3, atol=2e-3)
+    grads, want = (jax.jit(jax.grad(functools.partial(loss, f), argnums=(0, 1, 2)))(q, k, v) for f in (ours, ref))
+    for name, ours_grad, ref_grad in zip(("dq", "dk", "dv"), grads, want):
+        assert_close(ours_grad, ref_grad, jnp.bfloat16, table=GRADIENT, what=name)
+
+
 # name: a score_mod at a shape (batch, q_len, kv_len, heads): each `program_score` path (a constant d score / d s
 # with and without a vjp for the values' gradients, and a vjp in the logits).
 PULLBACK_PROGRAMS = {
@@ -233,13 +263,16 @@ PULLBACK_PROGRAMS = {
 }
 
 
+@pytest.mark.parametrize("key_before_query", [False, True])
 @pytest.mark.parametrize("q_axis", [0, 1])
 @pytest.mark.parametrize("name", PULLBACK_PROGRAMS)
-def test_program_score_pullback_matches_autodiff(name, q_axis):
+def test_program_score_pullback_matches_autodiff(name, q_axis, key_before_query):
     """`common.program_score` (the backward kernels' evaluation of a score program on vectors, its constants
     folded, with a pullback that skips the vjp of the logits where d score / d s is a constant) against jax.vjp
-    of the program on full tiles: base-2 logits, d x, and the gradients of the float values on the side a pass
-    accumulates (queries in the dQ pass, keys in the dK/dV pass)."""
+    of the program on full tiles: base-2 logits (with `key_before_query`, where the key is at or before the
+    query, |k - q| read as q - k and the per-query term apart; positions from an origin where only their
+    difference is read), d x, and the gradients of the float values on the side a pass accumulates (queries in
+    the dQ pass, keys in the dK/dV pass)."""
     from pallas_flash.blocks import LOG2E
     from pallas_flash.hopper.common import program_score
 
@@ -257,13 +290,19 @@ def test_program_score_pullback_matches_autodiff(name, q_axis):
     q, k = jnp.arange(q_len, dtype=jnp.int32), jnp.arange(kv_len, dtype=jnp.int32)
     assert staged.needs_grad == (name != "fixed_alibi")
     grad_side = ("row" if q_axis == 0 else "col") if staged.needs_grad else None
-    logits2, pullback = program_score(
+    logits2, pullback, row2 = program_score(
         staged, s, vectors[:2], vectors[2:], scale=scale, batch=b, head=h, q_idx=q, kv_idx=k, q_axis=q_axis,
-        max_position=kv_len, grad_side=grad_side,
+        max_position=kv_len, grad_side=grad_side, key_before_query=key_before_query, relative=(q - 16, k - 16),
     )  # fmt: skip
     d_x, d_values = pullback(d_score)
 
     tile = lambda x, side: jax.lax.broadcast_in_dim(x, s.shape, [q_axis if side == "row" else 1 - q_axis])  # noqa: E731
+    # A per-query term kept apart: ALiBi's, unless this pass differentiates its values (the slopes, per query).
+    assert (row2 is not None) == (key_before_query and "alibi" in name and grad_side != "row")
+    if row2 is not None:
+        logits2 = logits2 + tile(row2, "row")
+    if key_before_query:  # the kernels hide the rest
+        logits2 = jnp.where(tile(k, "col") <= tile(q, "row"), logits2, 0.0)
     ri, rf, ci, cf = ([tile(x, side) for x in group] for group, side in zip(vectors, ["row"] * 2 + ["col"] * 2))
     floats = {"row": rf, "col": cf}.get(grad_side, [])
 
@@ -273,6 +312,8 @@ def test_program_score_pullback_matches_autodiff(name, q_axis):
 
     want, vjp = jax.vjp(reference, scale * s, floats)
     want_d_x, want_d_floats = vjp(d_score)
+    if key_before_query:
+        want = jnp.where(tile(k, "col") <= tile(q, "row"), want, 0.0)
     np.testing.assert_allclose(logits2, want * LOG2E, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(d_x, want_d_x, rtol=1e-5, atol=1e-5)
     assert len(d_values) == len(want_d_floats) == (0 if grad_side is None else len(floats))

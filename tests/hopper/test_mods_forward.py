@@ -51,6 +51,14 @@ CASES = {
         False,
         HopperConfig(64, 64, 2, persistent=True),
     ),
+    # ALiBi under a causal band: |kv_idx - q_idx| read as q_idx - kv_idx, its per-query term in the row's shift
+    "alibi_causal": (
+        (1, 130, 200, 2, 1, 64),
+        lambda s: mods.alibi(_slopes(s[3])),
+        None,
+        True,
+        HopperConfig(64, 64, 2),
+    ),
     # documents (row and column int values) and causal as one mask program; the overlapped loop
     "document_causal": (
         (1, 150, 150, 2, 1, 64),

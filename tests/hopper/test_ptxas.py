@@ -24,6 +24,7 @@ CASES = {  # name: (head_dim, flash_attention's keyword arguments)
     "plain": (128, "{}"),
     "soft_cap_program": (128, "dict(score_mod=mods.soft_cap(30.0))"),
     "alibi_program": (128, "dict(score_mod=mods.alibi(jnp.linspace(0.1, 0.3, 2)))"),
+    "fixed_alibi_program": (128, "dict(alibi_slopes=jnp.linspace(0.1, 0.3, 2))"),  # per-query terms in both passes
     "key_bias_program": (128, "dict(score_mod=lambda s, b, h, q, k, t=jnp.ones((2, 1024)): s + t[h, k])"),
     "dropout": (128, "dict(dropout_rate=0.1, dropout_rng=jax.random.key(0))"),
     "dense_bias": (128, "dict(bias=jnp.zeros((1, 1, 1024, 1024), jnp.bfloat16))"),
