@@ -226,7 +226,8 @@ class _Staged:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Staged:
-    """A program split for the kernels (see the module docstring). Static: hashable by its program.
+    """A program split for the kernels (see the module docstring). Static: hashable by its program and whether
+    its values need gradients.
 
     The kernels read four stacks (each None when empty), indexed [batch or 0, head or 0, value, position]:
     rows_int int32 / rows_float float32 [Bd, Hd, R, q_len] and cols_int / cols_float [Bd, Hd, C, kv_len],
@@ -237,10 +238,17 @@ class Staged:
     staged: tuple  # _Staged, ordered row int, row float, col int, col float (each group in stack order)
 
     def __hash__(self):
-        return hash(self.program)
+        return hash((self.program, self.needs_grad))
 
     def __eq__(self, other):
-        return isinstance(other, Staged) and self.program == other.program
+        return isinstance(other, Staged) and (self.program, self.needs_grad) == (other.program, other.needs_grad)
+
+    def without_grads(self) -> Staged:
+        """This program with no value differentiable, for a call whose closed-over arrays need no gradient
+        (constants, or stopped): the backward kernels then compute none."""
+        return dataclasses.replace(
+            self, staged=tuple(dataclasses.replace(s, differentiable=False) for s in self.staged)
+        )
 
     def group(self, side: str, kind: str) -> list:
         return [s for s in self.staged if s.side == side and s.kind == kind]
@@ -385,8 +393,8 @@ class Staged:
     @property
     def translation_invariant(self) -> bool:
         """Whether the program reads the positions only as their difference (q_idx - kv_idx or kv_idx - q_idx):
-        then the kernels may count both from any common origin (the key block's first position), which keeps
-        float32 values of positions small at long context."""
+        then the kernels may count both from a common origin in the tile (its first key), which keeps float32
+        values of positions small at long context."""
         q, k = self.flat.inputs[-2:]
         for eqn in self.flat.eqns:
             if q in eqn.inputs or k in eqn.inputs:

@@ -296,17 +296,21 @@ def _zero_stacks(stacks):
 
 def _attention_fwd_rule(*args):
     """The custom_vjp's forward with symbolic zeros: the primal inputs arrive as `CustomVJPPrimal`s, whose
-    `perturbed` says whether the bias needs a gradient at all; the residuals carry that as () (it does) or None."""
+    `perturbed` says whether the bias, and the score program's float values (its closed-over float arrays), need
+    a gradient at all; the residuals carry each as () (they do) or None."""
     diff, static = args[:9], args[9:]
     bias = diff[8].bias
     bias_grad = bias is not None and bias.perturbed
+    score_grad = any(x is not None and x.perturbed for x in diff[5][1::2])  # the float stacks
     values = jax.tree.map(lambda p: p.value, diff, is_leaf=lambda p: isinstance(p, CustomVJPPrimal))
     result, residuals = _attention_fwd(*values, *static)
-    return result, (*residuals, () if bias_grad else None)
+    return result, (*residuals, () if bias_grad else None, () if score_grad else None)
 
 
 def _attention_bwd(scale, band, config, deterministic, mods, block_mask, residuals, cotangents):
-    q, k, v, q_ids, kv_ids, score_stacks, mask_stacks, mask_ranges, mod_arrays, out, lse, bias_grad = residuals
+    q, k, v, q_ids, kv_ids, score_stacks, mask_stacks, mask_ranges, mod_arrays, out, lse, bias_grad, score_grad = (
+        residuals
+    )
     bias_grad = bias_grad is not None
     d_out, d_lse = cotangents  # symbolic zeros where an output is unused (the lse, mostly): d_lse None skips it
     d_out = jnp.zeros(out.shape, out.dtype) if isinstance(d_out, SymbolicZero) else d_out
@@ -318,6 +322,8 @@ def _attention_bwd(scale, band, config, deterministic, mods, block_mask, residua
     if bwd_config is not None:
         is_causal, window = _window(band)
         score_mod, mask_mod = _staged(mods)
+        if score_mod is not None and score_grad is None:  # no gradient of the program's values is wanted
+            score_mod = score_mod.without_grads()
         dq, dk, dv, d_rows, d_cols, *dbias = hopper_bwd.hopper_backward(
             q,
             k,
@@ -504,9 +510,9 @@ def backward(
         query, key, mods, mod_arrays, config=config, band=band, with_ranges=False
     )
     # The mask's block ranges (None here) steer only the forward; the backward returns their integer cotangent.
-    # Only dq, dk and dv are returned: no bias gradient (the last None).
+    # Only dq, dk and dv are returned: no bias gradient and none of the score program's values (the two Nones).
     residuals = (query, key, value, q_segment_ids, kv_segment_ids, score_stacks, mask_stacks, None, mod_arrays, out,
-                 lse, None)  # fmt: skip
+                 lse, None, None)  # fmt: skip
     return _attention_bwd(scale, band, config, deterministic, mods, block_mask, residuals, (d_out, d_lse))[:3]
 
 

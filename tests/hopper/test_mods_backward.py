@@ -54,8 +54,20 @@ def _capped_key_bias(shape):
     return score, (bias,), mods.prefix_lm(jnp.asarray([kv_len, 10][:batch], jnp.int32))
 
 
+def _causal_alibi(shape):
+    """ALiBi with constant slopes under a causal band (`mods.causal`): no value needs a gradient, so both passes
+    read |k - q| as q - k and take the per-query term off lse2; q_len > kv_len leaves rows past the keys."""
+    slopes = jnp.asarray([0.3, 0.05], jnp.float32)[: shape[3]]
+    return (lambda slopes: mods.alibi(jax.lax.stop_gradient(slopes))), (slopes,), mods.causal()
+
+
+# Cases whose kernels also get the causal band (as `flash_attention` gives them for `mods.causal`).
+CAUSAL_BAND = {"alibi_causal"}
+
+
 # (shape, programs, config): tiles of 64 (dQ tiles of 128 queries, dK/dV tiles of 128 keys).
 CASES = {
+    "alibi_causal": ((1, 200, 130, 2, 1, 64), _causal_alibi, HopperBwdConfig()),
     "documents_alibi_gqa": ((1, 320, 320, 2, 1, 64), _document_causal_alibi, HopperBwdConfig()),
     "soft_cap_key_bias_overlap": (
         (2, 150, 100, 1, 1, 64),
@@ -78,7 +90,7 @@ def _programs(case, shape=None):
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize(
-    "case", [pytest.param(c, marks=() if c == "documents_alibi_gqa" else pytest.mark.slow) for c in CASES]
+    "case", [pytest.param(c, marks=() if c == "alibi_causal" else pytest.mark.slow) for c in CASES]
 )  # `slow` (CI's time): outside it the dropout backward with a score_mod (test_dropout) and attention_backward with
 # a mask_mod (test_api) run programs through both passes; the GPU test runs soft cap and the overlaps
 def test_backward_with_programs_in_mosaic_gpu_interpreter(case):
@@ -86,7 +98,8 @@ def test_backward_with_programs_in_mosaic_gpu_interpreter(case):
     program, the mask program's block ranges and unmasked runs, row values resident / riding the K ring in
     the dQ pass and riding the Q ring / resident per head in the dK/dV pass) from the reference's residuals:
     dq, dk, dv, and the gradients of the score program's closed-over float arrays (from the kernels' row
-    and column cotangents, through `Staged.stacks`) against the reference's."""
+    and column cotangents, through `Staged.stacks`) against the reference's. Under a causal band (CAUSAL_BAND)
+    ALiBi's |k - q| is read as q - k and its per-query term is taken off lse2 in both passes."""
     shape, _, config = CASES[case]
     params = _compat.mosaic_gpu_interpret_params(detect_races=True)
     if params is None:
@@ -112,7 +125,7 @@ def test_backward_with_programs_in_mosaic_gpu_interpreter(case):
     dq, dk, dv, d_rows, d_cols = interpreted_hopper_backward(
         q, k, v, out.astype(q.dtype), lse, d_out, d_lse,
         scale=scale, config=config, score_mod=staged_score, score_stacks=score_stacks, mask_mod=staged_mask,
-        mask_stacks=staged_mask.stacks(mask_consts, **dims), interpret=params,
+        mask_stacks=staged_mask.stacks(mask_consts, **dims), interpret=params, is_causal=case in CAUSAL_BAND,
     )  # fmt: skip
     assert_gradients_close((dq, dk, dv), want, (q, k, v))
     cotangents = tuple(None if s is None else jnp.zeros_like(s) for s in score_stacks)
@@ -319,3 +332,35 @@ def test_program_score_pullback_matches_autodiff(name, q_axis, key_before_query)
     assert len(d_values) == len(want_d_floats) == (0 if grad_side is None else len(floats))
     for ours, ref in zip(d_values, want_d_floats):
         np.testing.assert_allclose(ours, ref.sum(axis=1), rtol=1e-4, atol=1e-4)  # over the other side
+
+
+@pytest.mark.parametrize("differentiated", ["q", "q_and_slopes", "q_stopped_slopes"])
+def test_backward_computes_only_the_wanted_program_gradients(differentiated, monkeypatch):
+    """jax.grad through flash_attention(implementation="mosaic") with a score_mod closing over a float array (ALiBi's
+    slopes): the Hopper backward gets the program with gradients of its values only where the array is
+    differentiated; constant or stopped, none (the kernels skip that work). Traced on CPU, as on sm90."""
+    from pallas_flash import device
+    from pallas_flash.hopper import vjp as hopper_vjp
+
+    needs_grad = []
+    traced = hopper_vjp.hopper_bwd.hopper_backward
+
+    def recording(*args, **kwargs):
+        needs_grad.append(kwargs["score_mod"].needs_grad)
+        return traced(*args, **kwargs)
+
+    monkeypatch.setattr(device, "on_hopper_gpu", lambda: True)
+    monkeypatch.setattr(hopper_vjp.hopper_bwd, "hopper_backward", recording)
+    jax.clear_caches()  # the backward is traced anew (another case may have traced the same one)
+    q, k, v, _ = make_inputs((1, 128, 128, 2, 2, 64), jnp.bfloat16, seed=3)
+    slopes = jnp.asarray([0.1, 0.2], jnp.float32)
+
+    def loss(q, slopes):
+        if differentiated == "q_stopped_slopes":
+            slopes = jax.lax.stop_gradient(slopes)
+        out = pf.flash_attention(q, k, v, is_causal=True, score_mod=mods.alibi(slopes), implementation="mosaic")
+        return out.astype(jnp.float32).sum()
+
+    argnums = (0, 1) if differentiated != "q" else 0
+    jax.make_jaxpr(jax.grad(loss, argnums=argnums))(q, slopes)
+    assert needs_grad == [differentiated == "q_and_slopes"]
