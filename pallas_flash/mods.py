@@ -1132,7 +1132,7 @@ def prefix_lm(prefix_lengths):
 
 def alibi(slopes):
     """score_mod: ALiBi, score - slope[head] * |kv_idx - q_idx|. slopes: float [heads] or [batch, heads]; they
-    get gradients (wrap them in `jax.lax.stop_gradient` for fixed slopes)."""
+    get gradients where they are differentiated (constant or stopped, the kernels compute none)."""
     slopes = jnp.asarray(slopes)
     if slopes.ndim not in (1, 2) or not jnp.issubdtype(slopes.dtype, jnp.floating):
         raise ValueError(f"alibi's slopes must be a float array [heads] or [batch, heads], got {slopes.shape}")
