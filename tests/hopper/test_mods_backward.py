@@ -273,6 +273,8 @@ PULLBACK_PROGRAMS = {
     "fixed_alibi": lambda shape: lambda s, b, h, q, k: s - 0.1 * jnp.abs(k - q).astype(jnp.float32),
     "soft_cap_key_bias": lambda shape: (lambda score, arrays, _: score(*arrays))(*_capped_key_bias(shape)),
     "gain_times_bias": _gain_times_bias,
+    # a per-query bias: a row term wherever the pass does not differentiate row values
+    "query_bias": lambda shape: lambda s, b, h, q, k, t=jnp.linspace(-1.0, 1.0, shape[1]): s + t[q],
 }
 
 
@@ -310,8 +312,10 @@ def test_program_score_pullback_matches_autodiff(name, q_axis, key_before_query)
     d_x, d_values = pullback(d_score)
 
     tile = lambda x, side: jax.lax.broadcast_in_dim(x, s.shape, [q_axis if side == "row" else 1 - q_axis])  # noqa: E731
-    # A per-query term kept apart: ALiBi's, unless this pass differentiates its values (the slopes, per query).
-    assert (row2 is not None) == (key_before_query and "alibi" in name and grad_side != "row")
+    # A per-query term kept apart (ALiBi's under the band, the query bias's), unless this pass differentiates the
+    # program's row values (the slopes, the bias).
+    kept_apart = name == "query_bias" or (key_before_query and "alibi" in name)
+    assert (row2 is not None) == (kept_apart and grad_side != "row")
     if row2 is not None:
         logits2 = logits2 + tile(row2, "row")
     if key_before_query:  # the kernels hide the rest

@@ -59,6 +59,14 @@ CASES = {
         True,
         HopperConfig(64, 64, 2),
     ),
+    # a per-query bias (a float row value added to the score): kept out of the logits, in the row's shift
+    "query_bias": (
+        (1, 130, 200, 1, 1, 64),
+        lambda s: lambda x, b, h, q, k: x + 2.0 * _gains(s[1])[q],
+        None,
+        False,
+        HopperConfig(64, 64, 2),
+    ),
     # documents (row and column int values) and causal as one mask program; the overlapped loop
     "document_causal": (
         (1, 150, 150, 2, 1, 64),
