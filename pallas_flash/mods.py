@@ -398,7 +398,7 @@ class Staged:
         q, k = self.flat.inputs[-2:]
         for eqn in self.flat.eqns:
             if q in eqn.inputs or k in eqn.inputs:
-                if eqn.primitive.name != "sub" or set(eqn.inputs) != {q, k}:
+                if eqn.primitive.name != "sub" or tuple(eqn.inputs) not in ((q, k), (k, q)):
                     return False
         return self.flat.output not in (q, k)
 

@@ -541,3 +541,23 @@ def test_band_mods_intersect_the_band_given_and_others_stay_programs():
     assert not hasattr(mods.and_masks(mods.causal(), mods.document(ids)), "band")
     user_window = lambda b, h, qi, ki: (ki >= qi - 6) & (ki <= qi)
     assert_close(attend(mask_mod=user_window), attend(local_window_size=(6, 0)), jnp.float32)
+
+
+@pytest.mark.parametrize(
+    "fn, invariant",
+    [
+        (lambda s, b, h, q, k: s - 0.1 * jnp.abs(k - q).astype(jnp.float32), True),
+        (lambda s, b, h, q, k: s + 0.1 * (q - k).astype(jnp.float32), True),
+        (lambda s, b, h, q, k: s * 2.0, True),  # no position at all
+        (lambda s, b, h, q, k: s + 0.01 * (k - 1).astype(jnp.float32), False),
+        (lambda s, b, h, q, k: s - jnp.abs(q - 3).astype(jnp.float32), False),
+        (lambda s, b, h, q, k: s + (q + k).astype(jnp.float32), False),
+        (lambda s, b, h, q, k: s + jnp.where(k <= q, 0.0, -1.0), False),
+    ],
+)
+def test_translation_invariant_programs_read_positions_only_as_their_difference(fn, invariant):
+    """`Staged.translation_invariant`: true only where every use of q_idx or kv_idx is their difference (the
+    kernels may then count both from any origin); a position beside a literal or alone is not."""
+    staged, why = mods.stage(mods.trace(fn, "score")[0])
+    assert why is None
+    assert staged.translation_invariant == invariant

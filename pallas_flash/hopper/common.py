@@ -696,12 +696,13 @@ def program_score(score, s, rows, cols, *, scale: float, batch, head, q_idx, kv_
     """A score program (`mods.Staged`) on one tile of raw logits `s` (float32), for a backward: (logits2,
     pullback, row2). logits2 + row2: the program's result on x = scale * s in base-2 units, so P = exp2(logits2
     - (lse2 - row2)); row2 None or a vector of the tile's queries (`program_logits`, as is `relative`; only where
-    no staged value needs a gradient). pullback(d_score) = (d x, [d value]): d x = d_score * d score / d x
-    elementwise, and with `grad_side` ("row" or "col") the gradient of each of that side's float staged values,
-    a vector like the value (summed over the tile's other axis). Where d score / d x is a constant
-    (`Staged.score_derivative`: biases, ALiBi) the program runs on s with its constants folded, d x is d_score
-    times that constant (d_score itself at 1) and only the values' gradients come from a vjp; otherwise from a
-    vjp in x. rows, cols and positions as in `program_mask`."""
+    d score / d x is a constant and this pass differentiates no value of its own side, `grad_side`).
+    pullback(d_score) = (d x, [d value]): d x = d_score * d score / d x elementwise, and with `grad_side` ("row"
+    or "col") the gradient of each of that side's float staged values, a vector like the value (summed over the
+    tile's other axis). Where d score / d x is a constant (`Staged.score_derivative`: biases, ALiBi) the program
+    runs on s with its constants folded, d x is d_score times that constant (d_score itself at 1) and only the
+    values' gradients come from a vjp; otherwise from a vjp in x. rows, cols and positions as in
+    `program_mask`."""
     (ri, rf), (ci, cf) = rows, cols
     primals = list({"row": rf, "col": cf}.get(grad_side, []))
 

@@ -275,6 +275,8 @@ PULLBACK_PROGRAMS = {
     "gain_times_bias": _gain_times_bias,
     # a per-query bias: a row term wherever the pass does not differentiate row values
     "query_bias": lambda shape: lambda s, b, h, q, k, t=jnp.linspace(-1.0, 1.0, shape[1]): s + t[q],
+    # positions read otherwise than as their difference: the kernels' relative positions must not reach them
+    "position_sum": lambda shape: lambda s, b, h, q, k: s + 0.01 * (q + k - 1).astype(jnp.float32),
 }
 
 
@@ -303,7 +305,7 @@ def test_program_score_pullback_matches_autodiff(name, q_axis, key_before_query)
     s, d_score = (s, d_score) if q_axis == 0 else (s.T, d_score.T)
     vectors = [[] if x is None else list(x[b if x.shape[0] > 1 else 0, h if x.shape[1] > 1 else 0]) for x in stacks]
     q, k = jnp.arange(q_len, dtype=jnp.int32), jnp.arange(kv_len, dtype=jnp.int32)
-    assert staged.needs_grad == (name != "fixed_alibi")
+    assert staged.needs_grad == (name not in ("fixed_alibi", "position_sum"))  # these close over no float array
     grad_side = ("row" if q_axis == 0 else "col") if staged.needs_grad else None
     logits2, pullback, row2 = program_score(
         staged, s, vectors[:2], vectors[2:], scale=scale, batch=b, head=h, q_idx=q, kv_idx=k, q_axis=q_axis,
