@@ -50,6 +50,11 @@ class Band:
         """Exactly causal: every key up to the query's position (a window is not)."""
         return self.left is None and self.right == 0
 
+    @property
+    def keys_before_queries(self) -> bool:
+        """Every key the band lets a query see is at or before it (right edge <= 0): there |k - q| = q - k."""
+        return self.right is not None and self.right <= 0
+
     def __and__(self, other: Band) -> Band:
         """The keys both bands let a query see."""
         tighter = lambda a, b: b if a is None else a if b is None else min(a, b)

@@ -153,7 +153,6 @@ def _dkdv_kernel(
     block_q, block_kv, num_stages = config.block_q_dkv, config.block_kv_dkv, config.num_stages_dkv
     num_q_blocks = q_ref.shape[1] // block_q
     max_position = max(q_ref.shape[1], k_ref.shape[1])  # positions the programs see are below it
-    key_before_query = band.right is not None and band.right <= 0  # every visible key: |k - q| = q - k
     dtype = q_ref.dtype
     if dq_order is None:
         batch, kv_head = lax.axis_index("batch"), lax.axis_index("kv_heads")
@@ -315,7 +314,7 @@ def _dkdv_kernel(
             else:
                 logits2, pullback, row2 = program_score(
                     score_mod, s, rows.score, cols.score, scale=logit_scale, grad_side="col" if grads else None,
-                    key_before_query=key_before_query,
+                    key_before_query=band.keys_before_queries,
                     relative=(
                         lambda: positions(q_block * block_q - kv_start, block_q, column, interpreting=interpreting),
                         lambda: positions(0, block_kv, plgpu.Layout.WGMMA.reduce(1), interpreting=interpreting),

@@ -114,7 +114,6 @@ def _dq_kernel(
     block_q, block_kv, num_stages = config.block_q_dq, config.block_kv_dq, config.num_stages_dq
     num_kv_blocks = k_ref.shape[1] // block_kv
     max_position = max(q_ref.shape[1], k_ref.shape[1])  # positions the programs see are below it
-    key_before_query = band.right is not None and band.right <= 0  # every visible key: |k - q| = q - k
     dtype = q_ref.dtype
     batch, head = lax.axis_index("batch"), lax.axis_index("heads")
     tile_start, kv_lo, kv_hi, same = query_tile_schedule(
@@ -282,7 +281,7 @@ def _dq_kernel(
             else:
                 logits2, pullback, row2 = program_score(
                     score_mod, s, row_values.score, cols.score, scale=logit_scale, grad_side="row" if grads else None,
-                    key_before_query=key_before_query,
+                    key_before_query=band.keys_before_queries,
                     relative=(
                         lambda: positions(q_start - kv_step * block_kv, block_q, row, interpreting=interpreting),
                         lambda: positions(0, block_kv, column, interpreting=interpreting),

@@ -670,6 +670,17 @@ def _from_origin(program, q_idx, kv_idx, relative):
     return relative
 
 
+def _split_logits(score, s, rows, cols, *, scale: float, batch, head, q_idx, kv_idx, q_axis: int, max_position: int,
+                  key_before_query: bool, relative):  # fmt: skip
+    """(x, c, row2) for `program_logits` and `program_score`: the program's result on scale * s is c * x + row,
+    and row2 = log2(e) * row, its per-query term in base-2 units (None where it has none)."""
+    q_idx, kv_idx = _from_origin(score, q_idx, kv_idx, relative)
+    x, c, row = score.joint(s, batch, head, q_idx, kv_idx, *rows, *cols, q_axis=q_axis, scale=scale,
+                            max_position=max_position, split=True, row_terms=True,
+                            key_before_query=key_before_query, tile_shape=s.shape)  # fmt: skip
+    return x, c, None if row is None else row * np.float32(blocks.LOG2E)
+
+
 def program_logits(score, s, rows, cols, *, scale: float, batch, head, q_idx, kv_idx, q_axis: int,
                    max_position: int, key_before_query: bool, relative=None, tile_shape=None):  # fmt: skip
     """A score program (`mods.Staged`) on one tile of raw logits `s` (float32; the program sees scale * s), for
@@ -680,11 +691,9 @@ def program_logits(score, s, rows, cols, *, scale: float, batch, head, q_idx, kv
     the positions (q_idx, kv_idx) counted from the tile's first key, which a program that reads only their
     difference gets instead (a per-key term slope * kv_idx then stays small at long context; `_from_origin`).
     rows, cols and positions as in `program_mask`."""
-    q_idx, kv_idx = _from_origin(score, q_idx, kv_idx, relative)
-    x, c, row = score.joint(s, batch, head, q_idx, kv_idx, *rows, *cols, q_axis=q_axis, scale=scale,
-                            max_position=max_position, split=True, row_terms=True,
-                            key_before_query=key_before_query, tile_shape=s.shape)  # fmt: skip
-    row2 = None if row is None else row * np.float32(blocks.LOG2E)
+    x, c, row2 = _split_logits(score, s, rows, cols, scale=scale, batch=batch, head=head, q_idx=q_idx,
+                               kv_idx=kv_idx, q_axis=q_axis, max_position=max_position,
+                               key_before_query=key_before_query, relative=relative)  # fmt: skip
     if c < 0:
         return x * np.float32(c * blocks.LOG2E), 1.0, row2
     return x, c * blocks.LOG2E, row2
@@ -729,11 +738,9 @@ def program_score(score, s, rows, cols, *, scale: float, batch, head, q_idx, kv_
         out, vjp = jax.vjp(lambda x, floats: evaluate(x, floats, x_scale=1.0, split=False), s * scale, primals)
         return out * blocks.LOG2E, lambda d_score: _pull(vjp, d_score), None
     if not primals:
-        q_idx, kv_idx = _from_origin(score, q_idx, kv_idx, relative)
-        x, c, row = score.joint(s, batch, head, q_idx, kv_idx, ri, rf, ci, cf, q_axis=q_axis, tile_shape=s.shape,
-                                scale=scale, max_position=max_position, split=True, row_terms=True,
-                                key_before_query=key_before_query)  # fmt: skip
-        row2 = None if row is None else row * np.float32(blocks.LOG2E)
+        x, c, row2 = _split_logits(score, s, rows, cols, scale=scale, batch=batch, head=head, q_idx=q_idx,
+                                   kv_idx=kv_idx, q_axis=q_axis, max_position=max_position,
+                                   key_before_query=key_before_query, relative=relative)  # fmt: skip
         return x * np.float32(c * blocks.LOG2E), lambda d_score: (_times(d_score, slope), []), row2
     coef = []
 

@@ -311,7 +311,6 @@ def _kernel(
     num_tiles = num_tiles() if callable(num_tiles) else num_tiles
     separate_out = o_smem2 is not None
     max_position = max(q_ref.shape[1], k_ref.shape[1])  # positions the programs see are below it
-    key_before_query = band.right is not None and band.right <= 0  # every visible key: |k - q| = q - k
 
     def schedule(i):
         """(batch, head, first row, key blocks [lo, hi), unmasked run (same segment, wholly visible to the
@@ -498,7 +497,7 @@ def _kernel(
             if score_mod is not None:  # the program sees scale * s; exp2 takes its result times log2(e)
                 s, c, row2 = program_logits(
                     score_mod, s, rows.values.score, col_values.score, scale=logit_scale,
-                    key_before_query=key_before_query,
+                    key_before_query=band.keys_before_queries,
                     relative=(
                         lambda: positions(rows.q_start - kv_step * block_kv, block_q, row, interpreting=interpreting),
                         lambda: positions(0, block_kv, column, interpreting=interpreting),
