@@ -483,6 +483,10 @@ EXACT_FLOAT32_INTEGERS = 1 << 24
 # Folded constant factors stay well inside float32's range, so that folding never overflows where the
 # program's own multiplies would not.
 _FOLD_RANGE = (1e-30, 1e30)
+# float32 1.5 * 2**23, whose bits plus an integer n with |n| < 2**22 are the float 1.5 * 2**23 + n (its ulp is 1).
+_BIAS_FLOAT, _BIAS_BITS = np.float32(1.5 * 2**23), np.int32(0x4B400000)
+# Positions below this convert by `_int_to_float`'s integer add and float subtract.
+_BIASED_CONVERSION_LIMIT = 1 << 22
 # Integer ops through which an int->float conversion moves toward the positions: exact in float32 while every
 # intermediate is an integer below EXACT_FLOAT32_INTEGERS (`_TileEvaluator.bound`).
 _EXACT_IN_FLOAT = {"add", "sub", "neg", "abs", "max", "min", "mul", "clamp", "select_n"}
@@ -773,7 +777,7 @@ class _TileEvaluator:
             eqn = self.producer.get(atom)
             if atom in self.positions or eqn is None:
                 v = self.operand(atom)
-                self.floats[atom] = _Value(v.x.astype(jnp.float32), v.side)
+                self.floats[atom] = _Value(_int_to_float(v.x, self.bound(atom)), v.side)
             elif (banded := self.band_abs(eqn, self.as_float)) is not None:
                 self.floats[atom] = banded
             else:
@@ -782,6 +786,15 @@ class _TileEvaluator:
                     args[0] = self.operand(eqn.inputs[0])
                 (self.floats[atom],) = self.compute(eqn.primitive, dict(eqn.params), args, jnp.float32)
         return self.floats[atom]
+
+
+def _int_to_float(x, bound):
+    """int32 x (|x| <= bound) as float32, exactly. Below 2**22 by an integer add and a float subtract: on the
+    GPU a conversion instruction shares the special-function units with the softmax's exp2, and a position
+    vector is converted at every block."""
+    if bound is None or bound >= _BIASED_CONVERSION_LIMIT:
+        return x.astype(jnp.float32)
+    return lax.bitcast_convert_type(x + _BIAS_BITS, jnp.float32) - _BIAS_FLOAT
 
 
 def stage(program: Program) -> tuple[Staged | None, str | None]:

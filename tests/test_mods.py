@@ -503,6 +503,28 @@ def test_joint_folds_constants_and_keeps_vectors_until_they_meet():
     assert "convert_element_type" in inexact
 
 
+@pytest.mark.parametrize("max_position", [(1 << 22) - 1, 1 << 22, (1 << 24) - 1])
+def test_position_conversions_are_exact(max_position):
+    """Position vectors become float32 exactly wherever float32 holds them: below 2**22 by an integer add and a
+    float subtract (no conversion instruction beside the softmax's exp2), above it by a conversion."""
+    fn = lambda s, b, h, q, k: s + (k - q).astype(jnp.float32) + (k + q).astype(jnp.float32) * 0.5  # noqa: E731
+    staged, _ = mods.stage(mods.trace(fn, "score")[0])
+    top = max_position - 1
+    q = jnp.asarray([0, 1, top // 2 + 1, top - 1, top], jnp.int32)
+    k = jnp.asarray([top, top - 3, 7, 0, 1 << 21, top // 3, 2], jnp.int32)
+    s = jnp.zeros((q.size, k.size), jnp.float32)
+
+    def run(q, k):
+        return staged.joint(s, jnp.int32(0), jnp.int32(0), q, k, q_axis=0, max_position=max_position)
+
+    want = (k[None, :] - q[:, None]).astype(np.float64) + (k[None, :] + q[:, None]).astype(np.float64) * 0.5
+    np.testing.assert_array_equal(np.asarray(run(q, k), np.float64), want)
+    primitives = {e.primitive.name for e in jax.make_jaxpr(run)(q, k).eqns}
+    biased = max_position < 1 << 22
+    assert ("bitcast_convert_type" in primitives) == biased
+    assert ("convert_element_type" in primitives) != biased
+
+
 @pytest.mark.parametrize(
     "mask_mod, band",
     [
