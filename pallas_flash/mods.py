@@ -304,7 +304,7 @@ class Staged:
 
     def joint(self, score, batch, head, q_idx, kv_idx, rows_int=(), rows_float=(), cols_int=(), cols_float=(), *,
               tile=None, q_axis=None, tile_shape=None, scale=1.0, max_position=None, split=False, row_terms=False,
-              key_before_query=False):  # fmt: skip
+              key_before_query=False, origin=None):  # fmt: skip
         """The program's result on one tile of logits (the score `scale * score`, float32; None for a mask_mod).
 
         Tiles (q_axis None): q_idx, kv_idx: int32 positions broadcast to the tile; rows_* / cols_*: the tile's
@@ -325,11 +325,62 @@ class Staged:
         c a Python float that a kernel folds into its own multiply-add; with `split` and `row_terms` (vector form),
         (x, c, row): the score is c * x + row, row None or a float32 vector of the tile's queries that a kernel
         adds to its per-row quantities instead of to each logit (`key_before_query`: every key the kernel keeps
-        visible is at or before its query, so |k - q| may be read as q - k; `_TileEvaluator`).
+        visible is at or before its query, so |k - q| may be read as q - k; `_TileEvaluator`). `origin`: None
+        or an int32 scalar that float32 conversions of the positions count from (for a `translation_invariant`
+        program: the same result, with float32 values that stay small at long context).
 
         In the vector form q_idx and kv_idx may be functions that make the vectors (with `tile_shape`, the tile's
         shape): they are called only if the joint part reads them, so a kernel creates no position it does not
         use (an unused register value with a layout defeats Mosaic GPU's layout inference)."""
+        evaluator, out = self._evaluate(score, batch, head, q_idx, kv_idx, rows_int, rows_float, cols_int, cols_float,
+                                        tile=tile, q_axis=q_axis, tile_shape=tile_shape, scale=scale,
+                                        max_position=max_position, row_terms=split and row_terms,
+                                        key_before_query=key_before_query, origin=origin)  # fmt: skip
+        has_score = self.program.kind == "score"
+        row = None
+        if has_score and split and row_terms and out.row is not None and out.side == TILE and out.literal is None:
+            out, row = dataclasses.replace(out, row=None), out.row.astype(jnp.float32)
+        out = evaluator.flat_row(out)
+        if not has_score:
+            return evaluator.broadcast(evaluator.materialize(out), out.side, TILE)
+        if split and out.literal is None and out.side == TILE:
+            x = out.x if out.factor is None else out.x * evaluator.broadcast(out.factor, out.factor_side, TILE)
+            x, c = x.astype(jnp.float32), out.coef
+        else:
+            x, c = evaluator.broadcast(evaluator.materialize(out), out.side, TILE).astype(jnp.float32), 1.0
+        if not split:
+            return x
+        return (x, c, row) if row_terms else (x, c)
+
+    def offsets(self, batch, head, q_idx, kv_idx, rows_int=(), rows_float=(), cols_int=(), cols_float=(), *,
+                q_axis, tile_shape, scale, max_position=None, key_before_query=False, origin=None):  # fmt: skip
+        """For a score program linear in the score with a positive slope a (`score_derivative`), in the vector
+        form: (offset, row) such that the result on scale * s is a * scale * (s + offset) + row. offset: None
+        or a float32 tile in the raw logits' units, which a kernel can place in the accumulator that s comes
+        out of, so that the tile costs nothing after s is ready; row: None or a float32 vector of the tile's
+        queries (as `joint`'s row term). Arguments as `joint`'s."""
+        slope = self.score_derivative
+        if slope is None or slope <= 0 or q_axis is None:
+            raise ValueError(f"offsets needs a score program with a positive constant slope, got {slope}")
+        evaluator, out = self._evaluate(None, batch, head, q_idx, kv_idx, rows_int, rows_float, cols_int, cols_float,
+                                        q_axis=q_axis, tile_shape=tile_shape, max_position=max_position,
+                                        row_terms=True, key_before_query=key_before_query, origin=origin)  # fmt: skip
+        row = None if out.row is None else out.row.astype(jnp.float32)
+        out = dataclasses.replace(out, row=None)
+        if out.literal is not None and out.literal == 0:
+            return None, row
+        if out.side in (SCALAR, ROW):  # a per-query term: all of it goes to the row
+            x = evaluator.broadcast(jnp.asarray(evaluator.materialize(out)), out.side, ROW).astype(jnp.float32)
+            return None, x if row is None else row + x
+        factor = 1.0 / (slope * scale)
+        scaled = evaluator.scaled(out, factor)
+        x = evaluator.materialize(out) * np.float32(factor) if scaled is None else evaluator.materialize(scaled)
+        return evaluator.broadcast(x, out.side, TILE).astype(jnp.float32), row
+
+    def _evaluate(self, score, batch, head, q_idx, kv_idx, rows_int, rows_float, cols_int, cols_float, *, q_axis,
+                  tile_shape, max_position, row_terms, key_before_query, origin, tile=None, scale=1.0):  # fmt: skip
+        """(the `_TileEvaluator`, the program's output `_Value`) of `joint`'s arguments; score None: a literal
+        0 (the score-free part of a program linear in the score)."""
         kinds = (("row", "int", rows_int), ("row", "float", rows_float),
                  ("col", "int", cols_int), ("col", "float", cols_float))  # fmt: skip
         if q_axis is None:
@@ -355,12 +406,16 @@ class Staged:
         vids = [*inputs, *(s.value for side, kind, _ in kinds for s in self.group(side, kind))]
         env = {}
         for vid, (x, side) in zip(vids, given):
+            if x is None:  # the score in `offsets`, below
+                continue
             if callable(x):
                 env[vid] = _Lazy(x, side)
                 continue
             x = jnp.asarray(x)
             env[vid] = _Value(x, SCALAR if x.ndim == 0 else side)
-        if has_score:
+        if has_score and score is None:  # the score-free part of a program linear in the score
+            env[inputs[0]] = _Value(np.float32(0), SCALAR, literal=0.0)
+        elif has_score:
             env[inputs[0]] = dataclasses.replace(env[inputs[0]], coef=float(scale))
         evaluator = _TileEvaluator(
             self.flat,
@@ -371,30 +426,17 @@ class Staged:
             positions=inputs[-2:] if max_position is not None else (),
             max_position=max_position,
             indices=inputs[-2:],
-            row_terms=split and row_terms,
+            row_terms=row_terms,
             key_before_query=key_before_query,
+            origin=origin,
         )
-        out = evaluator.operand(self.flat.output)
-        row = None
-        if has_score and split and row_terms and out.row is not None and out.side == TILE and out.literal is None:
-            out, row = dataclasses.replace(out, row=None), out.row.astype(jnp.float32)
-        out = evaluator.flat_row(out)
-        if not has_score:
-            return evaluator.broadcast(evaluator.materialize(out), out.side, TILE)
-        if split and out.literal is None and out.side == TILE:
-            x = out.x if out.factor is None else out.x * evaluator.broadcast(out.factor, out.factor_side, TILE)
-            x, c = x.astype(jnp.float32), out.coef
-        else:
-            x, c = evaluator.broadcast(evaluator.materialize(out), out.side, TILE).astype(jnp.float32), 1.0
-        if not split:
-            return x
-        return (x, c, row) if row_terms else (x, c)
+        return evaluator, evaluator.operand(self.flat.output)
 
     @property
     def translation_invariant(self) -> bool:
         """Whether the program reads the positions only as their difference (q_idx - kv_idx or kv_idx - q_idx):
-        then the kernels may count both from a common origin in the tile (its first key), which keeps float32
-        values of positions small at long context."""
+        then their float32 values may count from a common origin in the tile (`joint`'s origin, its first
+        key), which keeps them small at long context."""
         q, k = self.flat.inputs[-2:]
         for eqn in self.flat.eqns:
             if q in eqn.inputs or k in eqn.inputs:
@@ -535,13 +577,13 @@ class _TileEvaluator:
     |k - q| is q - k, which is such a sum (causal ALiBi costs one multiply-add per logit)."""
 
     def __init__(self, flat, env, *, shape, q_axis, tile, positions, max_position, indices=(),
-                 row_terms=False, key_before_query=False):  # fmt: skip
+                 row_terms=False, key_before_query=False, origin=None):  # fmt: skip
         self.flat, self.values, self.floats, self.bounds = flat, dict(env), {}, {}
         self.producer = {o: e for e in flat.eqns for o in e.outputs}
         self.shape, self.q_axis, self.tile = shape, q_axis, tile
         self.positions, self.max_position = set(positions), max_position
         self.indices, self.row_terms = tuple(indices), row_terms and q_axis is not None
-        self.key_before_query = key_before_query
+        self.key_before_query, self.origin = key_before_query, origin
 
     def broadcast(self, x, side, to):
         """x of `side` at side `to` (which contains it)."""
@@ -607,6 +649,10 @@ class _TileEvaluator:
         return self.compute(eqn.primitive, dict(eqn.params), [self.operand(i) for i in eqn.inputs], out_dtype)
 
     def compute(self, primitive, params, args, out_dtype) -> list:
+        if all(a.literal is not None for a in args) and not primitive.multiple_results:  # folded at trace time
+            with jax.ensure_compile_time_eval():
+                out = np.asarray(primitive.bind(*(np.asarray(a.literal, a.x.dtype) for a in args), **params))
+            return [_Value(out, SCALAR, literal=out.item())]
         if out_dtype == jnp.float32 and not primitive.multiple_results:
             folded = self.fold(primitive.name, args)
             if folded is not None:
@@ -632,6 +678,10 @@ class _TileEvaluator:
             return self.scaled(value, float(literal))
         if name == "div" and args[1].literal is not None and args[0].literal is None and args[1].literal != 0:
             return self.scaled(args[0], 1.0 / float(args[1].literal))
+        zero = [a.literal is not None and a.literal == 0 for a in args]
+        if name in ("add", "sub") and any(zero):  # x + 0, x - 0, 0 + x, 0 - x (x no literal: `compute`)
+            a, b = args
+            return a if zero[1] else b if name == "add" else _negated(b)
         if any(a.literal is not None for a in args):
             return None
         if name == "neg":
@@ -777,7 +827,8 @@ class _TileEvaluator:
             eqn = self.producer.get(atom)
             if atom in self.positions or eqn is None:
                 v = self.operand(atom)
-                self.floats[atom] = _Value(_int_to_float(v.x, self.bound(atom)), v.side)
+                origin = self.origin if atom in self.positions else None
+                self.floats[atom] = _Value(_int_to_float(v.x, self.bound(atom), origin), v.side)
             elif (banded := self.band_abs(eqn, self.as_float)) is not None:
                 self.floats[atom] = banded
             else:
@@ -788,13 +839,17 @@ class _TileEvaluator:
         return self.floats[atom]
 
 
-def _int_to_float(x, bound):
-    """int32 x (|x| <= bound) as float32, exactly. Below 2**22 by an integer add and a float subtract: on the
-    GPU a conversion instruction shares the special-function units with the softmax's exp2, and a position
-    vector is converted at every block."""
+def _int_to_float(x, bound, origin=None):
+    """int32 x - origin (|x|, |origin| <= bound; origin None: 0) as float32, exactly. Below 2**22 by an integer
+    add and a float subtract: on the GPU a conversion instruction shares the special-function units with the
+    softmax's exp2, and a position vector is converted at every block. With an origin that changes from block
+    to block, the result does too, so a kernel's compiler keeps it in the loop (a loop-invariant tile of
+    positions hoisted out of the loop spilled)."""
     if bound is None or bound >= _BIASED_CONVERSION_LIMIT:
-        return x.astype(jnp.float32)
-    return lax.bitcast_convert_type(x + _BIAS_BITS, jnp.float32) - _BIAS_FLOAT
+        return (x if origin is None else x - origin).astype(jnp.float32)
+    # 1.5 * 2**23 + origin is exact, and so is the difference of two floats in [2**23, 2**24).
+    shift = _BIAS_FLOAT if origin is None else _BIAS_FLOAT + jnp.asarray(origin).astype(jnp.float32)
+    return lax.bitcast_convert_type(x + _BIAS_BITS, jnp.float32) - shift
 
 
 def stage(program: Program) -> tuple[Staged | None, str | None]:

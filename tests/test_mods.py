@@ -456,6 +456,40 @@ def test_joint_on_vectors_equals_the_program(name, q_axis):
                 np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
 
 
+OFFSET_SCORES = {
+    **{name: VECTOR_SCORES[name][0] for name in ("alibi", "key_bias", "head_times_distance", "squared_distance")},
+    "scaled_bias_and_query_term": lambda s, b, h, q, k: (s + 1.0) * 0.5 - 0.25 * q.astype(jnp.float32) + KEY_BIAS[h, k],
+    "query_term_only": lambda s, b, h, q, k: 3.0 * s + GAINS[q],
+}
+
+
+@pytest.mark.parametrize("key_before_query", [False, True])
+@pytest.mark.parametrize("q_axis", [0, 1])
+@pytest.mark.parametrize("name", OFFSET_SCORES)
+def test_offsets_and_the_score_make_the_program(name, q_axis, key_before_query):
+    """`Staged.offsets` of a program linear in the score (slope a > 0): a * scale * (s + offset) + row equals the
+    program on scale * s at every position (under `key_before_query`, where the key is at or before the query);
+    a per-query term goes to the row whole, and with no term beside the score's, the offset is None."""
+    program, consts = mods.trace(OFFSET_SCORES[name], "score")
+    staged, _ = mods.stage(program)
+    slope = staged.score_derivative
+    assert slope > 0
+    batch, heads, q_len, kv_len = VECTOR_SHAPE
+    scale, b, h = 0.3, 1, 2
+    s = normal(13, (q_len, kv_len), 3.0)
+    q, k = jnp.arange(q_len, dtype=jnp.int32), jnp.arange(kv_len, dtype=jnp.int32)
+    want = program.apply(consts, scale * s, b, h, q[:, None], k[None, :])
+    shape = (q_len, kv_len) if q_axis == 0 else (kv_len, q_len)
+    offset, row = staged.offsets(jnp.int32(b), jnp.int32(h), q, k, *_vector_args(staged, consts, b, h), q_axis=q_axis,
+                                 tile_shape=shape, scale=scale, max_position=kv_len,
+                                 key_before_query=key_before_query)  # fmt: skip
+    assert (offset is None) == (name == "query_term_only")
+    offset = 0.0 if offset is None else (offset if q_axis == 0 else offset.T)
+    out = slope * scale * (s + offset) + (0.0 if row is None else row[:, None])
+    seen = k[None, :] <= q[:, None] if key_before_query else np.ones(out.shape, bool)
+    np.testing.assert_allclose(np.where(seen, out, 0.0), np.where(seen, want, 0.0), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("name", VECTOR_SCORES)
 def test_score_derivative_is_the_constant_slope(name):
     """`Staged.score_derivative`: d result / d score where the score passes through linear steps only, else None."""

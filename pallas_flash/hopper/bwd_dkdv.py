@@ -315,10 +315,7 @@ def _dkdv_kernel(
                 logits2, pullback, row2 = program_score(
                     score_mod, s, rows.score, cols.score, scale=logit_scale, grad_side="col" if grads else None,
                     key_before_query=band.keys_before_queries,
-                    relative=(
-                        lambda: positions(q_block * block_q - kv_start, block_q, column, interpreting=interpreting),
-                        lambda: positions(0, block_kv, plgpu.Layout.WGMMA.reduce(1), interpreting=interpreting),
-                    ),
+                    origin=kv_start,
                     **position
                 )  # fmt: skip
                 shift = lse2 if row2 is None else lse2 - row2

@@ -282,10 +282,7 @@ def _dq_kernel(
                 logits2, pullback, row2 = program_score(
                     score_mod, s, row_values.score, cols.score, scale=logit_scale, grad_side="row" if grads else None,
                     key_before_query=band.keys_before_queries,
-                    relative=(
-                        lambda: positions(q_start - kv_step * block_kv, block_q, row, interpreting=interpreting),
-                        lambda: positions(0, block_kv, column, interpreting=interpreting),
-                    ),
+                    origin=kv_step * block_kv,
                     **position
                 )  # fmt: skip
                 shift = lse2 if row2 is None else lse2 - row2

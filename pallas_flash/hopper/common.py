@@ -662,49 +662,68 @@ def program_mask(mask, rows, cols, *, batch, head, q_idx, kv_idx, q_axis: int, m
                       tile_shape=tile_shape)  # fmt: skip
 
 
-def _from_origin(program, q_idx, kv_idx, relative):
-    """The positions a score program reads: `relative` (None, or the pair (q_idx, kv_idx) counted from the tile's
-    first key position) where `program` reads only their difference (`Staged.translation_invariant`)."""
-    if relative is None or not program.translation_invariant:
-        return q_idx, kv_idx
-    return relative
+def _origin(program, origin):
+    """The origin a score program's float positions count from: `origin` (None, or the tile's first key
+    position) where the program reads only their difference (`Staged.translation_invariant`)."""
+    return origin if origin is not None and program.translation_invariant else None
 
 
 def _split_logits(score, s, rows, cols, *, scale: float, batch, head, q_idx, kv_idx, q_axis: int, max_position: int,
-                  key_before_query: bool, relative):  # fmt: skip
+                  key_before_query: bool, origin):  # fmt: skip
     """(x, c, row2) for `program_logits` and `program_score`: the program's result on scale * s is c * x + row,
     and row2 = log2(e) * row, its per-query term in base-2 units (None where it has none)."""
-    q_idx, kv_idx = _from_origin(score, q_idx, kv_idx, relative)
     x, c, row = score.joint(s, batch, head, q_idx, kv_idx, *rows, *cols, q_axis=q_axis, scale=scale,
                             max_position=max_position, split=True, row_terms=True,
-                            key_before_query=key_before_query, tile_shape=s.shape)  # fmt: skip
+                            key_before_query=key_before_query, tile_shape=s.shape,
+                            origin=_origin(score, origin))  # fmt: skip
     return x, c, None if row is None else row * np.float32(blocks.LOG2E)
 
 
 def program_logits(score, s, rows, cols, *, scale: float, batch, head, q_idx, kv_idx, q_axis: int,
-                   max_position: int, key_before_query: bool, relative=None, tile_shape=None):  # fmt: skip
+                   max_position: int, key_before_query: bool, origin=None, tile_shape=None):  # fmt: skip
     """A score program (`mods.Staged`) on one tile of raw logits `s` (float32; the program sees scale * s), for
     a forward: (x, c, row2) with the program's result in base-2 units c * x + row2, c a Python float > 0 and
     row2 None or a float32 vector of the tile's queries (`Staged.joint`'s row term), so that a kernel takes a
     row maximum of x times c plus row2 and folds c and row2 into exp2's multiply-add. key_before_query: every
-    key the kernel keeps visible is at or before its query (its band's right edge is <= 0). relative: None or
-    the positions (q_idx, kv_idx) counted from the tile's first key, which a program that reads only their
-    difference gets instead (a per-key term slope * kv_idx then stays small at long context; `_from_origin`).
+    key the kernel keeps visible is at or before its query (its band's right edge is <= 0). origin: None or
+    the tile's first key position, which a program that reads the positions only as their difference counts
+    their float32 values from (a per-key term slope * kv_idx then stays small at long context; `_origin`).
     rows, cols and positions as in `program_mask`."""
     x, c, row2 = _split_logits(score, s, rows, cols, scale=scale, batch=batch, head=head, q_idx=q_idx,
                                kv_idx=kv_idx, q_axis=q_axis, max_position=max_position,
-                               key_before_query=key_before_query, relative=relative)  # fmt: skip
+                               key_before_query=key_before_query, origin=origin)  # fmt: skip
     if c < 0:
         return x * np.float32(c * blocks.LOG2E), 1.0, row2
     return x, c * blocks.LOG2E, row2
 
 
+def offsets_apply(score) -> bool:
+    """Whether a score program's score-free part can wait in S's accumulator (`program_offsets`): its result is
+    linear in the score with a positive slope (biases, ALiBi)."""
+    slope = score.score_derivative
+    return slope is not None and slope > 0
+
+
+def program_offsets(score, rows, cols, *, scale: float, batch, head, q_idx, kv_idx, q_axis: int, max_position: int,
+                    key_before_query: bool, tile_shape, origin=None):  # fmt: skip
+    """A score program with `offsets_apply` on one tile's vectors, before its logits exist: (offset, c, row2)
+    such that the program's result on scale * s in base-2 units is c * (s + offset) + row2. offset: None or a
+    float32 tile in the raw logits' units, which a kernel writes into S's accumulator before the wgmma that
+    adds Q K^T to it, so that the program costs the softmax nothing once S is ready; c: a Python float > 0;
+    row2: None or a float32 vector of the tile's queries. Arguments as `program_logits`'s."""
+    offset, row = score.offsets(batch, head, q_idx, kv_idx, *rows, *cols, q_axis=q_axis, tile_shape=tile_shape,
+                                scale=scale, max_position=max_position, key_before_query=key_before_query,
+                                origin=_origin(score, origin))  # fmt: skip
+    c = score.score_derivative * scale * blocks.LOG2E
+    return offset, c, None if row is None else row * np.float32(blocks.LOG2E)
+
+
 def program_score(score, s, rows, cols, *, scale: float, batch, head, q_idx, kv_idx, q_axis: int,
-                  max_position: int, key_before_query: bool, relative=None, grad_side=None,
+                  max_position: int, key_before_query: bool, origin=None, grad_side=None,
                   tile_shape=None):  # fmt: skip
     """A score program (`mods.Staged`) on one tile of raw logits `s` (float32), for a backward: (logits2,
     pullback, row2). logits2 + row2: the program's result on x = scale * s in base-2 units, so P = exp2(logits2
-    - (lse2 - row2)); row2 None or a vector of the tile's queries (`program_logits`, as is `relative`; only where
+    - (lse2 - row2)); row2 None or a vector of the tile's queries (`program_logits`, as is `origin`; only where
     d score / d x is a constant and this pass differentiates no value of its own side, `grad_side`).
     pullback(d_score) = (d x, [d value]): d x = d_score * d score / d x elementwise, and with `grad_side` ("row"
     or "col") the gradient of each of that side's float staged values, a vector like the value (summed over the
@@ -740,7 +759,7 @@ def program_score(score, s, rows, cols, *, scale: float, batch, head, q_idx, kv_
     if not primals:
         x, c, row2 = _split_logits(score, s, rows, cols, scale=scale, batch=batch, head=head, q_idx=q_idx,
                                    kv_idx=kv_idx, q_axis=q_axis, max_position=max_position,
-                                   key_before_query=key_before_query, relative=relative)  # fmt: skip
+                                   key_before_query=key_before_query, origin=origin)  # fmt: skip
         return x * np.float32(c * blocks.LOG2E), lambda d_score: (_times(d_score, slope), []), row2
     coef = []
 

@@ -88,11 +88,13 @@ from pallas_flash.hopper.common import (
     masked_edge_loops,
     mod_values,
     narrow_to_mask_ranges,
+    offsets_apply,
     outside_hull_hidden,
     pack_mod_stacks,
     pad_axis,
     program_logits,
     program_mask,
+    program_offsets,
     query_tile_schedule,
     register_ops,
     round_up,
@@ -468,12 +470,40 @@ def _kernel(
                 p = jnp.where(keep, p, 0.0)
             return p.astype(dtype)
 
-        def probabilities(s, m, *, masked, rows, cols, kv_step, tiles=(None, None)):
+        def program_args(rows, kv_step):
+            """The programs' arguments on block kv_step: positions as vectors of the tile's queries and keys."""
+            return dict(
+                batch=rows.batch,
+                head=rows.head,
+                q_idx=lambda: positions(rows.q_start, block_q, row, interpreting=interpreting),
+                kv_idx=lambda: positions(kv_step * block_kv, block_kv, column, interpreting=interpreting),
+                q_axis=0,
+                tile_shape=(block_q, block_kv),
+                max_position=max_position,
+            )
+
+        # A score program linear in the score (a bias, ALiBi) writes its score-free part into S's accumulator
+        # before the wgmma: the softmax, which runs while the other consumer's wgmmas do, has nothing to add.
+        offsetting = score_mod is not None and not dense.forms_logits and offsets_apply(score_mod)
+
+        def score_offsets(rows, cols, kv_step):
+            """(offset, row2) of block kv_step with `offsetting` (`program_offsets`: S's accumulator starts at
+            offset, row2 is the per-query term in base 2), else (None, None)."""
+            if not offsetting:
+                return None, None
+            offset, _, row2 = program_offsets(
+                score_mod, rows.values.score, cols[1].score, scale=scale, key_before_query=band.keys_before_queries,
+                origin=kv_step * block_kv, **program_args(rows, kv_step)
+            )  # fmt: skip
+            return offset, row2
+
+        def probabilities(s, m, *, masked, rows, cols, kv_step, tiles=(None, None), row2=None):
             """Block kv_step's logits s [block_q, block_kv] (masked where `masked`) and the running row maximum
             m (base-2 units) -> (p, alpha, m_new): the block's unnormalised probabilities, the factor that
             rescales what was accumulated before, and the new maximum. `rows`: the tile's `TileRows`; `cols`:
             the block's key segment ids and program values (`block_values`); `tiles`: its dense bias and
-            visibility tiles (`dense_tiles`), applied on every step."""
+            visibility tiles (`dense_tiles`), applied on every step; with `offsetting`, s holds the score
+            program's offset and row2 is its per-query term (`score_offsets`)."""
             kv_seg, col_values = cols
             bias, dense_visible = tiles
             c = scale * LOG2E  # logits in base-2 units: exp(scale * s) = exp2(c * s)
@@ -483,26 +513,13 @@ def _kernel(
                 c, logit_scale = LOG2E, 1.0
             if masked:
                 q_pos, kv_pos = rows.q_start + iota(s.shape, 0), kv_step * block_kv + iota(s.shape, 1)
-            if programs.active:  # the programs read the positions as vectors of the tile's queries and keys
-                program_args = dict(
-                    batch=rows.batch,
-                    head=rows.head,
-                    q_idx=lambda: positions(rows.q_start, block_q, row, interpreting=interpreting),
-                    kv_idx=lambda: positions(kv_step * block_kv, block_kv, column, interpreting=interpreting),
-                    q_axis=0,
-                    tile_shape=s.shape,
-                    max_position=max_position,
-                )
-            row2 = None  # a score program's per-query term (base 2), folded into the row's shift
-            if score_mod is not None:  # the program sees scale * s; exp2 takes its result times log2(e)
+            if offsetting:  # the program's result is slope * scale * s + row, s offset already
+                c = score_mod.score_derivative * scale * LOG2E
+            elif score_mod is not None:  # the program sees scale * s; exp2 takes its result times log2(e)
                 s, c, row2 = program_logits(
                     score_mod, s, rows.values.score, col_values.score, scale=logit_scale,
-                    key_before_query=band.keys_before_queries,
-                    relative=(
-                        lambda: positions(rows.q_start - kv_step * block_kv, block_q, row, interpreting=interpreting),
-                        lambda: positions(0, block_kv, column, interpreting=interpreting),
-                    ),
-                    **program_args
+                    key_before_query=band.keys_before_queries, origin=kv_step * block_kv,
+                    **program_args(rows, kv_step)
                 )  # fmt: skip
             if masked:
                 visible = tile_visible(
@@ -516,7 +533,7 @@ def _kernel(
                     q_axis=0,
                 )
                 if mask_mod is not None:
-                    seen = program_mask(mask_mod, rows.values.mask, col_values.mask, **program_args)
+                    seen = program_mask(mask_mod, rows.values.mask, col_values.mask, **program_args(rows, kv_step))
                     visible = seen if visible is None else jnp.logical_and(visible, seen)
                 if rows.hull is not None:
                     visible = outside_hull_hidden(visible, kv_pos, rows.hull, block_kv)
@@ -541,10 +558,13 @@ def _kernel(
             is released; the mask's only in a masked step (unmasked ones lie in its ranges' wholly visible run)."""
             return dense_tiles(ring, slot, wg=wg, rows=block_q, load=load, read_mask=masked)
 
-        def qk(slot, after_issue):
-            """S = Q K[slot]^T in float32; `after_issue()` runs once its wgmma is issued (before the wait)."""
+        def qk(slot, after_issue, offset=None):
+            """S = offset + Q K[slot]^T in float32 (offset None: 0); `after_issue()` runs once its wgmma is
+            issued (before the wait)."""
 
             def scores(s_ref):
+                if offset is not None:
+                    s_ref[...] = offset
                 plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
                 after_issue()
                 return s_ref[...]
@@ -552,7 +572,7 @@ def _kernel(
             if interpreting:
                 s = dot_t(wgmma_operand(q_smem), wgmma_operand(k_smem.at[slot]))
                 after_issue()
-                return s
+                return s if offset is None else s + offset
             return pl.run_scoped(scores, plgpu.ACC((block_q, block_kv), jnp.float32))
 
         def pv(acc, p16, slot, after_issue):
@@ -586,38 +606,42 @@ def _kernel(
 
             slot = slot_of(kv_lo)
             cols = block_values(slot, masked=True)
+            offset, row2 = score_offsets(rows, cols, kv_lo)
             my_turn()
-            s = qk(slot, after_issue=pass_turn)  # K_{kv_lo} was waited for at the tile's start
+            s = qk(slot, after_issue=pass_turn, offset=offset)  # K_{kv_lo} was waited for at the tile's start
             tiles = block_tiles(slot, masked=True)
             plgpu.barrier_arrive(k_free.at[slot])
-            p, alpha, m = probabilities(s, m, masked=True, rows=rows, cols=cols, kv_step=kv_lo, tiles=tiles)
+            p, alpha, m = probabilities(s, m, masked=True, rows=rows, cols=cols, kv_step=kv_lo, tiles=tiles, row2=row2)
             l = l * alpha + p.sum(axis=1)  # O is still zero: nothing to rescale
 
             def step(kv_step, carry, *, masked: bool):
                 acc, m, l, p_prev = carry
                 slot, prev = slot_of(kv_step), slot_of(kv_step - 1)
                 cols = block_values(slot, masked=masked)
+                offset, row2 = score_offsets(rows, cols, kv_step)
                 plgpu.barrier_wait(k_ready.at[slot])
                 plgpu.barrier_wait(v_ready.at[prev])
                 my_turn()
+                block = dict(masked=masked, rows=rows, cols=cols, kv_step=kv_step, row2=row2)
                 if interpreting:  # the same steps, one product at a time
-                    s = qk(slot, after_issue=pass_turn)
+                    s = qk(slot, after_issue=pass_turn, offset=offset)
                     tiles = block_tiles(slot, masked=masked)
                     plgpu.barrier_arrive(k_free.at[slot])
-                    p, alpha, m = probabilities(s, m, masked=masked, rows=rows, cols=cols, kv_step=kv_step, tiles=tiles)
+                    p, alpha, m = probabilities(s, m, tiles=tiles, **block)
                     acc = pv(acc, p_prev, prev, after_issue=lambda: None)
                 else:
 
                     def both(s_ref, o_ref):
                         o_ref[...] = acc
+                        if offset is not None:
+                            s_ref[...] = offset
                         plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
                         plgpu.wgmma(o_ref, p_prev, v_smem.at[prev])
                         pass_turn()
                         s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S_j done, P V may run on
                         tiles = block_tiles(slot, masked=masked)
                         plgpu.barrier_arrive(k_free.at[slot])
-                        softmax = probabilities(s, m, masked=masked, rows=rows, cols=cols, kv_step=kv_step, tiles=tiles)
-                        return (o_ref[...], *softmax)
+                        return (o_ref[...], *probabilities(s, m, tiles=tiles, **block))
 
                     acc, p, alpha, m = pl.run_scoped(
                         both, plgpu.ACC((block_q, block_kv), jnp.float32), plgpu.ACC(acc.shape, jnp.float32)
@@ -673,14 +697,17 @@ def _kernel(
                 acc, m, l = carry
                 slot = slot_of(kv_step)
                 cols = block_values(slot, masked=masked)
+                offset, row2 = score_offsets(rows, cols, kv_step)
                 # Our QK^T is queued: the other consumer may issue its PV.
-                s = qk(slot, after_issue=lambda: plgpu.barrier_arrive(turn))
+                s = qk(slot, after_issue=lambda: plgpu.barrier_arrive(turn), offset=offset)
                 if q_in_step:
                     q_read(i, kv_step == kv_hi - 1, next_tile)
                 tiles = block_tiles(slot, masked=masked)
                 plgpu.barrier_arrive(k_free.at[slot])
                 plgpu.barrier_wait(turn)
-                p, alpha, m_new = probabilities(s, m, masked=masked, rows=rows, cols=cols, kv_step=kv_step, tiles=tiles)
+                p, alpha, m_new = probabilities(
+                    s, m, masked=masked, rows=rows, cols=cols, kv_step=kv_step, tiles=tiles, row2=row2
+                )
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 l = l * alpha + p.sum(axis=1)
                 p16 = dropped(p, rows, kv_step)

@@ -275,7 +275,7 @@ PULLBACK_PROGRAMS = {
     "gain_times_bias": _gain_times_bias,
     # a per-query bias: a row term wherever the pass does not differentiate row values
     "query_bias": lambda shape: lambda s, b, h, q, k, t=jnp.linspace(-1.0, 1.0, shape[1]): s + t[q],
-    # positions read otherwise than as their difference: the kernels' relative positions must not reach them
+    # positions read otherwise than as their difference: the kernels' origin must not reach them
     "position_sum": lambda shape: lambda s, b, h, q, k: s + 0.01 * (q + k - 1).astype(jnp.float32),
 }
 
@@ -309,7 +309,7 @@ def test_program_score_pullback_matches_autodiff(name, q_axis, key_before_query)
     grad_side = ("row" if q_axis == 0 else "col") if staged.needs_grad else None
     logits2, pullback, row2 = program_score(
         staged, s, vectors[:2], vectors[2:], scale=scale, batch=b, head=h, q_idx=q, kv_idx=k, q_axis=q_axis,
-        max_position=kv_len, grad_side=grad_side, key_before_query=key_before_query, relative=(q - 16, k - 16),
+        max_position=kv_len, grad_side=grad_side, key_before_query=key_before_query, origin=16,
     )  # fmt: skip
     d_x, d_values = pullback(d_score)
 

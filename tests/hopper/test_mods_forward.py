@@ -67,6 +67,15 @@ CASES = {
         False,
         HopperConfig(64, 64, 2),
     ),
+    # a score program linear in the score, slope 2 (its per-key and |kv_idx - q_idx| terms start S's
+    # accumulator); the overlapped loop
+    "key_bias_overlap": (
+        (1, 130, 200, 2, 1, 64),
+        lambda s: lambda x, b, h, q, k: 2.0 * x + _gains(s[2])[k] - 0.05 * jnp.abs(k - q).astype(jnp.float32),
+        None,
+        False,
+        HopperConfig(64, 64, 2, overlap=True),
+    ),
     # documents (row and column int values) and causal as one mask program; the overlapped loop
     "document_causal": (
         (1, 150, 150, 2, 1, 64),
