@@ -354,12 +354,13 @@ class Staged:
 
     def offsets(self, batch, head, q_idx, kv_idx, rows_int=(), rows_float=(), cols_int=(), cols_float=(), *,
                 q_axis, tile_shape, scale, max_position=None, key_before_query=False, origin=None):  # fmt: skip
-        """For a score program linear in the score with a positive slope a (`score_derivative`), in the vector
-        form: (offset, row) such that the result on scale * s is a * scale * (s + offset) + row. offset: None
-        or a float32 tile in the raw logits' units, which a kernel can place in the accumulator that s comes
-        out of, so that the tile costs nothing after s is ready; row: None or a float32 vector of the tile's
-        queries (as `joint`'s row term). Arguments as `joint`'s."""
-        slope = self.score_derivative
+        """For a score program linear in the score with a positive slope a (`score_slope`), in the vector form:
+        (offset, row) such that the result on scale * s is a * scale * (s + offset) + row. offset: None or a
+        float32 tile in the raw logits' units (the score-free part over a * scale, -inf where that overflows),
+        which a kernel can place in the accumulator that s comes out of, so that the tile costs nothing after s
+        is ready; row: None or a float32 vector of the tile's queries (as `joint`'s row term). Arguments as
+        `joint`'s."""
+        slope = self.score_slope
         if slope is None or slope <= 0 or q_axis is None:
             raise ValueError(f"offsets needs a score program with a positive constant slope, got {slope}")
         evaluator, out = self._evaluate(None, batch, head, q_idx, kv_idx, rows_int, rows_float, cols_int, cols_float,
@@ -413,6 +414,8 @@ class Staged:
                 continue
             x = jnp.asarray(x)
             env[vid] = _Value(x, SCALAR if x.ndim == 0 else side)
+        if not self.translation_invariant:  # positions read otherwise than as their difference: no origin
+            origin = None
         if has_score and score is None:  # the score-free part of a program linear in the score
             env[inputs[0]] = _Value(np.float32(0), SCALAR, literal=0.0)
         elif has_score:
@@ -449,20 +452,30 @@ class Staged:
         """d result / d score where it is a constant (the score passes through adds, subtracts, negations,
         multiplies and divides by literals, float conversions and selects whose cases agree), else None: with
         1.0 (ALiBi, biases) a kernel's pullback of the score is the identity."""
+        return self._slope(values=False)
+
+    @property
+    def score_slope(self) -> float | None:
+        """a where the result is a * score + (a value free of the score), else None: as `score_derivative`, but
+        of values (a stop_gradient passes the score on; a select's predicate must not read it; float32
+        conversions only, since a narrower one rounds). `offsets` needs it."""
+        return self._slope(values=True)
+
+    def _slope(self, *, values: bool) -> float | None:
         flat = self.flat
         if self.program.kind != "score":
             return None
         producer = {o: e for e in flat.eqns for o in e.outputs}
         memo = {}
 
-        def derivative(atom):
+        def slope(atom):
             if isinstance(atom, tuple) or SCORE not in flat.deps[atom]:
                 return 0.0
             if atom not in memo:
-                memo[atom] = _derivative_rule(producer.get(atom), derivative)
+                memo[atom] = _derivative_rule(producer.get(atom), slope, flat=flat if values else None)
             return memo[atom]
 
-        return derivative(flat.output)
+        return slope(flat.output)
 
     def block_classes(self, stacks, *, batch: int, heads: int, q_len: int, kv_len: int, block_q: int,
                       block_kv: int):  # fmt: skip
@@ -491,12 +504,21 @@ def _encode(x, kind):
     return x.astype(jnp.int32) if kind == "int" else x.astype(jnp.float32)
 
 
-def _derivative_rule(eqn, derivative):
+def _derivative_rule(eqn, derivative, flat=None):
     """d eqn's output / d score from its inputs' (`derivative` of an atom; None where not a constant). No eqn:
-    the score itself."""
+    the score itself. With `flat` (the program), the slope of its value instead (`Staged.score_slope`)."""
     if eqn is None:
         return 1.0
     name, inputs = eqn.primitive.name, eqn.inputs
+    if flat is not None:
+        if name == "stop_gradient":  # the identity on values
+            return derivative(inputs[0])
+        if name == "convert_element_type" and not (
+            flat.dtypes[inputs[0]] == flat.dtypes[eqn.outputs[0]] == jnp.float32
+        ):
+            return None  # a narrower float or an integer rounds the score
+        if name == "select_n" and not isinstance(inputs[0], tuple) and SCORE in flat.deps[inputs[0]]:
+            return None  # which case is taken depends on the score
     ds = [derivative(i) for i in inputs]
     literal = [float(i[1]) if isinstance(i, tuple) else None for i in inputs]
     if name in ("add", "sub", "neg", "convert_element_type", "copy", "copy_p") and all(d is not None for d in ds):
@@ -574,7 +596,8 @@ class _TileEvaluator:
     vector apart (`_Value.row`) through sums, negations and multiplies by constants or query vectors, so that
     a kernel can fold it into its per-row softmax shift instead of adding it to every logit. With
     `key_before_query` (every visible key is at or before its query: a band whose right edge is <= 0),
-    |k - q| is q - k, which is such a sum (causal ALiBi costs one multiply-add per logit)."""
+    |k - q| is q - k, which is such a sum (causal ALiBi costs one multiply-add per logit). `origin`: None or an
+    int32 scalar that position values converted to float32 count from (`_int_to_float`)."""
 
     def __init__(self, flat, env, *, shape, q_axis, tile, positions, max_position, indices=(),
                  row_terms=False, key_before_query=False, origin=None):  # fmt: skip
@@ -832,9 +855,9 @@ class _TileEvaluator:
             elif (banded := self.band_abs(eqn, self.as_float)) is not None:
                 self.floats[atom] = banded
             else:
-                args = [self.as_float(i) for i in eqn.inputs]
-                if eqn.primitive.name == "select_n":  # the predicate stays as it is
-                    args[0] = self.operand(eqn.inputs[0])
+                args = [self.as_float(i) for i in eqn.inputs[1:]]
+                first = eqn.inputs[0]  # a select's predicate stays as it is
+                args.insert(0, self.operand(first) if eqn.primitive.name == "select_n" else self.as_float(first))
                 (self.floats[atom],) = self.compute(eqn.primitive, dict(eqn.params), args, jnp.float32)
         return self.floats[atom]
 

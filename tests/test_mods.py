@@ -394,6 +394,11 @@ VECTOR_SCORES = {
         1.0,
     ),
     "constant": (lambda s, b, h, q, k: jnp.float32(1.5), 0.0),
+    # a select on positions whose predicate reads a staged value: the conversion moves onto its cases only
+    "select_distance": (
+        lambda s, b, h, q, k: s + 0.1 * jnp.where(KEY_BIAS[h, k] > 0, k - q, q - k).astype(jnp.float32),
+        1.0,
+    ),
 }
 VECTOR_MASKS = {
     "document_causal": mods.and_masks(mods.document(VECTOR_DOCS[:, :24], VECTOR_DOCS), mods.causal()),
@@ -460,19 +465,25 @@ OFFSET_SCORES = {
     **{name: VECTOR_SCORES[name][0] for name in ("alibi", "key_bias", "head_times_distance", "squared_distance")},
     "scaled_bias_and_query_term": lambda s, b, h, q, k: (s + 1.0) * 0.5 - 0.25 * q.astype(jnp.float32) + KEY_BIAS[h, k],
     "query_term_only": lambda s, b, h, q, k: 3.0 * s + GAINS[q],
+    # positions read otherwise than as their difference: the origin must not reach them
+    "position_sum": lambda s, b, h, q, k: s + 0.01 * (q + k - 1).astype(jnp.float32),
+    # value slope 2 (a stop_gradient passes the score on), derivative 1
+    "stop_gradient_sum": lambda s, b, h, q, k: s + jax.lax.stop_gradient(s) + KEY_BIAS[h, k],
 }
 
 
+@pytest.mark.parametrize("origin", [None, 16])
 @pytest.mark.parametrize("key_before_query", [False, True])
 @pytest.mark.parametrize("q_axis", [0, 1])
 @pytest.mark.parametrize("name", OFFSET_SCORES)
-def test_offsets_and_the_score_make_the_program(name, q_axis, key_before_query):
-    """`Staged.offsets` of a program linear in the score (slope a > 0): a * scale * (s + offset) + row equals the
-    program on scale * s at every position (under `key_before_query`, where the key is at or before the query);
-    a per-query term goes to the row whole, and with no term beside the score's, the offset is None."""
+def test_offsets_and_the_score_make_the_program(name, q_axis, key_before_query, origin):
+    """`Staged.offsets` of a program linear in the score (`score_slope` a > 0): a * scale * (s + offset) + row
+    equals the program on scale * s at every position (under `key_before_query`, where the key is at or before the
+    query; with positions counted from an origin, which only a program that reads their difference takes); a
+    per-query term goes to the row whole, and with no term beside the score's, the offset is None."""
     program, consts = mods.trace(OFFSET_SCORES[name], "score")
     staged, _ = mods.stage(program)
-    slope = staged.score_derivative
+    slope = staged.score_slope
     assert slope > 0
     batch, heads, q_len, kv_len = VECTOR_SHAPE
     scale, b, h = 0.3, 1, 2
@@ -482,12 +493,32 @@ def test_offsets_and_the_score_make_the_program(name, q_axis, key_before_query):
     shape = (q_len, kv_len) if q_axis == 0 else (kv_len, q_len)
     offset, row = staged.offsets(jnp.int32(b), jnp.int32(h), q, k, *_vector_args(staged, consts, b, h), q_axis=q_axis,
                                  tile_shape=shape, scale=scale, max_position=kv_len,
-                                 key_before_query=key_before_query)  # fmt: skip
+                                 key_before_query=key_before_query, origin=origin)  # fmt: skip
     assert (offset is None) == (name == "query_term_only")
     offset = 0.0 if offset is None else (offset if q_axis == 0 else offset.T)
     out = slope * scale * (s + offset) + (0.0 if row is None else row[:, None])
     seen = k[None, :] <= q[:, None] if key_before_query else np.ones(out.shape, bool)
     np.testing.assert_allclose(np.where(seen, out, 0.0), np.where(seen, want, 0.0), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda s, b, h, q, k: s + jnp.where(s > 0, 0.5, 0.0),  # a branch on the score
+        lambda s, b, h, q, k: s.astype(jnp.bfloat16).astype(jnp.float32),  # rounded
+        lambda s, b, h, q, k: s.astype(jnp.int32).astype(jnp.float32) + KEY_BIAS[h, k],  # truncated
+    ],
+)
+def test_score_slope_refuses_what_is_not_linear_in_the_score(fn):
+    """`Staged.score_slope` is None where the result is not a * score + g, even where autodiff's derivative is a
+    constant: the kernels' offsets would compute another function."""
+    program, consts = mods.trace(fn, "score")
+    staged, _ = mods.stage(program)
+    assert staged.score_derivative is not None and staged.score_slope is None
+    q = jnp.arange(VECTOR_SHAPE[2], dtype=jnp.int32)
+    with pytest.raises(ValueError, match="positive constant slope"):
+        staged.offsets(jnp.int32(0), jnp.int32(0), q, q, *_vector_args(staged, consts, 0, 0), q_axis=0,
+                       tile_shape=(q.size, q.size), scale=1.0)  # fmt: skip
 
 
 @pytest.mark.parametrize("name", VECTOR_SCORES)
@@ -537,11 +568,11 @@ def test_joint_folds_constants_and_keeps_vectors_until_they_meet():
     assert "convert_element_type" in inexact
 
 
-@pytest.mark.parametrize("max_position", [(1 << 22) - 1, 1 << 22, (1 << 24) - 1])
+@pytest.mark.parametrize("max_position", [(1 << 22) - 1, 1 << 22, 1 << 23])
 def test_position_conversions_are_exact(max_position):
     """Position vectors become float32 exactly wherever float32 holds them: below 2**22 by an integer add and a
     float subtract (no conversion instruction beside the softmax's exp2), above it by a conversion."""
-    fn = lambda s, b, h, q, k: s + (k - q).astype(jnp.float32) + (k + q).astype(jnp.float32) * 0.5  # noqa: E731
+    fn = lambda s, b, h, q, k: s + (k - q).astype(jnp.float32) + (k + q).astype(jnp.float32)  # noqa: E731
     staged, _ = mods.stage(mods.trace(fn, "score")[0])
     top = max_position - 1
     q = jnp.asarray([0, 1, top // 2 + 1, top - 1, top], jnp.int32)
@@ -551,7 +582,8 @@ def test_position_conversions_are_exact(max_position):
     def run(q, k):
         return staged.joint(s, jnp.int32(0), jnp.int32(0), q, k, q_axis=0, max_position=max_position)
 
-    want = (k[None, :] - q[:, None]).astype(np.float64) + (k[None, :] + q[:, None]).astype(np.float64) * 0.5
+    q64, k64 = np.asarray(q, np.float64), np.asarray(k, np.float64)
+    want = (k64[None, :] - q64[:, None]) + (k64[None, :] + q64[:, None])
     np.testing.assert_array_equal(np.asarray(run(q, k), np.float64), want)
     primitives = {e.primitive.name for e in jax.make_jaxpr(run)(q, k).eqns}
     biased = max_position < 1 << 22

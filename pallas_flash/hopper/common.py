@@ -662,12 +662,6 @@ def program_mask(mask, rows, cols, *, batch, head, q_idx, kv_idx, q_axis: int, m
                       tile_shape=tile_shape)  # fmt: skip
 
 
-def _origin(program, origin):
-    """The origin a score program's float positions count from: `origin` (None, or the tile's first key
-    position) where the program reads only their difference (`Staged.translation_invariant`)."""
-    return origin if origin is not None and program.translation_invariant else None
-
-
 def _split_logits(score, s, rows, cols, *, scale: float, batch, head, q_idx, kv_idx, q_axis: int, max_position: int,
                   key_before_query: bool, origin):  # fmt: skip
     """(x, c, row2) for `program_logits` and `program_score`: the program's result on scale * s is c * x + row,
@@ -675,7 +669,7 @@ def _split_logits(score, s, rows, cols, *, scale: float, batch, head, q_idx, kv_
     x, c, row = score.joint(s, batch, head, q_idx, kv_idx, *rows, *cols, q_axis=q_axis, scale=scale,
                             max_position=max_position, split=True, row_terms=True,
                             key_before_query=key_before_query, tile_shape=s.shape,
-                            origin=_origin(score, origin))  # fmt: skip
+                            origin=origin)  # fmt: skip
     return x, c, None if row is None else row * np.float32(blocks.LOG2E)
 
 
@@ -687,7 +681,7 @@ def program_logits(score, s, rows, cols, *, scale: float, batch, head, q_idx, kv
     row maximum of x times c plus row2 and folds c and row2 into exp2's multiply-add. key_before_query: every
     key the kernel keeps visible is at or before its query (its band's right edge is <= 0). origin: None or
     the tile's first key position, which a program that reads the positions only as their difference counts
-    their float32 values from (a per-key term slope * kv_idx then stays small at long context; `_origin`).
+    their float32 values from (a per-key term slope * kv_idx then stays small at long context).
     rows, cols and positions as in `program_mask`."""
     x, c, row2 = _split_logits(score, s, rows, cols, scale=scale, batch=batch, head=head, q_idx=q_idx,
                                kv_idx=kv_idx, q_axis=q_axis, max_position=max_position,
@@ -699,8 +693,8 @@ def program_logits(score, s, rows, cols, *, scale: float, batch, head, q_idx, kv
 
 def offsets_apply(score) -> bool:
     """Whether a score program's score-free part can wait in S's accumulator (`program_offsets`): its result is
-    linear in the score with a positive slope (biases, ALiBi)."""
-    slope = score.score_derivative
+    linear in the score with a positive slope (biases, ALiBi; `Staged.score_slope`)."""
+    slope = score.score_slope
     return slope is not None and slope > 0
 
 
@@ -713,8 +707,8 @@ def program_offsets(score, rows, cols, *, scale: float, batch, head, q_idx, kv_i
     row2: None or a float32 vector of the tile's queries. Arguments as `program_logits`'s."""
     offset, row = score.offsets(batch, head, q_idx, kv_idx, *rows, *cols, q_axis=q_axis, tile_shape=tile_shape,
                                 scale=scale, max_position=max_position, key_before_query=key_before_query,
-                                origin=_origin(score, origin))  # fmt: skip
-    c = score.score_derivative * scale * blocks.LOG2E
+                                origin=origin)  # fmt: skip
+    c = score.score_slope * scale * blocks.LOG2E
     return offset, c, None if row is None else row * np.float32(blocks.LOG2E)
 
 

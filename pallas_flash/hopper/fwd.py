@@ -514,7 +514,7 @@ def _kernel(
             if masked:
                 q_pos, kv_pos = rows.q_start + iota(s.shape, 0), kv_step * block_kv + iota(s.shape, 1)
             if offsetting:  # the program's result is slope * scale * s + row, s offset already
-                c = score_mod.score_derivative * scale * LOG2E
+                c = score_mod.score_slope * scale * LOG2E
             elif score_mod is not None:  # the program sees scale * s; exp2 takes its result times log2(e)
                 s, c, row2 = program_logits(
                     score_mod, s, rows.values.score, col_values.score, scale=logit_scale,

@@ -191,11 +191,12 @@ def test_mask_ranges_skip_and_unmask_blocks():
 
 @pytest.mark.lowering
 @pytest.mark.parametrize("overlap", [False, True])
-@pytest.mark.parametrize("which", ["score", "mask", "both"])
+@pytest.mark.parametrize("which", ["score", "linear_score", "mask", "both"])
 def test_mods_forward_lowers_for_gpu(which, overlap):
-    """The forward with a score program (soft cap, ALiBi, a closed-over column value, the head index), a mask
-    program (documents and causal) or both goes through Mosaic GPU's lowering (the programs on WGMMA register
-    tiles, the values' copies and barriers), ragged and GQA, with and without the overlapped loop."""
+    """The forward with a score program (soft cap, ALiBi, a closed-over column value, the head index; or, linear in
+    the score, the same without the soft cap, whose score-free part starts S's accumulator), a mask program
+    (documents and causal) or both goes through Mosaic GPU's lowering (the programs on WGMMA register tiles, the
+    values' copies and barriers), ragged and GQA, with and without the overlapped loop."""
     shape = (2, 300, 333, 4, 2, 128)
     batch, q_len, kv_len, heads = shape[:4]
     q, k, _, _ = abstract_inputs(shape, False)
@@ -203,13 +204,17 @@ def test_mods_forward_lowers_for_gpu(which, overlap):
     bias = jnp.zeros((kv_len,), jnp.float32)
     # the last term reads the head index itself on the tile (a scalar broadcast to it), not as a row value
     score = mods.chain(
-        mods.soft_cap(20.0),
+        *([] if which == "linear_score" else [mods.soft_cap(20.0)]),
         mods.alibi(_slopes(heads)),
         lambda s, b, h, q, k: s + bias[k] + ((k - q) * h).astype(jnp.float32) * 1e-3,
     )
     docs = jnp.zeros((batch, kv_len), jnp.int32)
     mask = mods.and_masks(mods.document(docs[:, :q_len], docs), mods.causal())
-    args, _ = program_args(shape, score if which != "mask" else None, mask if which != "score" else None, config)
+    args, _ = program_args(
+        shape, score if which != "mask" else None, mask if which in ("mask", "both") else None, config
+    )
+    if which == "linear_score":
+        assert args["score_mod"].score_slope == 1.0  # the offsets' path
     stacks = {name: args.pop(name) for name in ("score_stacks", "mask_stacks", "mask_ranges") if name in args}
 
     def forward(q, k, v, stacks):
