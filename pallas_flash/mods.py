@@ -356,7 +356,7 @@ class Staged:
                 q_axis, tile_shape, scale, max_position=None, key_before_query=False, origin=None):  # fmt: skip
         """For a score program linear in the score with a positive slope a (`score_slope`), in the vector form:
         (offset, row) such that the result on scale * s is a * scale * (s + offset) + row. offset: None or a
-        float32 tile in the raw logits' units (the score-free part over a * scale, -inf where that overflows),
+        float32 tile in the raw logits' units (the score-free part over a * scale: infinite past float32's range),
         which a kernel can place in the accumulator that s comes out of, so that the tile costs nothing after s
         is ready; row: None or a float32 vector of the tile's queries (as `joint`'s row term). Arguments as
         `joint`'s."""
