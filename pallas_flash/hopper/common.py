@@ -700,16 +700,15 @@ def offsets_apply(score) -> bool:
 
 def program_offsets(score, rows, cols, *, scale: float, batch, head, q_idx, kv_idx, q_axis: int, max_position: int,
                     key_before_query: bool, tile_shape, origin=None):  # fmt: skip
-    """A score program with `offsets_apply` on one tile's vectors, before its logits exist: (offset, c, row2)
-    such that the program's result on scale * s in base-2 units is c * (s + offset) + row2. offset: None or a
-    float32 tile in the raw logits' units, which a kernel writes into S's accumulator before the wgmma that
-    adds Q K^T to it, so that the program costs the softmax nothing once S is ready; c: a Python float > 0;
-    row2: None or a float32 vector of the tile's queries. Arguments as `program_logits`'s."""
+    """A score program with `offsets_apply` on one tile's vectors, before its logits exist: (offset, row2) such
+    that the program's result on scale * s in base-2 units is c * (s + offset) + row2, c = `Staged.score_slope`
+    * scale * log2(e). offset: None or a float32 tile in the raw logits' units, which a kernel writes into S's
+    accumulator before the wgmma that adds Q K^T to it, so that the program costs the softmax nothing once S is
+    ready; row2: None or a float32 vector of the tile's queries. Arguments as `program_logits`'s."""
     offset, row = score.offsets(batch, head, q_idx, kv_idx, *rows, *cols, q_axis=q_axis, tile_shape=tile_shape,
                                 scale=scale, max_position=max_position, key_before_query=key_before_query,
                                 origin=origin)  # fmt: skip
-    c = score.score_slope * scale * blocks.LOG2E
-    return offset, c, None if row is None else row * np.float32(blocks.LOG2E)
+    return offset, None if row is None else row * np.float32(blocks.LOG2E)
 
 
 def program_score(score, s, rows, cols, *, scale: float, batch, head, q_idx, kv_idx, q_axis: int,

@@ -491,11 +491,10 @@ def _kernel(
             offset, row2 is the per-query term in base 2), else (None, None)."""
             if not offsetting:
                 return None, None
-            offset, _, row2 = program_offsets(
+            return program_offsets(
                 score_mod, rows.values.score, cols[1].score, scale=scale, key_before_query=band.keys_before_queries,
                 origin=kv_step * block_kv, **program_args(rows, kv_step)
             )  # fmt: skip
-            return offset, row2
 
         def probabilities(s, m, *, masked, rows, cols, kv_step, tiles=(None, None), row2=None):
             """Block kv_step's logits s [block_q, block_kv] (masked where `masked`) and the running row maximum
@@ -513,7 +512,7 @@ def _kernel(
                 c, logit_scale = LOG2E, 1.0
             if masked:
                 q_pos, kv_pos = rows.q_start + iota(s.shape, 0), kv_step * block_kv + iota(s.shape, 1)
-            if offsetting:  # the program's result is slope * scale * s + row, s offset already
+            if offsetting:  # the program's result is c * s + row2 (`program_offsets`), s offset already
                 c = score_mod.score_slope * scale * LOG2E
             elif score_mod is not None:  # the program sees scale * s; exp2 takes its result times log2(e)
                 s, c, row2 = program_logits(
@@ -558,14 +557,18 @@ def _kernel(
             is released; the mask's only in a masked step (unmasked ones lie in its ranges' wholly visible run)."""
             return dense_tiles(ring, slot, wg=wg, rows=block_q, load=load, read_mask=masked)
 
+        def issue_qk(s_ref, slot, offset):
+            """Issue S = offset + Q K[slot]^T into the accumulator s_ref (offset None: 0)."""
+            if offset is not None:
+                s_ref[...] = offset
+            plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+
         def qk(slot, after_issue, offset=None):
             """S = offset + Q K[slot]^T in float32 (offset None: 0); `after_issue()` runs once its wgmma is
             issued (before the wait)."""
 
             def scores(s_ref):
-                if offset is not None:
-                    s_ref[...] = offset
-                plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                issue_qk(s_ref, slot, offset)
                 after_issue()
                 return s_ref[...]
 
@@ -633,9 +636,7 @@ def _kernel(
 
                     def both(s_ref, o_ref):
                         o_ref[...] = acc
-                        if offset is not None:
-                            s_ref[...] = offset
-                        plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                        issue_qk(s_ref, slot, offset)
                         plgpu.wgmma(o_ref, p_prev, v_smem.at[prev])
                         pass_turn()
                         s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S_j done, P V may run on
