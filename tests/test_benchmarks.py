@@ -451,6 +451,17 @@ def test_tools_import_and_explain_themselves(tool, capsys):
     assert done.value.code == 0 and f"python -m tools.{tool}" in capsys.readouterr().out
 
 
+def test_kernel_table_lists_kernels_by_time():
+    """kernel_breakdown's table for a profile without a trace of its own (torch's): busy time per call, then each
+    kernel's ms per call and share, largest first."""
+    from tools.kernel_breakdown import kernel_table
+
+    lines = kernel_table({"small": 1000.0, "large": 3000.0}, calls=2).splitlines()
+    assert lines[0].startswith("device busy 2.00 ms/call")
+    assert lines[1].split() == ["1.500", "ms/call", "75.0%", "large"]
+    assert lines[2].split() == ["0.500", "ms/call", "25.0%", "small"]
+
+
 def test_train_step_breakdown_compiler_options_reach_xla():
     """--compiler-option values as XLA takes them: "false" as a bool (XLA's own parser wants "False"), numbers as
     text; a compile with them succeeds, and one with the raw string "false" is what the parsing avoids."""

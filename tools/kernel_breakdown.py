@@ -1,7 +1,7 @@
 """Where attention spends its GPU time, kernel by kernel: ours against cuDNN at the bar's shapes, from a profile.
 
     python -m tools.kernel_breakdown --trace-dir DIR [--head-dim 64] [--seqs 8192,16384] [--causal true]
-        [--pass fwdbwd] [--nondeterministic] [--calls 5] [--bwd ";delta_in_dp=0"]
+        [--pass fwdbwd] [--nondeterministic] [--calls 5] [--bwd ";delta_in_dp=0"] [--torch]
 
 For each point, traces `--calls` queued calls of the jitted pass (after a warm-up) with `jax.profiler` and prints,
 per call, the device's busy time and the kernels that take it (`gpu_kernel_summary`): the Mosaic GPU kernels by
@@ -9,7 +9,9 @@ name (`flash_forward_sm90`, `flash_backward_dkdv_sm90`, `flash_backward_dq_sm90`
 (the backward's delta = rowsum(dO * O), the float32 dQ buffer's zero fill and its conversion). Shapes, inputs and
 passes are the bar suite's (`benchmarks.inputs.anchor_point`: B * N = 16k tokens, H * D = 2048, bf16); the times
 come from a profiler, not from the bar's paired ratios. `--bwd`: backward variants as in the bar suite
-(HopperBwdConfig field overrides of the call's default), each traced as its own "ours" row. Needs a GPU.
+(HopperBwdConfig field overrides of the call's default), each traced as its own "ours" row. `--torch`: also
+PyTorch SDPA's cuDNN backend on the same inputs (the bar's torch_cudnn peer), its kernels from `torch.profiler`.
+Needs a GPU.
 """
 
 from __future__ import annotations
@@ -114,6 +116,36 @@ def gpu_kernel_summary(trace_dir: str, steps: int, top: int = 12) -> str:
     return "\n".join(lines)
 
 
+def kernel_table(times: dict[str, float], calls: int, top: int = 12) -> str:
+    """Microseconds per kernel name over `calls` calls as the busy time per call and the kernels that take it
+    (ms per call, share), largest first: a profile's summary where it has no trace of its own (torch's)."""
+    busy = sum(times.values())
+    lines = [f"device busy {busy / calls / 1e3:.2f} ms/call (the kernels' sum), {len(times)} kernel names"]
+    for name, us in sorted(times.items(), key=lambda item: -item[1])[:top]:
+        lines.append(f"  {us / calls / 1e3:7.3f} ms/call {100 * us / busy:5.1f}%  {name[:110]}")
+    return "\n".join(lines)
+
+
+def torch_kernel_times(fn, arg_sets, calls: int) -> dict[str, float]:
+    """Microseconds of device time per CUDA kernel name over `calls` calls of a torch pass (`timing.torch_pass`),
+    from `torch.profiler` after a warm-up."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for args in arg_sets:
+        fn(*args).block_until_ready()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for call in range(calls):
+            fn(*arg_sets[call % len(arg_sets)])
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type.name == "CUDA":
+            us = event.device_time if hasattr(event, "device_time") else event.cuda_time
+            times[event.name] = times.get(event.name, 0.0) + us
+    return times
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m tools.kernel_breakdown",
@@ -128,6 +160,7 @@ def main(argv=None) -> None:
     parser.add_argument("--nondeterministic", action="store_true", help="ours with deterministic=False")
     parser.add_argument("--calls", type=int, default=5, help="queued calls traced per row")
     parser.add_argument("--bwd", help="backward variants (the bar suite's --bwd), each traced as its own row")
+    parser.add_argument("--torch", action="store_true", help="also PyTorch SDPA's cuDNN backend (torch.profiler)")
     args = parser.parse_args(argv)
 
     import jax
@@ -159,6 +192,16 @@ def main(argv=None) -> None:
                 f"{name}:\n{gpu_kernel_summary(trace_dir, args.calls, top=16)}",
                 flush=True,
             )
+    # torch's profiler last: once it holds CUPTI, jax.profiler cannot subscribe again in this process.
+    for seq in (int(s) for s in args.seqs.split(",")) if args.torch else ():
+        point = anchor_point("kernel_breakdown", seq, args.head_dim, causal)
+        timed = bar.torch_cudnn_timed(point, args.pass_, [random_inputs(point, seed) for seed in range(3)])
+        times = torch_kernel_times(timed.fn, timed.args, args.calls)
+        print(
+            f"\n{args.pass_} D={args.head_dim} N={seq} batch={point.batch} heads={point.heads} causal={causal} "
+            f"{timed.label}:\n{kernel_table(times, args.calls, top=16)}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":
