@@ -195,13 +195,14 @@ def main(argv=None) -> None:
     # torch's profiler last: once it holds CUPTI, jax.profiler cannot subscribe again in this process.
     for seq in (int(s) for s in args.seqs.split(",")) if args.torch else ():
         point = anchor_point("kernel_breakdown", seq, args.head_dim, causal)
-        timed = bar.torch_cudnn_timed(point, args.pass_, [random_inputs(point, seed) for seed in range(3)])
+        where = f"\n{args.pass_} D={args.head_dim} N={seq} batch={point.batch} heads={point.heads} causal={causal}"
+        try:
+            timed = bar.torch_cudnn_timed(point, args.pass_, [random_inputs(point, seed) for seed in range(3)])
+        except bar.NoPeer as e:  # no torch, no CUDA for it, or a pass it does not time
+            print(f"{where} torch: {e}", flush=True)
+            continue
         times = torch_kernel_times(timed.fn, timed.args, args.calls)
-        print(
-            f"\n{args.pass_} D={args.head_dim} N={seq} batch={point.batch} heads={point.heads} causal={causal} "
-            f"{timed.label}:\n{kernel_table(times, args.calls, top=16)}",
-            flush=True,
-        )
+        print(f"{where} {timed.label}:\n{kernel_table(times, args.calls, top=16)}", flush=True)
 
 
 if __name__ == "__main__":
