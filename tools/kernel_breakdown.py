@@ -73,6 +73,13 @@ def _totals(kernels, key=kernel_kind) -> dict[str, float]:
     return dict(sorted(totals.items(), key=lambda item: -item[1]))
 
 
+def _top_kernels(totals: dict[str, float], busy: float, count: int, top: int, unit: str) -> list[str]:
+    """One line per kernel name of `totals` (microseconds over `count` steps or calls), largest first: ms per
+    `unit` and share of `busy`."""
+    ranked = sorted(totals.items(), key=lambda item: -item[1])[:top]
+    return [f"  {us / count / 1e3:7.3f} ms/{unit} {100 * us / busy:5.1f}%  {name[:110]}" for name, us in ranked]
+
+
 def gpu_kernel_summary(trace_dir: str, steps: int, top: int = 12) -> str:
     """The first GPU's time per step (or call) from a perfetto trace: busy time, wall span, its idle time between
     kernels (and the longest such gap), time per kind of kernel (`kernel_kind`) with the collectives' exposed part,
@@ -103,8 +110,7 @@ def gpu_kernel_summary(trace_dir: str, steps: int, top: int = 12) -> str:
         f"  by kind (ms/step, overlapping kernels each counted): {kinds(_totals(kernels))}; collectives alone "
         f"{per_step(_exposed(kernels)):.2f}",
     ]
-    for name, total in list(_totals(kernels, key=str).items())[:top]:
-        lines.append(f"  {per_step(total):7.3f} ms/step {100 * total / busy:5.1f}%  {name[:110]}")
+    lines += _top_kernels(_totals(kernels, key=str), busy, steps, top, "step")
     for name in sorted(devices)[1:]:
         if others := per_device[name]:
             other_busy, other_span, _ = _busy_and_gaps(others)
@@ -121,9 +127,7 @@ def kernel_table(times: dict[str, float], calls: int, top: int = 12) -> str:
     (ms per call, share), largest first: a profile's summary where it has no trace of its own (torch's)."""
     busy = sum(times.values())
     lines = [f"device busy {busy / calls / 1e3:.2f} ms/call (the kernels' sum), {len(times)} kernel names"]
-    for name, us in sorted(times.items(), key=lambda item: -item[1])[:top]:
-        lines.append(f"  {us / calls / 1e3:7.3f} ms/call {100 * us / busy:5.1f}%  {name[:110]}")
-    return "\n".join(lines)
+    return "\n".join(lines + _top_kernels(times, busy, calls, top, "call"))
 
 
 def torch_kernel_times(fn, arg_sets, calls: int) -> dict[str, float]:
@@ -170,9 +174,12 @@ def main(argv=None) -> None:
 
     causal, deterministic = args.causal == "true", not args.nondeterministic
     print("jax", jax.__version__, jax.devices()[0].device_kind, flush=True)
+    points = []  # (seq, point, its inputs, the header of its rows)
     for seq in (int(s) for s in args.seqs.split(",")):
         point = anchor_point("kernel_breakdown", seq, args.head_dim, causal)
-        inputs = [random_inputs(point, seed) for seed in range(3)]
+        header = f"\n{args.pass_} D={args.head_dim} N={seq} batch={point.batch} heads={point.heads} causal={causal}"
+        points.append((seq, point, [random_inputs(point, seed) for seed in range(3)], header))
+    for seq, _, inputs, header in points:
         rows = []
         for overrides in bar.parse_bwd_overrides(args.bwd):
             config = bar.kernel_config(args.head_dim, seq, causal, deterministic, bwd=overrides)
@@ -187,22 +194,16 @@ def main(argv=None) -> None:
                 for call in range(args.calls):
                     out = fn(*arg_sets[call % len(arg_sets)])
                 jax.block_until_ready(out)
-            print(
-                f"\n{args.pass_} D={args.head_dim} N={seq} batch={point.batch} heads={point.heads} causal={causal} "
-                f"{name}:\n{gpu_kernel_summary(trace_dir, args.calls, top=16)}",
-                flush=True,
-            )
+            print(f"{header} {name}:\n{gpu_kernel_summary(trace_dir, args.calls, top=16)}", flush=True)
     # torch's profiler last: once it holds CUPTI, jax.profiler cannot subscribe again in this process.
-    for seq in (int(s) for s in args.seqs.split(",")) if args.torch else ():
-        point = anchor_point("kernel_breakdown", seq, args.head_dim, causal)
-        where = f"\n{args.pass_} D={args.head_dim} N={seq} batch={point.batch} heads={point.heads} causal={causal}"
+    for _, point, inputs, header in points if args.torch else ():
         try:
-            timed = bar.torch_cudnn_timed(point, args.pass_, [random_inputs(point, seed) for seed in range(3)])
+            timed = bar.torch_cudnn_timed(point, args.pass_, inputs)
         except bar.NoPeer as e:  # no torch, no CUDA for it, or a pass it does not time
-            print(f"{where} torch: {e}", flush=True)
+            print(f"{header} torch: {e}", flush=True)
             continue
         times = torch_kernel_times(timed.fn, timed.args, args.calls)
-        print(f"{where} {timed.label}:\n{kernel_table(times, args.calls, top=16)}", flush=True)
+        print(f"{header} {timed.label}:\n{kernel_table(times, args.calls, top=16)}", flush=True)
 
 
 if __name__ == "__main__":
