@@ -4,12 +4,14 @@ Cases (bf16, B*N = 16k tokens, H=16, D=128, N=8k by default): causal + soft cap 
 (`mods.alibi`), non-causal and causal; sinks (causal); a per-head, per-key bias table closed over in a score_mod;
 `mods.relative_position_bias` (indexed by both positions: not for the Hopper kernels); a dense bias `bias=` [1, 1, N,
 N] bf16 (with its gradient); a document mask of 8 equal documents (`mods.document`), and the same as a dense `mask=`
-[B, 1, N, N]; a causal sliding window of 1k keys (`mods.sliding_window`) at N = 2 x 8k, batch 1.
+[B, 1, N, N]; a causal sliding window of 1k keys (`mods.sliding_window`) at N = 2 x 8k, batch 1, and the same
+window with 64 global keys every query also sees (attention-sink tokens; `mods.or_masks`).
 Each case and pass has one row per variant, every one timed in interleaved pairs with `mod` (`benchmarks.timing`):
   mod         flash_attention with the modifier, by the first of mosaic, pallas, xla_chunked that takes it (the
               refusals before it in the note): `impl` is what ran;
   plain       the same call without the modifier (causal where the modifier keeps causal keys only);
-  band        the sliding window as `local_window_size=(1024, 0)`, the built-in band;
+  band        the sliding window as `local_window_size=(1024, 0)`, the built-in band (for the global keys' case the
+              window alone: not the modifier's function, the work it keeps but for the global keys);
   cudnn       jax.nn.dot_product_attention(implementation="cudnn") with the modifier as an explicit bias ([1, H, N,
               N] bf16 for ALiBi, [1, H, 1, N] for the bias table), mask ([B, 1, N, N] bool for documents) or
               local_window_size; no row where jax.nn cannot say it (soft cap, sinks, relative positions);
@@ -58,6 +60,7 @@ from tests import tolerances
 
 CAP = 30.0  # Gemma 2's attention soft cap
 DOCUMENTS = 8
+GLOBAL_KEYS = 64  # the global_window case's keys every query sees
 RELATIVE_REACH = 128  # relative_position_bias's table covers kv_idx - q_idx in [-128, 128]
 CHECK_ROWS = 256  # queries of batch 0 checked against the dense reference (it holds rows x N logits per head)
 ROTATE = 3  # input sets each function rotates over while timed (so none stays in L2)
@@ -68,8 +71,17 @@ BLOCK_CLASSES_TARGET_MS = 1.0
 BLOCK_CLASSES = "block_classes"  # the block-mask construction's rows
 # The cases each peer can say (jax.nn has no soft cap or sinks, and a relative-position bias would be N x N).
 PEER_CASES = {
-    "cudnn": ("alibi", "alibi_causal", "bias_table", "dense_bias", "document", "dense_mask", "sliding_window"),
-    "torch_flex": ("soft_cap_causal", "alibi", "alibi_causal", "document", "sliding_window"),
+    "cudnn": (
+        "alibi",
+        "alibi_causal",
+        "bias_table",
+        "dense_bias",
+        "document",
+        "dense_mask",
+        "sliding_window",
+        "global_window",
+    ),
+    "torch_flex": ("soft_cap_causal", "alibi", "alibi_causal", "document", "sliding_window", "global_window"),
 }
 
 
@@ -92,7 +104,8 @@ SMOKE_SEQ = 128
 class Case:
     """One modifier. `mod(arrays)`: flash_attention's keyword arguments with it, from the arrays it closes over
     (`arrays(point)` makes them, numpy; `mod` sees them on the device, or traced). `band` and `documents`: the
-    logits it keeps; `partners`: ours without it ("plain", "band"); `seq_factor`: N is this times the suite's;
+    logits it keeps (with `global_keys`: the first keys, which every query sees too); `partners`: ours without it
+    ("plain", "band"); `seq_factor`: N is this times the suite's;
     `query_rows`: the [batch, heads, q_len, kv_len] arrays (cut to the reference's batch and rows)."""
 
     name: str
@@ -100,6 +113,7 @@ class Case:
     arrays: Callable[[Point], dict] = lambda point: {}
     band: tuple = FULL
     documents: int = 1
+    global_keys: int = 0
     partners: tuple = ("plain",)
     seq_factor: int = 1
     query_rows: tuple = ()
@@ -109,18 +123,20 @@ class Case:
         return self.band[1] == 0
 
     def kept(self, seq: int) -> float:
-        return kept_fraction(seq, *self.band, documents=self.documents)
+        return kept_fraction(seq, *self.band, documents=self.documents, global_keys=self.global_keys)
 
 
-def kept_fraction(seq: int, left=None, right=None, *, documents: int = 1) -> float:
+def kept_fraction(seq: int, left=None, right=None, *, documents: int = 1, global_keys: int = 0) -> float:
     """The fraction of the seq x seq logits that a band (query i sees keys i - left .. i + right) within
-    `documents` equal documents keeps; exact, counted row by row."""
+    `documents` equal documents keeps, with (one document) the first `global_keys` keys seen by every query as
+    well; exact, counted row by row."""
     i = np.arange(seq)
     size = seq // documents
     start = i // size * size
     low = start if left is None else np.maximum(start, i - left)
     high = start + size - 1 if right is None else np.minimum(start + size - 1, i + right)
-    return float(np.maximum(high - low + 1, 0).sum()) / seq**2
+    global_before = np.clip(np.minimum(global_keys, low) - start, 0, None)  # global keys left of the band
+    return float((np.maximum(high - low + 1, 0) + global_before).sum()) / seq**2
 
 
 def key_bias(table):
@@ -199,7 +215,20 @@ def cases(window: int) -> list[Case]:
             partners=("plain", "band"),
             seq_factor=2,
         ),
+        Case(
+            "global_window",
+            lambda a: dict(is_causal=True, mask_mod=mods.or_masks(global_keys, mods.sliding_window(window, 0))),
+            band=(window, 0),
+            global_keys=GLOBAL_KEYS,
+            partners=("plain", "band"),
+            seq_factor=2,
+        ),
     ]
+
+
+def global_keys(b, h, q_idx, kv_idx):
+    """mask_mod: the first GLOBAL_KEYS keys, seen by every query."""
+    return kv_idx < GLOBAL_KEYS
 
 
 def cudnn_kwargs(case: Case, a: dict, point: Point) -> dict:
@@ -218,6 +247,9 @@ def cudnn_kwargs(case: Case, a: dict, point: Point) -> dict:
         return {name: a[name] for name in case.query_rows}
     if case.name == "sliding_window":
         return dict(is_causal=True, local_window_size=case.band)
+    if case.name == "global_window":
+        q, k = jnp.arange(point.seq_q)[:, None], jnp.arange(point.seq_k)[None, :]
+        return dict(mask=((q >= k) & ((q - k <= case.band[0]) | (k < case.global_keys)))[None, None])
     raise ValueError(f"jax.nn cannot say the {case.name} case")
 
 
@@ -238,6 +270,7 @@ def torch_mods(case: Case, t: dict):
         "alibi_causal": (alibi, causal),
         "document": (None, lambda b, h, q, k: t["ids"][b, q] == t["ids"][b, k]),
         "sliding_window": (None, lambda b, h, q, k: (q >= k) & (q - k <= case.band[0])),
+        "global_window": (None, lambda b, h, q, k: (q >= k) & ((q - k <= case.band[0]) | (k < case.global_keys))),
     }[case.name]
 
 
@@ -366,8 +399,8 @@ def measure_case(case, point, passes, settings, emit) -> None:
             lambda p: ours(lambda a: dict(is_causal=case.causal), point, p, inputs, {}, settings["chain"]),
         ),
         "band": (
-            kept,
-            True,
+            kept_fraction(point.seq_q, *case.band),
+            case.global_keys == 0,
             lambda p: ours(lambda a: dict(local_window_size=case.band), point, p, inputs, {}, settings["chain"]),
         ),
         "cudnn": (kept, True, lambda p: cudnn(case, point, p, inputs, arrays)),

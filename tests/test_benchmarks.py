@@ -319,7 +319,12 @@ def test_kept_fraction_counts_visible_logits(band, documents, visible):
     assert flex.kept_fraction(4, *band, documents=documents) == visible / 16
 
 
-@pytest.mark.parametrize("name", ["alibi", "alibi_causal", "bias_table", "document", "sliding_window"])
+def test_kept_fraction_counts_global_keys_once():
+    """A causal band of one key to the left with the first key global: rows 2 and 3 see key 0 besides their band."""
+    assert flex.kept_fraction(4, 1, 0, global_keys=1) == (1 + 2 + 3 + 3) / 16
+
+
+@pytest.mark.parametrize("name", ["alibi", "alibi_causal", "bias_table", "document", "sliding_window", "global_window"])
 def test_cudnn_peer_says_what_the_modifier_does(name):
     """The bias, mask or window the cuDNN rows are given computes the modifier's attention (run here through
     jax.nn's XLA path, on the host)."""
@@ -332,7 +337,7 @@ def test_cudnn_peer_says_what_the_modifier_does(name):
     from tests import tolerances
 
     case = {c.name: c for c in flex.cases(window=8)}[name]
-    point = Point("flex", 2, 64, 64, 2, 2, 32, case.causal, "float32")
+    point = Point("flex", 2, 192, 192, 2, 2, 32, case.causal, "float32")  # past the global keys and the window
     q, k, v, _ = random_inputs(point, seed=0)
     arrays = {key: jnp.asarray(x) for key, x in case.arrays(point).items()}
     kwargs = flex.cudnn_kwargs(case, arrays, point)

@@ -21,6 +21,7 @@ from pallas_flash.hopper.common import (
     DenseMods,
     add_product,
     biased_logits,
+    block_of,
     column_half,
     dense_riders,
     dense_ring,
@@ -43,6 +44,7 @@ from pallas_flash.hopper.common import (
     segment_scratch,
     serves_split_products,
     stack_index,
+    step_of,
     stream_kv_blocks,
     tile_visible,
     unmasked_blocks,
@@ -126,9 +128,9 @@ def _dq_kernel(
         segment_ranges=kv_ranges_ref,
         tile_rows=tile_rows,
     )
-    hull = None
+    hull = gap = None
     if mask_ranges_ref is not None:
-        kv_lo, kv_hi, same = narrow_to_mask_ranges(
+        kv_lo, kv_hi, same, gap = narrow_to_mask_ranges(
             kv_lo,
             kv_hi,
             same,
@@ -142,6 +144,7 @@ def _dq_kernel(
             b, h = stack_index(mask_ranges_ref, batch, head)
             tile = lax.div(tile_start, tile_rows)
             hull = mask_ranges_ref[b, h, tile, 0], mask_ranges_ref[b, h, tile, 1]
+    steps_hi = step_of(gap, kv_hi)  # the tile's steps are [kv_lo, steps_hi): the gap's blocks are skipped
     wg = lax.axis_index("wg")
     iota, zeros, load_vector = register_ops(interpreting)
     consumer_registers, producer_registers = REGISTERS
@@ -207,8 +210,8 @@ def _dq_kernel(
                 seed_ref, batch, head, positions(q_start, block_q, row, interpreting=interpreting)
             )
 
-        def slot_of(kv_step):
-            return lax.rem(kv_step - kv_lo, num_stages)
+        def slot_of(t):  # the ring slot of step t
+            return lax.rem(t - kv_lo, num_stages)
 
         def issue_s_dp(s_ref, dp_ref, slot):  # S = Q K^T and dP = dO V^T
             plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
@@ -328,9 +331,9 @@ def _dq_kernel(
                 return dq + jnp.dot(ds.astype(dtype), wgmma_operand(k_part(slot)), preferred_element_type=jnp.float32)
             return pl.run_state(lambda dq_ref: plgpu.wgmma(dq_ref, ds.astype(dtype), k_part(slot)))(plgpu.ACC.init(dq))
 
-        def step(kv_step, carry, *, masked: bool):
+        def step(t, carry, *, masked: bool):
             dq, acc = carry
-            slot = slot_of(kv_step)
+            slot, kv_step = slot_of(t), block_of(gap, t)
             plgpu.barrier_wait(k_ready.at[slot])
             plgpu.barrier_wait(v_ready.at[slot])
 
@@ -341,12 +344,12 @@ def _dq_kernel(
             plgpu.barrier_arrive(k_free.at[slot])
             return dq, add_rows(acc, d_rows)
 
-        def overlapped_step(kv_step, carry, *, masked: bool):
+        def overlapped_step(t, carry, *, masked: bool):
             """`config.dq_overlap`: issues S_j and dP_j, then dQ += dS_{j-1} K_{j-1}, waits for S_j and dP_j
             alone (wgmmas complete in order) and computes dS_j while that dQ product runs; K_{j-1} is
             released once it is done, so the ring holds two key blocks per consumer at a time."""
             dq, ds_prev, acc = carry
-            slot, prev = slot_of(kv_step), slot_of(kv_step - 1)
+            slot, prev, kv_step = slot_of(t), slot_of(t - 1), block_of(gap, t)
             plgpu.barrier_wait(k_ready.at[slot])
             plgpu.barrier_wait(v_ready.at[slot])
             if interpreting:  # the same steps, one product at a time
@@ -381,11 +384,11 @@ def _dq_kernel(
         # ("p_free"), consumer 1 rewrites dS once both dQ products of the last step have read it ("ds_free").
         split_products = shared_scratch is not None  # `dq_pass` allocates it where the call takes this way
 
-        def shared_step(kv_step, carry, *, masked: bool):
+        def shared_step(step_index, carry, *, masked: bool):
             dq, acc = carry
             p_smem, ds_smem, (p_ready, p_free, ds_ready, ds_free) = shared_scratch
-            slot = slot_of(kv_step)
-            t = kv_step - kv_lo
+            slot, kv_step = slot_of(step_index), block_of(gap, step_index)
+            t = step_index - kv_lo
             plgpu.barrier_wait(k_ready.at[slot])
             plgpu.barrier_wait(v_ready.at[slot])
 
@@ -427,7 +430,7 @@ def _dq_kernel(
             band=band,
             always_mask=False,
         )
-        unmasked_lo, unmasked_hi = unmasked_blocks(band_range, (kv_lo, kv_hi), same)
+        unmasked_lo, unmasked_hi = (step_of(gap, b) for b in unmasked_blocks(band_range, (kv_lo, kv_hi), same))
         # Without a left band edge, segment ids or block ranges (a mask program's, a dense or a block mask's),
         # unmasked_lo == kv_lo: no leading edge.
         leading = band.left is not None or has_segments or mask_ranges_ref is not None
@@ -450,16 +453,18 @@ def _dq_kernel(
                 kv_lo + 1 if leading else None,
                 unmasked_lo,
                 unmasked_hi,
-                kv_hi,
+                steps_hi,
             )
-            last = slot_of(kv_hi - 1)
+            last = slot_of(steps_hi - 1)
             dq = add_ds_k(dq, ds_last, last)
             plgpu.barrier_arrive(k_free.at[last])
         else:
             step_fn = shared_step if split_products else step
-            dq, acc = masked_edge_loops(step_fn, (dq, acc), kv_lo if leading else None, unmasked_lo, unmasked_hi, kv_hi)
+            dq, acc = masked_edge_loops(
+                step_fn, (dq, acc), kv_lo if leading else None, unmasked_lo, unmasked_hi, steps_hi
+            )
             if split_products:  # consumer 0 waits p_free's phases, consumer 1 ds_free's
-                drain_last_phases(kv_hi - kv_lo, wg, shared_scratch[2][1::2])
+                drain_last_phases(steps_hi - kv_lo, wg, shared_scratch[2][1::2])
 
         def store_zeros_and_rows():
             """dbias's zeros outside the visited key blocks and the program's row gradients (split_columns: one
@@ -468,6 +473,8 @@ def _dq_kernel(
                 zero_tile = zeros((block_q, block_kv))
                 pl.loop(0, kv_lo)(lambda kv_step: store_dbias(zero_tile, kv_step))
                 pl.loop(kv_hi, num_kv_blocks)(lambda kv_step: store_dbias(zero_tile, kv_step))
+                if gap is not None:
+                    pl.loop(gap.start, gap.start + gap.length)(lambda kv_step: store_dbias(zero_tile, kv_step))
             if acc:  # the score program's float row gradients (the d_rows_ref rows of this warpgroup's queries)
                 for i, d_row in enumerate(acc):
                     d_rows_smem.at[wg, i][...] = d_row
@@ -517,12 +524,13 @@ def _dq_kernel(
             block_kv=block_kv,
             num_stages=num_stages,
             kv_lo=kv_lo,
-            kv_hi=kv_hi,
+            kv_hi=steps_hi,
             kv_ids=ids,
             riders=riders,
+            gap=gap,
         )
         if interpreting:
-            drain_ring((k_free, v_free), num_stages=num_stages, steps=kv_hi - kv_lo)
+            drain_ring((k_free, v_free), num_stages=num_stages, steps=steps_hi - kv_lo)
 
 
 def dq_pass(

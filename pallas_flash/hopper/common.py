@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import typing
 
 import jax
 import jax.extend.core as jex
@@ -224,9 +225,11 @@ def stream_kv_blocks(
     kv_ids=None,
     riders=(),
     done=0,
+    gap=None,
 ):
-    """The producer warpgroup's loop (this forward's and the dQ kernel's): TMA key/value blocks kv_lo ..
-    kv_hi-1 of (batch, kv_head) into a `num_stages` shared-memory ring. `gmem`, `smem`, `ready`, `free` are
+    """The producer warpgroup's loop (this forward's and the dQ kernel's): TMA the key/value blocks of steps
+    kv_lo .. kv_hi-1 (`gap`: None, or the `Gap` those steps skip) of (batch, kv_head) into a `num_stages`
+    shared-memory ring. `gmem`, `smem`, `ready`, `free` are
     (key, value) pairs of refs and barriers; slot s is refilled once the consumers arrive on its "free"
     barrier. K of step i + num_stages may land once both consumers finished Q K^T of step i, before they
     finish its P V: K and V have separate "free" barriers. `kv_ids`: None, or (ids ref [batch, kv_pad],
@@ -236,7 +239,7 @@ def stream_kv_blocks(
     `done`: blocks already streamed through the ring (by earlier tiles of a persistent CTA)."""
 
     def load(step, slot, wait_free: bool):
-        keys = pl.ds((kv_lo + step) * block_kv, block_kv)
+        keys = pl.ds(block_of(gap, kv_lo + step) * block_kv, block_kv)
         for i, (ref, ring, is_ready, is_free) in enumerate(zip(gmem, smem, ready, free)):
             if wait_free:
                 plgpu.barrier_wait(is_free.at[slot])
@@ -549,12 +552,14 @@ def stack_index(stack, batch, head):
 
 def mask_block_ranges(anything, everything):
     """Per row tile, from a mask program's block classes (`mods.block_classes` at the kernel's tiles: bool
-    [..., num_tiles, num_blocks], some / every position visible), int32 [..., num_tiles, 4]: the blocks
-    [lo, hi) from the first to the last one with anything visible (lo = hi = 0 where none), and a run
-    [full_lo, full_hi) of wholly visible blocks, the first one: those need no mask. Blocks inside [lo, hi)
-    with nothing visible are still visited, masked."""
+    [..., num_tiles, num_blocks], some / every position visible), int32 [..., num_tiles, RANGE_FIELDS]: the blocks
+    [lo, hi) from the first to the last one with anything visible (lo = hi = 0 where none), a run [full_lo,
+    full_hi) of wholly visible blocks, the first one: those need no mask, and the longest run [gap_lo, gap_hi) of
+    blocks with nothing visible inside [lo, hi) (empty: 0, 0), which the query-major kernels skip (`Gap`). Other
+    blocks inside [lo, hi) with nothing visible are still visited, masked."""
     n = anything.shape[-1]
     full = everything & anything  # a tile past q_len has nothing valid: it is not "full"
+    index = jnp.arange(n, dtype=jnp.int32)
 
     def first(flags, default):
         return jnp.where(flags.any(axis=-1), jnp.argmax(flags, axis=-1), default)
@@ -562,22 +567,64 @@ def mask_block_ranges(anything, everything):
     lo = first(anything, 0)
     hi = jnp.where(anything.any(axis=-1), n - jnp.argmax(anything[..., ::-1], axis=-1), 0)
     full_lo = first(full, 0)
-    after_run = (jnp.arange(n) >= full_lo[..., None]) & ~full
+    after_run = (index >= full_lo[..., None]) & ~full
     full_hi = jnp.where(full.any(axis=-1), first(after_run, n), 0)
-    return jnp.stack([lo, hi, full_lo, full_hi], axis=-1).astype(jnp.int32)
+    # The empty run ending at block j starts after the last visible block before it; inside [lo, hi) every
+    # empty run has visible blocks on both sides. The longest one is the tile's gap.
+    last_seen = lax.cummax(jnp.where(anything, index, -1), axis=anything.ndim - 1)
+    run = jnp.where(~anything & (index > lo[..., None]) & (index < hi[..., None]), index - last_seen, 0)
+    gap_end = jnp.argmax(run, axis=-1)
+    gap_len = jnp.max(run, axis=-1)
+    gap_hi = jnp.where(gap_len > 0, gap_end + 1, 0)
+    return jnp.stack([lo, hi, full_lo, full_hi, gap_hi - gap_len, gap_hi], axis=-1).astype(jnp.int32)
+
+
+RANGE_FIELDS = 6  # lo, hi, full_lo, full_hi, gap_lo, gap_hi (`mask_block_ranges`)
+
+
+class Gap(typing.NamedTuple):
+    """Blocks [start, start + length) inside a tile's visited range [lo, hi) that hold nothing visible: the tile's
+    loops run over steps lo .. hi - length, step t visiting block `block(t)`, so the blocks are never loaded.
+    Length 0: none. A query-major kernel's (the forward's, the dQ pass's) key blocks, from `narrow_to_mask_ranges`."""
+
+    start: typing.Any
+    length: typing.Any
+
+    def block(self, step):
+        """The block that step `step` visits."""
+        return step + jnp.where(step >= self.start, self.length, 0)
+
+    def step(self, block):
+        """The step that visits `block`, or for a block inside the gap the step after it (a range's bound)."""
+        return jnp.where(block >= self.start + self.length, block - self.length, jnp.minimum(block, self.start))
+
+
+def block_of(gap: Gap | None, step):
+    """The block a tile's step visits (`Gap.block`; no gap: the step is the block)."""
+    return step if gap is None else gap.block(step)
+
+
+def step_of(gap: Gap | None, block):
+    """The step that visits `block` (`Gap.step`; no gap: the block is the step)."""
+    return block if gap is None else gap.step(block)
 
 
 def narrow_to_mask_ranges(lo, hi, same, ranges, *, batch, head, tile, num_kv_blocks: int):
     """A tile's key blocks [lo, hi) and unmasked run `same` (None or (first, end); from
     `query_tile_schedule`) narrowed to its entry of a mask program's `mask_block_ranges` (a gmem ref
-    [Bd, Hd, num_tiles, 4], read as scalars), keeping `query_tile_schedule`'s rule that a tile visits at
-    least one block (fully masked if it sees nothing)."""
+    [Bd, Hd, num_tiles, RANGE_FIELDS], read as scalars), keeping `query_tile_schedule`'s rule that a tile visits at
+    least one block (fully masked if it sees nothing). Returns (lo, hi, same, gap): the entry's `Gap` clipped to
+    the narrowed range, where a gap that reaches an edge of it narrows the range instead."""
     b, h = stack_index(ranges, batch, head)
     lo = jnp.minimum(jnp.maximum(lo, ranges[b, h, tile, 0]), num_kv_blocks - 1)
     hi = jnp.maximum(jnp.minimum(hi, ranges[b, h, tile, 1]), lo + 1)
     full = (ranges[b, h, tile, 2], ranges[b, h, tile, 3])
     same = full if same is None else (jnp.maximum(same[0], full[0]), jnp.minimum(same[1], full[1]))
-    return lo, hi, same
+    gap_lo = jnp.clip(ranges[b, h, tile, 4], lo, hi)
+    gap_hi = jnp.clip(ranges[b, h, tile, 5], gap_lo, hi)
+    leading, trailing = gap_lo == lo, gap_hi == hi  # both: nothing visible at all, the one block stays
+    lo, hi = jnp.where(leading & ~trailing, gap_hi, lo), jnp.where(trailing & ~leading, gap_lo, hi)
+    return lo, hi, same, Gap(gap_lo, jnp.where(leading | trailing, 0, gap_hi - gap_lo))
 
 
 def coarsen_block_classes(anything, everything, rows: int, cols: int):
@@ -631,16 +678,19 @@ def and_classes(*classes):
 
 
 def intersect_ranges(a, b):
-    """Two masks' `mask_block_ranges` (int32 [Bd, Hd, num_tiles, 4], broadcasting over [Bd, Hd]; either None) as
-    those of both masks applied: the hulls' intersection and the full runs' (a run wholly visible to both). An
-    empty intersection keeps `narrow_to_mask_ranges`' rule: the tile visits one block, which a mask hides."""
+    """Two masks' `mask_block_ranges` (int32 [Bd, Hd, num_tiles, RANGE_FIELDS], broadcasting over [Bd, Hd]; either
+    None) as those of both masks applied: the hulls' intersection, the full runs' (a run wholly visible to both)
+    and the longer of the two gaps (a block one mask hides, both do). An empty intersection keeps
+    `narrow_to_mask_ranges`' rule: the tile visits one block, which a mask hides."""
     if a is None or b is None:
         return b if a is None else a
     shape = jnp.broadcast_shapes(a.shape, b.shape)
     a, b = jnp.broadcast_to(a, shape), jnp.broadcast_to(b, shape)
     lo, hi = jnp.maximum(a[..., 0], b[..., 0]), jnp.minimum(a[..., 1], b[..., 1])
     full_lo, full_hi = jnp.maximum(a[..., 2], b[..., 2]), jnp.minimum(a[..., 3], b[..., 3])
-    return jnp.stack([lo, hi, full_lo, jnp.maximum(full_hi, full_lo)], axis=-1)
+    longer = (a[..., 5] - a[..., 4] >= b[..., 5] - b[..., 4])[..., None]
+    gap = jnp.where(longer, a[..., 4:], b[..., 4:])
+    return jnp.concatenate([jnp.stack([lo, hi, full_lo, jnp.maximum(full_hi, full_lo)], axis=-1), gap], axis=-1)
 
 
 def outside_hull_hidden(visible, positions, hull, block: int):

@@ -73,8 +73,10 @@ from pallas_flash.block_sparse import BlockMask
 from pallas_flash.blocks import LOG2E
 from pallas_flash.hopper.common import (
     KERNEL_STATIC_ARGNAMES,
+    RANGE_FIELDS,
     DenseMods,
     biased_logits,
+    block_of,
     dense_operands,
     dense_riders,
     dense_ring,
@@ -101,6 +103,7 @@ from pallas_flash.hopper.common import (
     segment_block_ranges,
     sparse_classes,
     stack_index,
+    step_of,
     stream_kv_blocks,
     tile_visible,
     unmasked_blocks,
@@ -316,7 +319,7 @@ def _kernel(
 
     def schedule(i):
         """(batch, head, first row, key blocks [lo, hi), unmasked run (same segment, wholly visible to the
-        mask program) or None) of this CTA's i-th tile."""
+        mask program) or None, the `Gap` its steps skip or None) of this CTA's i-th tile."""
         batch, head, tile = tile_of(i)
         tile_start, kv_lo, kv_hi, same = query_tile_schedule(
             num_q_tiles,
@@ -329,8 +332,9 @@ def _kernel(
             tile=tile,
             batch=batch,
         )
+        gap = None
         if mask_ranges_ref is not None:
-            kv_lo, kv_hi, same = narrow_to_mask_ranges(
+            kv_lo, kv_hi, same, gap = narrow_to_mask_ranges(
                 kv_lo,
                 kv_hi,
                 same,
@@ -340,7 +344,7 @@ def _kernel(
                 tile=lax.div(tile_start, NUM_CONSUMERS * block_q),
                 num_kv_blocks=num_kv_blocks,
             )
-        return batch, head, tile_start, kv_lo, kv_hi, same
+        return batch, head, tile_start, kv_lo, kv_hi, same, gap
 
     def hull(batch, head, tile_start):
         """The hull (lo, hi) of the tile's block ranges, with `dense.hide_outside_hull` (else None)."""
@@ -591,13 +595,14 @@ def _kernel(
                 return acc
             return pl.run_state(update)(plgpu.ACC.init(acc))
 
-        def overlapped_blocks(acc, m, l, *, tile, rows, kv_lo, kv_hi, unmasked, slot_of):
+        def overlapped_blocks(acc, m, l, *, tile, rows, kv_lo, kv_hi, unmasked, slot_of, gap):
             """`config.overlap`, FlashAttention-3's intra-warpgroup pipelining on top of the ping-pong: step j
             issues S_j = Q K_j^T and then O += P_{j-1} V_{j-1}, waits for S_j alone (wgmma groups complete in
             order: at most one, the P V, left in flight) and computes P_j's softmax while that P V runs.
             The consumers take turns issuing their wgmmas (a "your turn" barrier each: wait for ours, issue,
             arrive on the other's), so one's softmax also runs under the other's wgmmas. Registers: O, S_j
-            and P_{j-1} live at once. Block kv_lo (no P V before it) is peeled off and always masked; the
+            and P_{j-1} live at once. Steps [kv_lo, kv_hi) visit the blocks `gap` leaves (`Gap.block`). Block
+            kv_lo (no P V before it) is peeled off and always masked; the
             steps after it keep the masked / unmasked split; every step, the peeled one and the last P V
             each take one turn, the same count for both consumers."""
 
@@ -617,9 +622,10 @@ def _kernel(
             p, alpha, m = probabilities(s, m, masked=True, rows=rows, cols=cols, kv_step=kv_lo, tiles=tiles, row2=row2)
             l = l * alpha + p.sum(axis=1)  # O is still zero: nothing to rescale
 
-            def step(kv_step, carry, *, masked: bool):
+            def step(t, carry, *, masked: bool):
                 acc, m, l, p_prev = carry
-                slot, prev = slot_of(kv_step), slot_of(kv_step - 1)
+                slot, prev = slot_of(t), slot_of(t - 1)
+                kv_step = block_of(gap, t)
                 cols = block_values(slot, masked=masked)
                 offset, row2 = score_offsets(rows, cols, kv_step)
                 plgpu.barrier_wait(k_ready.at[slot])
@@ -668,7 +674,7 @@ def _kernel(
         def run_tile(i, ring_steps):
             """Tile i; `ring_steps`: K/V blocks this consumer took from the ring before it (slot = count %
             num_stages). Returns the count after it."""
-            batch, head, tile_start, kv_lo, kv_hi, same = schedule(i)
+            batch, head, tile_start, kv_lo, kv_hi, same, gap = schedule(i)
             q_start = tile_start + wg * block_q
             if not separate_out:  # the output reuses Q's tile: the last tile's store must have read it
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -686,23 +692,23 @@ def _kernel(
             rows = tile_rows(batch, head, q_start, q_seg, hull(batch, head, tile_start))
             next_row_operands(i)
 
-            def slot_of(kv_step):
-                return lax.rem(ring_steps + kv_step - kv_lo, num_stages)
+            def slot_of(t):  # the ring slot of step t
+                return lax.rem(ring_steps + t - kv_lo, num_stages)
 
             plgpu.barrier_wait(q_ready.at[wg])
             plgpu.barrier_wait(k_ready.at[slot_of(kv_lo)])  # kv_hi > kv_lo always (query_tile_schedule)
             # The next tile's (batch, head, first row), worked out once here rather than in every step.
             next_tile = schedule(jnp.minimum(i + 1, num_tiles - 1))[:3] if q_in_step else None
 
-            def step(kv_step, carry, *, masked: bool):
+            def step(t, carry, *, masked: bool):
                 acc, m, l = carry
-                slot = slot_of(kv_step)
+                slot, kv_step = slot_of(t), block_of(gap, t)
                 cols = block_values(slot, masked=masked)
                 offset, row2 = score_offsets(rows, cols, kv_step)
                 # Our QK^T is queued: the other consumer may issue its PV.
                 s = qk(slot, after_issue=lambda: plgpu.barrier_arrive(turn), offset=offset)
                 if q_in_step:
-                    q_read(i, kv_step == kv_hi - 1, next_tile)
+                    q_read(i, t == steps_hi - 1, next_tile)
                 tiles = block_tiles(slot, masked=masked)
                 plgpu.barrier_arrive(k_free.at[slot])
                 plgpu.barrier_wait(turn)
@@ -718,7 +724,7 @@ def _kernel(
                 plgpu.barrier_wait(turn)  # the tensor cores are ours
 
                 def wait_next_k():  # overlap the next K block's wait with this PV
-                    pl.when(kv_step + 1 < kv_hi)(lambda: plgpu.barrier_wait(k_ready.at[slot_of(kv_step + 1)]))
+                    pl.when(t + 1 < steps_hi)(lambda: plgpu.barrier_wait(k_ready.at[slot_of(t + 1)]))
 
                 acc = pv(acc, p16, slot, after_issue=wait_next_k)
                 plgpu.barrier_arrive(v_free.at[slot])
@@ -736,6 +742,8 @@ def _kernel(
                 always_mask=False,
             )
             unmasked_lo, unmasked_hi = unmasked_blocks(band_range, (kv_lo, kv_hi), same)
+            # From here on, ranges count steps (`Gap.step`): the gap's blocks are never visited.
+            unmasked_lo, unmasked_hi, steps_hi = (step_of(gap, b) for b in (unmasked_lo, unmasked_hi, kv_hi))
             if config.overlap:
                 acc, m, l = overlapped_blocks(
                     acc,
@@ -744,13 +752,14 @@ def _kernel(
                     tile=i,
                     rows=rows,
                     kv_lo=kv_lo,
-                    kv_hi=kv_hi,
+                    kv_hi=steps_hi,
                     unmasked=(unmasked_lo, unmasked_hi),
                     slot_of=slot_of,
+                    gap=gap,
                 )
             else:  # without a left band edge, segment ids or a mask program, unmasked_lo == kv_lo: no leading edge
                 acc, m, l = masked_edge_loops(
-                    step, (acc, m, l), kv_lo if leading else None, unmasked_lo, unmasked_hi, kv_hi
+                    step, (acc, m, l), kv_lo if leading else None, unmasked_lo, unmasked_hi, steps_hi
                 )
 
             if not config.overlap and not q_in_step:
@@ -767,7 +776,7 @@ def _kernel(
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_smem, out_ref.at[batch, pl.ds(q_start, block_q), head])
             plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(q_start, block_q)])
-            return ring_steps + kv_hi - kv_lo
+            return ring_steps + steps_hi - kv_lo
 
         if separate_out:
             load_q(0)
@@ -792,7 +801,8 @@ def _kernel(
         ids = None if not has_segments else (kv_ids_ref, segments[1], segments[3])
 
         def stream_tile(i, ring_steps):
-            batch, head, tile_start, kv_lo, kv_hi, _ = schedule(i)
+            batch, head, tile_start, kv_lo, kv_hi, _, gap = schedule(i)
+            steps_hi = step_of(gap, kv_hi)
             riders = ()
             if cols_ref is not None:  # the programs' column values of the query head's (batch, head)
                 b, h = stack_index(cols_ref, batch, head)
@@ -814,12 +824,13 @@ def _kernel(
                 block_kv=block_kv,
                 num_stages=num_stages,
                 kv_lo=kv_lo,
-                kv_hi=kv_hi,
+                kv_hi=steps_hi,
                 kv_ids=ids,
                 riders=riders,
                 done=ring_steps,
+                gap=gap,
             )
-            return ring_steps + kv_hi - kv_lo
+            return ring_steps + steps_hi - kv_lo
 
         ring_steps = for_each_tile(num_tiles, stream_tile, 0)
         if interpreting:
@@ -1062,7 +1073,7 @@ def mask_ranges(
 ):
     """The forward's `mask_ranges` for a mask program (with its closed-over arrays `mask_consts`) at `config`'s
     tiles: per (batch, head, query tile of 2 * block_q rows) the key blocks it visits and its run of wholly
-    visible blocks (`common.mask_block_ranges`), int32 [Bd, Hd, num_q_tiles, 4]; computed in XLA, on the
+    visible blocks (`common.mask_block_ranges`), int32 [Bd, Hd, num_q_tiles, RANGE_FIELDS]; computed in XLA, on the
     device."""
     anything, everything = mods.block_classes(
         mask_mod.program,
@@ -1202,7 +1213,7 @@ def hopper_forward(
     mod_operands, programs = _mod_operands(
         score_mod, score_stacks, mask_mod, mask_stacks, mask_ranges, q_pad=q_pad, kv_pad=kv_pad
     )
-    if mask_ranges is not None and mask_ranges.shape[2:] != (q_pad // (NUM_CONSUMERS * config.block_q), 4):
+    if mask_ranges is not None and mask_ranges.shape[2:] != (q_pad // (NUM_CONSUMERS * config.block_q), RANGE_FIELDS):
         raise ValueError(f"mask_ranges {mask_ranges.shape} are not at this call's tiles ({config})")
     mod_operands = sparse_operands(
         mod_operands, mask, block_mask, config, q_len=q_len, kv_len=kv_len, q_pad=q_pad, kv_pad=kv_pad

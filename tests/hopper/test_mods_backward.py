@@ -61,6 +61,15 @@ def _causal_alibi(shape):
     return (lambda slopes: mods.alibi(jax.lax.stop_gradient(slopes))), (slopes,), mods.causal()
 
 
+def _global_window_alibi(shape):
+    """ALiBi with constant slopes under 16 global keys and a 40-key window, causal: every query tile past the
+    window's reach has a gap of hidden key blocks between the global keys and its window, which the dQ pass steps
+    over (`Gap`)."""
+    slopes = jnp.asarray([0.3, 0.05], jnp.float32)[: shape[3]]
+    window = mods.or_masks(lambda b, h, q, k: k < 16, mods.sliding_window(40, 0))
+    return (lambda slopes: mods.alibi(jax.lax.stop_gradient(slopes))), (slopes,), mods.and_masks(mods.causal(), window)
+
+
 # Cases whose kernels also get the causal band (as `flash_attention` gives them for `mods.causal`).
 CAUSAL_BAND = {"alibi_causal"}
 
@@ -72,6 +81,11 @@ CASES = {
     "soft_cap_key_bias_overlap": (
         (2, 150, 100, 1, 1, 64),
         _capped_key_bias,
+        HopperBwdConfig(dq_overlap=True, dkv_overlap=True, num_stages_dkv=3, num_stages_dq=3),
+    ),
+    "global_window_gap_overlap": (
+        (1, 400, 400, 1, 1, 64),
+        _global_window_alibi,
         HopperBwdConfig(dq_overlap=True, dkv_overlap=True, num_stages_dkv=3, num_stages_dq=3),
     ),
     # the plain steps, as a nonlinear score program's head_dim-128 default runs them
@@ -90,7 +104,11 @@ def _programs(case, shape=None):
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize(
-    "case", [pytest.param(c, marks=() if c == "alibi_causal" else pytest.mark.slow) for c in CASES]
+    "case",
+    [
+        pytest.param(c, marks=() if c in ("alibi_causal", "global_window_gap_overlap") else pytest.mark.slow)
+        for c in CASES
+    ],
 )  # `slow` (CI's time): outside it the dropout backward with a score_mod (test_dropout) and attention_backward with
 # a mask_mod (test_api) run programs through both passes; the GPU test runs soft cap and the overlaps
 def test_backward_with_programs_in_mosaic_gpu_interpreter(case):

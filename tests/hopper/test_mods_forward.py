@@ -117,6 +117,15 @@ CASES = {
         False,
         HopperConfig(64, 64, 2, persistent=True, overlap=True),
     ),
+    # 16 global keys and a 40-key window under a causal band: tiles past the window's reach step over the hidden
+    # blocks between them (`Gap`); persistent, overlapped
+    "global_window_gap": (
+        (1, 400, 400, 1, 1, 64),
+        None,
+        lambda s: mods.or_masks(lambda b, h, q, k: k < 16, mods.sliding_window(40, 0)),
+        True,
+        HopperConfig(64, 64, 2, persistent=True, overlap=True),
+    ),
 }
 # Covered on the GPU; no_key_rows's tiles that visit no block also run in test_interpreter's no_key case.
 SLOW = {"sliding_window", "prefix_lm", "document_causal", "softcap_alibi_gqa", "no_key_rows"}
@@ -186,7 +195,9 @@ def test_mask_ranges_skip_and_unmask_blocks():
     staged, _ = mods.stage(program)
     ranges = hopper_fwd.mask_ranges(staged, consts, batch=1, heads=1, q_len=300, kv_len=300, config=config)
     # tiles of rows [0, 128), [128, 256), [256, 300); blocks of 64 keys, 5 of them
-    np.testing.assert_array_equal(np.asarray(ranges)[0, 0], [[0, 2, 0, 0], [0, 4, 0, 2], [0, 5, 0, 4]])
+    np.testing.assert_array_equal(
+        np.asarray(ranges)[0, 0], [[0, 2, 0, 0, 0, 0], [0, 4, 0, 2, 0, 0], [0, 5, 0, 4, 0, 0]]
+    )
 
 
 @pytest.mark.lowering

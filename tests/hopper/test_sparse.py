@@ -18,6 +18,7 @@ from pallas_flash.block_sparse import BlockMask, exact_by_ranges, tile_classes
 from pallas_flash.hopper import bwd as hopper_bwd
 from pallas_flash.hopper import fwd as hopper_fwd
 from pallas_flash.hopper import vjp as hopper_vjp
+from pallas_flash.hopper.common import mask_block_ranges, narrow_to_mask_ranges
 from pallas_flash.hopper.config import HopperBwdConfig, HopperConfig
 from tests.helpers import (
     MOSAIC_CALL,
@@ -96,7 +97,75 @@ def test_dense_mask_ranges_leave_out_the_hidden_blocks():
         (None, None, None), mask, None, HopperConfig(64, 64), q_len=256, kv_len=256, q_pad=256, kv_pad=256
     )
     # tile 0 holds query 5 (sees nothing): its blocks are visited, but not wholly visible
-    np.testing.assert_array_equal(np.asarray(ranges)[0, 0], [[0, 2, 0, 0], [2, 4, 2, 4]])
+    np.testing.assert_array_equal(np.asarray(ranges)[0, 0], [[0, 2, 0, 0, 0, 0], [2, 4, 2, 4, 0, 0]])
+
+
+def _global_and_recent_mask(q_len: int, kv_len: int, *, global_keys: int, recent_from: int):
+    """bool [1, 1, q_len, kv_len]: every query sees the first `global_keys` keys and those from `recent_from` on."""
+    k = np.arange(kv_len)[None, :]
+    mask = np.broadcast_to((k < global_keys) | (k >= recent_from), (q_len, kv_len))
+    return jnp.asarray(mask[None, None])
+
+
+@pytest.mark.interpreter
+def test_dense_mask_gap_is_never_loaded():
+    """Global keys and recent keys (a gap of hidden key blocks between them in every query tile's range): the
+    forward and the dQ pass step over the gap, so its NaN keys and values (which poison anything a kernel computes
+    after loading them, even masked) leave outputs and gradients equal to the reference's; ragged query rows and
+    a ragged last key block."""
+    shape = (1, 200, 500, 1, 1, 64)
+    q, k, v, d_out, d_lse = make_backward_inputs(shape, jnp.bfloat16, seed=43)
+    mask = _global_and_recent_mask(200, 500, global_keys=16, recent_from=384)
+    (_, _, ranges) = hopper_fwd.sparse_operands(
+        (None, None, None), mask, None, HopperConfig(64, 64), q_len=200, kv_len=500, q_pad=256, kv_pad=512
+    )
+    # blocks 1-5 hold no visible key: the gap; 6-7 are wholly visible (the ragged tail's padding counts as such)
+    np.testing.assert_array_equal(np.asarray(ranges)[0, 0], [[0, 8, 6, 8, 1, 6]] * 2)
+    hidden = (np.arange(500) >= 128) & (np.arange(500) < 384)  # the dK/dV pass's key tiles 1-2 see nothing
+    params = _interpreter()
+    out, lse = hopper_fwd.hopper_forward(
+        q, _poisoned(k, hidden), _poisoned(v, hidden), scale=SCALE, config=HopperConfig(64, 64), mask=mask,
+        interpret=params,
+    )  # fmt: skip
+    assert not _compat.mosaic_gpu_races_found()
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    (ref_out, ref_lse), vjp = jax.vjp(lambda q, k, v: reference.attention_reference(q, k, v, scale=SCALE, mask=mask),
+                                      *f32)  # fmt: skip
+    assert_close(out, ref_out, jnp.bfloat16)
+    assert_close(lse, ref_lse, jnp.float32, what="lse")
+    dq, dk, dv, _, _ = interpreted_hopper_backward(
+        q, _poisoned(k, hidden), _poisoned(v, hidden), ref_out.astype(q.dtype), ref_lse, d_out, d_lse,
+        scale=SCALE, config=HopperBwdConfig(), mask=mask, interpret=params,
+    )  # fmt: skip
+    assert_gradients_close((dq, dk, dv), vjp((d_out.astype(jnp.float32), d_lse)))
+
+
+def test_block_ranges_gap_is_the_longest_hidden_run():
+    """`mask_block_ranges` names the longest run of blocks with nothing visible strictly inside a tile's range
+    (none where there is no such run), and `narrow_to_mask_ranges` keeps it inside the range a band or segments
+    narrow it to, narrowing the range instead where the gap reaches one of its edges."""
+    rows = np.array(
+        [
+            [1, 0, 0, 1, 1, 0, 1, 0],  # runs [1, 3) and [5, 6): the first
+            [0, 1, 0, 1, 0, 0, 0, 1],  # runs [2, 3) and [4, 7)
+            [0, 1, 1, 1, 0, 0, 0, 0],  # nothing hidden between visible blocks
+            [0, 0, 0, 0, 0, 0, 0, 0],  # nothing visible
+        ],
+        bool,
+    )[None, None]
+    ranges = mask_block_ranges(jnp.asarray(rows), jnp.zeros_like(rows))
+    np.testing.assert_array_equal(
+        np.asarray(ranges)[0, 0, :, [0, 1, 4, 5]].T, [[0, 7, 1, 3], [1, 8, 4, 7], [1, 4, 0, 0], [0, 0, 0, 0]]
+    )
+
+    def narrowed(tile, lo, hi):
+        lo, hi, _, gap = narrow_to_mask_ranges(lo, hi, None, ranges, batch=0, head=0, tile=tile, num_kv_blocks=8)
+        return [int(x) for x in (lo, hi, gap.start, gap.length)] if gap.length else [int(lo), int(hi)]
+
+    assert narrowed(1, 0, 8) == [1, 8, 4, 3]
+    assert narrowed(1, 0, 6) == [1, 4]  # the band ends inside the gap: the range ends where it starts
+    assert narrowed(1, 5, 8) == [7, 8]  # the band starts inside it: the range starts where it ends
+    assert narrowed(0, 2, 5) == [3, 5]
 
 
 # ---- a BlockMask ------------------------------------------------------------------------------------------------
