@@ -7,6 +7,10 @@ import os
 # one, and the kernel hangs at random (segment-id calls: 4 hangs in 52 calls; none in 170 with NPROC=16). A
 # kernel has at most 3 warpgroups blocked plus that callback: 8 threads leave room.
 os.environ.setdefault("NPROC", str(max(os.cpu_count() or 1, 8)))
+# Under pytest-xdist (the README's GPU command runs 8 workers on one GPU) each worker takes GPU memory as it needs
+# it: by default each would reserve 75% of the GPU at its start, and the others would run out of memory.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
 CPU_DEVICES = 8
