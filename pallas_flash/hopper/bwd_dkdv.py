@@ -73,6 +73,20 @@ ALL_COPIES = ("q", "lse2", "do", "delta")
 
 
 BANDED_LOAD_WARPS = {0: ("q", "lse2"), 2: ("do", "delta")}
+# Under block ranges a key tile that visits more than this many times the mean query blocks launches first
+# (`long_tiles_first`): global keys' tile sees every query while a window's sees ~1k.
+LONG_TILE_FACTOR = 4.0
+
+
+def long_tiles_first(ranges, *, batch: int, kv_heads: int, num_tiles: int):
+    """int32 [batch * kv_heads * num_tiles]: the CTA launch order of the (batch, kv head, key tile) items
+    (row-major linear ids), from the dK/dV pass's block ranges (`mask_block_ranges`, [Bd, Hd, num_tiles, ...]):
+    the tiles that visit over LONG_TILE_FACTOR times the mean number of query blocks first, longest first, the
+    others in grid order. A grid launches its last axis fastest, so a head's long first tile would otherwise start
+    only after every tile of the heads before it, and run on alone after all others."""
+    steps = jnp.broadcast_to(ranges[..., 1] - ranges[..., 0], (batch, kv_heads, num_tiles)).reshape(-1)
+    long = steps > LONG_TILE_FACTOR * jnp.mean(steps.astype(jnp.float32))
+    return jnp.argsort(jnp.where(long, -steps, 1), stable=True).astype(jnp.int32)
 
 
 def _dkdv_kernel(
@@ -106,11 +120,13 @@ def _dkdv_kernel(
     dq_order=None,
     dropout: KernelDropout | None = None,
     seed_ref=None,
+    launch_ref=None,
     dense: DenseMods = DenseMods(),
     split_products: bool = False,
 ):
     """Grid (batch, kv_heads, kv_tiles) (with config.dq_ordered `ordered_launch`'s), 3 warpgroups ("wg"):
     0 and 1 consume, 2 produces (with config.dq_ordered its first warp loads, its second stores dQ).
+    launch_ref: None, or int32 [batch * kv_heads * kv_tiles], the item each CTA takes (`long_tiles_first`).
 
     `interpreting`: as in the forward (`hopper_fwd._kernel`), for JAX's Mosaic GPU interpreter on CPU: the
     wgmmas are plain dots on the same shared-memory tiles and registers (no `pl.run_state`, no transposed
@@ -157,6 +173,14 @@ def _dkdv_kernel(
     if dq_order is None:
         batch, kv_head = lax.axis_index("batch"), lax.axis_index("kv_heads")
         kv_tile = lax.axis_index("kv_tiles")
+        if launch_ref is not None:
+            num_tiles, kv_heads = k_ref.shape[1] // (config.row_tiles * block_kv), k_ref.shape[2]
+            item = launch_ref[(batch * kv_heads + kv_head) * num_tiles + kv_tile]
+            batch, kv_head, kv_tile = (
+                lax.div(item, kv_heads * num_tiles),
+                lax.rem(lax.div(item, num_tiles), kv_heads),
+                lax.rem(item, num_tiles),
+            )
     else:
         batch, kv_head, kv_tile = dq_order.cta
     tile_start = kv_tile * (config.row_tiles * block_kv)
@@ -905,6 +929,10 @@ def dkdv_pass(
 
     num_q_blocks = q.shape[1] // block_q
     num_tiles = kv_pad // (tiles * block_kv)
+    # Under block ranges the two passes launch long key tiles first; the one pass keeps its own order.
+    launch = None
+    if mod_operands[2] is not None and not config.dq_atomic:
+        launch = long_tiles_first(mod_operands[2], batch=batch, kv_heads=kv_heads, num_tiles=num_tiles)
     # dq_ordered: a pair's float32 dQ covers its kv head's group of query heads
     launch_group = pairs_per_group(batch * kv_heads, q.shape[1] * q.shape[2] // kv_heads * head_dim * 4)
 
@@ -915,6 +943,7 @@ def dkdv_pass(
         mod_refs = [None if x is None else rest.pop(0) for x in mod_operands]
         mod_refs += [None if x is None else rest.pop(0) for x in dense_arrays]
         seed_ref = None if dropout is None else rest.pop(0)
+        launch_ref = rest.pop(0) if launch is not None else None
         if num_d_cols:
             *rest, d_cols_ref = rest
         else:
@@ -927,7 +956,10 @@ def dkdv_pass(
 
         def run(*scoped):
             if ranks is None:
-                return body(*inputs, *segment_refs, *mod_refs, dq_acc, *outputs, d_cols_ref, scoped, seed_ref=seed_ref)
+                return body(
+                    *inputs, *segment_refs, *mod_refs, dq_acc, *outputs, d_cols_ref, scoped, seed_ref=seed_ref,
+                    launch_ref=launch_ref,
+                )  # fmt: skip
             *scoped, staged, free = scoped
             *cta, active = ordered_cta(batch, kv_heads, num_tiles, launch_group)
             order = DqOrder(ranks, semaphores, tuple(cta), staged, free)
@@ -969,6 +1001,8 @@ def dkdv_pass(
     operands += tuple(x for x in dense_arrays if x is not None)
     if dropout is not None:
         operands += (dropout_seed,)
+    if launch is not None:
+        operands += (launch,)
     out_type = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
     grid = dict(
         grid=(batch, kv_heads, num_tiles),
