@@ -553,8 +553,8 @@ def stack_index(stack, batch, head):
 def mask_block_ranges(anything, everything):
     """Per row tile, from a mask program's block classes (`mods.block_classes` at the kernel's tiles: bool
     [..., num_tiles, num_blocks], some / every position visible), int32 [..., num_tiles, RANGE_FIELDS]: the blocks
-    [lo, hi) from the first to the last one with anything visible (lo = hi = 0 where none), a run [full_lo,
-    full_hi) of wholly visible blocks, the first one: those need no mask, and the longest run [gap_lo, gap_hi) of
+    [lo, hi) from the first to the last one with anything visible (lo = hi = 0 where none), the longest run
+    [full_lo, full_hi) of wholly visible blocks: those need no mask, and the longest run [gap_lo, gap_hi) of
     blocks with nothing visible inside [lo, hi) (empty: 0, 0), which the query-major kernels skip (`Gap`). Other
     blocks inside [lo, hi) with nothing visible are still visited, masked."""
     n = anything.shape[-1]
@@ -566,17 +566,19 @@ def mask_block_ranges(anything, everything):
 
     lo = first(anything, 0)
     hi = jnp.where(anything.any(axis=-1), n - jnp.argmax(anything[..., ::-1], axis=-1), 0)
-    full_lo = first(full, 0)
-    after_run = (index >= full_lo[..., None]) & ~full
-    full_hi = jnp.where(full.any(axis=-1), first(after_run, n), 0)
-    # The empty run ending at block j starts after the last visible block before it; inside [lo, hi) every
-    # empty run has visible blocks on both sides. The longest one is the tile's gap.
-    last_seen = lax.cummax(jnp.where(anything, index, -1), axis=anything.ndim - 1)
-    run = jnp.where(~anything & (index > lo[..., None]) & (index < hi[..., None]), index - last_seen, 0)
-    gap_end = jnp.argmax(run, axis=-1)
-    gap_len = jnp.max(run, axis=-1)
-    gap_hi = jnp.where(gap_len > 0, gap_end + 1, 0)
-    return jnp.stack([lo, hi, full_lo, full_hi, gap_hi - gap_len, gap_hi], axis=-1).astype(jnp.int32)
+
+    def longest_run(flags):
+        """(start, end) of the longest run of True in `flags` (the first of equals; 0, 0 where none): the run
+        ending at block j starts after the last False before it."""
+        last_false = lax.cummax(jnp.where(flags, -1, index), axis=flags.ndim - 1)
+        length = jnp.where(flags, index - last_false, 0)
+        end = jnp.where(length.max(axis=-1) > 0, jnp.argmax(length, axis=-1) + 1, 0)
+        return end - length.max(axis=-1), end
+
+    full_lo, full_hi = longest_run(full)
+    # Inside [lo, hi) every empty run has visible blocks on both sides.
+    gap_lo, gap_hi = longest_run(~anything & (index > lo[..., None]) & (index < hi[..., None]))
+    return jnp.stack([lo, hi, full_lo, full_hi, gap_lo, gap_hi], axis=-1).astype(jnp.int32)
 
 
 RANGE_FIELDS = 6  # lo, hi, full_lo, full_hi, gap_lo, gap_hi (`mask_block_ranges`)

@@ -141,9 +141,10 @@ def test_dense_mask_gap_is_never_loaded():
 
 
 def test_block_ranges_gap_is_the_longest_hidden_run():
-    """`mask_block_ranges` names the longest run of blocks with nothing visible strictly inside a tile's range
-    (none where there is no such run), and `narrow_to_mask_ranges` keeps it inside the range a band or segments
-    narrow it to, narrowing the range instead where the gap reaches one of its edges."""
+    """`mask_block_ranges` names the longest run of wholly visible blocks (unmasked) and the longest run of blocks
+    with nothing visible strictly inside a tile's range (none where there is no such run), and
+    `narrow_to_mask_ranges` keeps the latter inside the range a band or segments narrow it to, narrowing the range
+    instead where the gap reaches one of its edges."""
     rows = np.array(
         [
             [1, 0, 0, 1, 1, 0, 1, 0],  # runs [1, 3) and [5, 6): the first
@@ -153,7 +154,10 @@ def test_block_ranges_gap_is_the_longest_hidden_run():
         ],
         bool,
     )[None, None]
-    ranges = mask_block_ranges(jnp.asarray(rows), jnp.zeros_like(rows))
+    everything = np.zeros_like(rows)
+    everything[0, 0, 0] = rows[0, 0, 0]  # wholly visible: [0, 1), [3, 5) and [6, 7)
+    ranges = mask_block_ranges(jnp.asarray(rows), jnp.asarray(everything))
+    np.testing.assert_array_equal(np.asarray(ranges)[0, 0, :, 2:4], [[3, 5], [0, 0], [0, 0], [0, 0]])  # the longest
     np.testing.assert_array_equal(
         np.asarray(ranges)[0, 0, :, [0, 1, 4, 5]].T, [[0, 7, 1, 3], [1, 8, 4, 7], [1, 4, 0, 0], [0, 0, 0, 0]]
     )
