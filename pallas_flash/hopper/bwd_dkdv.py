@@ -37,6 +37,8 @@ from pallas_flash.hopper.common import (
     DenseMods,
     add_product,
     biased_logits,
+    block_of,
+    clip_gap,
     column_half,
     dense_ring,
     dense_tiles,
@@ -46,7 +48,9 @@ from pallas_flash.hopper.common import (
     fill_ring,
     hand_over,
     head_dim_transforms,
+    launched_item,
     load_own_ids,
+    long_tiles_first,
     masked_edge_loops,
     outside_hull_hidden,
     product_t,
@@ -58,6 +62,7 @@ from pallas_flash.hopper.common import (
     serves_split_products,
     stack_index,
     step_block,
+    step_of,
     swizzle_transforms,
     tile_visible,
     unmasked_blocks,
@@ -73,20 +78,6 @@ ALL_COPIES = ("q", "lse2", "do", "delta")
 
 
 BANDED_LOAD_WARPS = {0: ("q", "lse2"), 2: ("do", "delta")}
-# Under block ranges a key tile that visits more than this many times the mean query blocks launches first
-# (`long_tiles_first`): global keys' tile sees every query while a window's sees ~1k.
-LONG_TILE_FACTOR = 4.0
-
-
-def long_tiles_first(ranges, *, batch: int, kv_heads: int, num_tiles: int):
-    """int32 [batch * kv_heads * num_tiles]: the CTA launch order of the (batch, kv head, key tile) items
-    (row-major linear ids), from the dK/dV pass's block ranges (`mask_block_ranges`, [Bd, Hd, num_tiles, ...]):
-    the tiles that visit over LONG_TILE_FACTOR times the mean number of query blocks first, longest first, the
-    others in grid order. A grid launches its last axis fastest, so a head's long first tile would otherwise start
-    only after every tile of the heads before it, and run on alone after all others."""
-    steps = jnp.broadcast_to(ranges[..., 1] - ranges[..., 0], (batch, kv_heads, num_tiles)).reshape(-1)
-    long = steps > LONG_TILE_FACTOR * jnp.mean(steps.astype(jnp.float32))
-    return jnp.argsort(jnp.where(long, -steps, 1), stable=True).astype(jnp.int32)
 
 
 def _dkdv_kernel(
@@ -126,7 +117,7 @@ def _dkdv_kernel(
 ):
     """Grid (batch, kv_heads, kv_tiles) (with config.dq_ordered `ordered_launch`'s), 3 warpgroups ("wg"):
     0 and 1 consume, 2 produces (with config.dq_ordered its first warp loads, its second stores dQ).
-    launch_ref: None, or int32 [batch * kv_heads * kv_tiles], the item each CTA takes (`long_tiles_first`).
+    launch_ref: None, or int32 [batch * kv_heads * kv_tiles], the item each CTA takes (`common.long_tiles_first`).
 
     `interpreting`: as in the forward (`hopper_fwd._kernel`), for JAX's Mosaic GPU interpreter on CPU: the
     wgmmas are plain dots on the same shared-memory tiles and registers (no `pl.run_state`, no transposed
@@ -171,16 +162,8 @@ def _dkdv_kernel(
     max_position = max(q_ref.shape[1], k_ref.shape[1])  # positions the programs see are below it
     dtype = q_ref.dtype
     if dq_order is None:
-        batch, kv_head = lax.axis_index("batch"), lax.axis_index("kv_heads")
-        kv_tile = lax.axis_index("kv_tiles")
-        if launch_ref is not None:
-            num_tiles, kv_heads = k_ref.shape[1] // (config.row_tiles * block_kv), k_ref.shape[2]
-            item = launch_ref[(batch * kv_heads + kv_head) * num_tiles + kv_tile]
-            batch, kv_head, kv_tile = (
-                lax.div(item, kv_heads * num_tiles),
-                lax.rem(lax.div(item, num_tiles), kv_heads),
-                lax.rem(item, num_tiles),
-            )
+        grid = (q_ref.shape[0], k_ref.shape[2], k_ref.shape[1] // (config.row_tiles * block_kv))
+        batch, kv_head, kv_tile = launched_item(launch_ref, grid, ("batch", "kv_heads", "kv_tiles"))
     else:
         batch, kv_head, kv_tile = dq_order.cta
     tile_start = kv_tile * (config.row_tiles * block_kv)
@@ -200,17 +183,22 @@ def _dkdv_kernel(
         kv_pad=k_ref.shape[1],
         band=band,
     )
+    gap = None  # with block ranges, the `Gap` of query blocks the steps skip
     if mask_ranges_ref is not None:  # and the query blocks the mask program leaves anything visible in
         b, h = stack_index(mask_ranges_ref, batch, kv_head)
         q_lo = jnp.maximum(q_lo, mask_ranges_ref[b, h, kv_tile, 0])
         q_hi = jnp.maximum(jnp.minimum(q_hi, mask_ranges_ref[b, h, kv_tile, 1]), q_lo)
         full = (mask_ranges_ref[b, h, kv_tile, 2], mask_ranges_ref[b, h, kv_tile, 3])
         same = full if same is None else (jnp.maximum(same[0], full[0]), jnp.minimum(same[1], full[1]))
+        if dq_order is None:  # the ordered adds count on each tile's blocks forming one run
+            gap_range = mask_ranges_ref[b, h, kv_tile, 4], mask_ranges_ref[b, h, kv_tile, 5]
+            q_lo, q_hi, gap = clip_gap(q_lo, q_hi, *gap_range)
     # A block mask served by its ranges alone: a tile whose query blocks reach outside their hull hides them.
     hull = None
     if dense.hide_outside_hull:
         hull = mask_ranges_ref[b, h, kv_tile, 0], mask_ranges_ref[b, h, kv_tile, 1]
-    q_steps = q_hi - q_lo
+    steps_hi = step_of(gap, q_hi)  # steps [q_lo, steps_hi) per head visit blocks `block_of(gap, step)`
+    q_steps = steps_hi - q_lo
     total_steps = group * q_steps
     wg = lax.axis_index("wg")
     iota, zeros, load_vector = register_ops(interpreting)
@@ -403,9 +391,10 @@ def _dkdv_kernel(
             columns with split_columns (one indexer: JAX 0.12 cannot lower a column slice of an indexed ref)."""
             return ring.at[slot] if cols is None else ring.at[slot, :, cols]
 
-        def step(q_block, carry, *, g, cols, masked: bool):
+        def step(s, carry, *, g, cols, masked: bool):
             dk, dv, acc = carry
-            t = g * q_steps + q_block - q_lo  # this warpgroup's step number (`step_block` inverted)
+            q_block = block_of(gap, s)
+            t = g * q_steps + s - q_lo  # this warpgroup's step number (`step_block` inverted)
             slot = lax.rem(t, num_stages)
             q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
             q_part, do_part = own_columns(q_smem, slot, k_cols), own_columns(do_smem, slot, v_cols)
@@ -528,11 +517,12 @@ def _dkdv_kernel(
         # from the shared tiles (no product done twice). One slot each: consumer 0 rewrites P^T once both dV
         # products and consumer 1's read of the last step have read it ("p_free", two arrivals), consumer 1
         # rewrites dS^T once both dK products have read it ("ds_free").
-        def shared_step(q_block, carry, *, g, cols, masked: bool):
+        def shared_step(s, carry, *, g, cols, masked: bool):
             dk, dv, acc = carry
             p_smem, ds_smem = extra_tiles
             p_ready, p_free, ds_ready, ds_free = extra_barriers
-            t = g * q_steps + q_block - q_lo
+            q_block = block_of(gap, s)
+            t = g * q_steps + s - q_lo
             slot = lax.rem(t, num_stages)
             q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
             wait_q(slot)
@@ -561,14 +551,15 @@ def _dkdv_kernel(
             plgpu.barrier_arrive(free.at[slot])
             return dk, dv, acc
 
-        def overlapped_step(q_block, carry, *, g, cols, masked: bool):
+        def overlapped_step(s, carry, *, g, cols, masked: bool):
             """`config.dkv_overlap` (two passes): issues S^T_t, then dK += dS^T_{t-1} Q_{t-1}, waits for S^T_t
             alone (wgmma groups complete in order) and computes P^T_t while that dK product runs; then dV with
             dP^T_t as in `step`. Q_{t-1}'s slot is released once its dK product is done, so the consumer holds
             two slots of the ring. Step 0 has no previous step: its dK product adds zeros (the initial dS^T)
             times its own Q block, which is exact, and it releases nothing."""
             dk, dv, ds_prev, acc = carry
-            t = g * q_steps + q_block - q_lo
+            q_block = block_of(gap, s)
+            t = g * q_steps + s - q_lo
             slot = lax.rem(t, num_stages)
             prev = jnp.where(t > 0, lax.rem(t + num_stages - 1, num_stages), slot)
             q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
@@ -640,7 +631,7 @@ def _dkdv_kernel(
             band=band,
             always_mask=always_mask,
         )
-        unmasked_lo, unmasked_hi = unmasked_blocks(band_range, (q_lo, q_hi), same)
+        unmasked_lo, unmasked_hi = (step_of(gap, b) for b in unmasked_blocks(band_range, (q_lo, q_hi), same))
 
         # Without a left band edge, masked padding, segment ids or block ranges (a mask program's, a dense or a
         # block mask's), unmasked_hi == q_hi: no trailing edge.
@@ -660,7 +651,7 @@ def _dkdv_kernel(
                 q_lo,
                 unmasked_lo,
                 unmasked_hi,
-                q_hi if trailing else None,
+                steps_hi if trailing else None,
             )
             if acc:
 
@@ -745,8 +736,8 @@ def _dkdv_kernel(
 
         def load(step, slot, wait_free: bool, copies=ALL_COPIES):
             """Step `step`'s copies into ring slot `slot`, those named in `copies` (`ALL_COPIES`)."""
-            g, q_block = step_block(step, q_lo=q_lo, q_steps=q_steps)
-            head = kv_head * group + g
+            g, q_step = step_block(step, q_lo=q_lo, q_steps=q_steps)
+            q_block, head = block_of(gap, q_step), kv_head * group + g
             queries = pl.ds(q_block * block_q, block_q)
             if wait_free:
                 plgpu.barrier_wait(free.at[slot])
@@ -929,10 +920,11 @@ def dkdv_pass(
 
     num_q_blocks = q.shape[1] // block_q
     num_tiles = kv_pad // (tiles * block_kv)
-    # Under block ranges the two passes launch long key tiles first; the one pass keeps its own order.
+    # Under block ranges the two passes launch long key tiles first (`long_tiles_first`); the one pass keeps its
+    # own order.
     launch = None
     if mod_operands[2] is not None and not config.dq_atomic:
-        launch = long_tiles_first(mod_operands[2], batch=batch, kv_heads=kv_heads, num_tiles=num_tiles)
+        launch = long_tiles_first(mod_operands[2], batch=batch, heads=kv_heads, num_tiles=num_tiles)
     # dq_ordered: a pair's float32 dQ covers its kv head's group of query heads
     launch_group = pairs_per_group(batch * kv_heads, q.shape[1] * q.shape[2] // kv_heads * head_dim * 4)
 

@@ -31,7 +31,9 @@ from pallas_flash.hopper.common import (
     drain_ring,
     hand_over,
     head_dim_transforms,
+    launched_item,
     load_own_ids,
+    long_tiles_first,
     masked_edge_loops,
     narrow_to_mask_ranges,
     outside_hull_hidden,
@@ -84,9 +86,11 @@ def _dq_kernel(
     interpreting: bool,
     dropout: KernelDropout | None = None,
     seed_ref=None,
+    launch_ref=None,
     dense: DenseMods = DenseMods(),
 ):
-    """Grid (batch, heads, q_tiles), 3 warpgroups ("wg"): 0 and 1 consume, 2 produces.
+    """Grid (batch, heads, q_tiles), 3 warpgroups ("wg"): 0 and 1 consume, 2 produces. launch_ref: None, or int32
+    [batch * heads * q_tiles], the item each CTA takes (`common.long_tiles_first`).
 
     Shapes and `interpreting` as in `_dkdv_kernel`; dq_ref like q_ref. `programs`: the score and mask
     programs with rows_ref (resident per consumer) and cols_ref (riding the K ring) their packed values,
@@ -117,7 +121,8 @@ def _dq_kernel(
     num_kv_blocks = k_ref.shape[1] // block_kv
     max_position = max(q_ref.shape[1], k_ref.shape[1])  # positions the programs see are below it
     dtype = q_ref.dtype
-    batch, head = lax.axis_index("batch"), lax.axis_index("heads")
+    grid = (q_ref.shape[0], q_ref.shape[2], num_q_tiles)
+    batch, head, grid_tile = launched_item(launch_ref, grid, ("batch", "heads", "q_tiles"))
     tile_start, kv_lo, kv_hi, same = query_tile_schedule(
         num_q_tiles,
         block_q=block_q,
@@ -126,6 +131,8 @@ def _dq_kernel(
         kv_len=kv_len,
         band=band,
         segment_ranges=kv_ranges_ref,
+        tile=grid_tile,
+        batch=batch,
         tile_rows=tile_rows,
     )
     hull = gap = None
@@ -574,8 +581,14 @@ def dq_pass(
     transforms_qk = head_dim_transforms(head_dim, split=config.split_columns)
     transforms_v = head_dim_transforms(head_dim_v, split=config.split_columns)
 
-    rows, cols, _ = mod_operands
+    rows, cols, ranges = mod_operands
     score_mod = programs.score
+    # Under block ranges long query tiles launch first (`long_tiles_first`; a causal band's grid runs its tiles in
+    # reverse, `query_tile_schedule`).
+    launch = None
+    if ranges is not None:
+        reverse = band.right is not None and band.left is None
+        launch = long_tiles_first(ranges, batch=batch, heads=heads, num_tiles=num_q_tiles, reverse_tiles=reverse)
     # dq_split_products where it serves the call (the others run split_columns' way, without its scratch).
     shares_ds = config.dq_split_products and serves_split_products(mod_operands, dense_arrays, dropout, programs, dense)
     num_d_rows = len(score_mod.group("row", "float")) if score_mod is not None and score_mod.needs_grad else 0
@@ -587,6 +600,7 @@ def dq_pass(
         mod_refs = [None if x is None else refs.pop(0) for x in mod_operands]
         dense_refs = [None if x is None else refs.pop(0) for x in dense_arrays]
         seed_ref = None if dropout is None else refs.pop(0)
+        launch_ref = None if launch is None else refs.pop(0)
         dq_ref = refs.pop(0)
         d_rows_ref = refs.pop(0) if num_d_rows else None
         dbias_ref = refs.pop(0) if dense.writes_dbias else None
@@ -619,6 +633,7 @@ def dq_pass(
             interpreting=interpret is not None,
             dropout=dropout,
             seed_ref=seed_ref,
+            launch_ref=launch_ref,
             dense=dense,
         )
         pl.run_scoped(
@@ -673,6 +688,8 @@ def dq_pass(
     operands += tuple(x for x in dense_arrays if x is not None)
     if dropout is not None:
         operands += (dropout_seed,)
+    if launch is not None:
+        operands += (launch,)
     extras = (
         jax.ShapeDtypeStruct((batch, heads, num_d_rows, q_pad), jnp.float32) if num_d_rows else None,
         jax.ShapeDtypeStruct((batch, heads, q_pad, k.shape[1]), jnp.float32) if dense.writes_dbias else None,

@@ -555,7 +555,7 @@ def mask_block_ranges(anything, everything):
     [..., num_tiles, num_blocks], some / every position visible), int32 [..., num_tiles, RANGE_FIELDS]: the blocks
     [lo, hi) from the first to the last one with anything visible (lo = hi = 0 where none), the longest run
     [full_lo, full_hi) of wholly visible blocks: those need no mask, and the longest run [gap_lo, gap_hi) of
-    blocks with nothing visible inside [lo, hi) (empty: 0, 0), which the query-major kernels skip (`Gap`). Other
+    blocks with nothing visible inside [lo, hi) (empty: 0, 0), which the kernels skip (`Gap`). Other
     blocks inside [lo, hi) with nothing visible are still visited, masked."""
     n = anything.shape[-1]
     full = everything & anything  # a tile past q_len has nothing valid: it is not "full"
@@ -587,7 +587,8 @@ RANGE_FIELDS = 6  # lo, hi, full_lo, full_hi, gap_lo, gap_hi (`mask_block_ranges
 class Gap(typing.NamedTuple):
     """Blocks [start, start + length) inside a tile's visited range [lo, hi) that hold nothing visible: the tile's
     loops run over steps lo .. hi - length, step t visiting block `block(t)`, so the blocks are never loaded.
-    Length 0: none. A query-major kernel's (the forward's, the dQ pass's) key blocks, from `narrow_to_mask_ranges`."""
+    Length 0: none. Key blocks of a query tile (the forward, the dQ pass: `narrow_to_mask_ranges`) or query blocks of
+    a key tile (the dK/dV pass), from the block ranges (`clip_gap`)."""
 
     start: typing.Any
     length: typing.Any
@@ -622,11 +623,48 @@ def narrow_to_mask_ranges(lo, hi, same, ranges, *, batch, head, tile, num_kv_blo
     hi = jnp.maximum(jnp.minimum(hi, ranges[b, h, tile, 1]), lo + 1)
     full = (ranges[b, h, tile, 2], ranges[b, h, tile, 3])
     same = full if same is None else (jnp.maximum(same[0], full[0]), jnp.minimum(same[1], full[1]))
-    gap_lo = jnp.clip(ranges[b, h, tile, 4], lo, hi)
-    gap_hi = jnp.clip(ranges[b, h, tile, 5], gap_lo, hi)
-    leading, trailing = gap_lo == lo, gap_hi == hi  # both: nothing visible at all, the one block stays
+    lo, hi, gap = clip_gap(lo, hi, ranges[b, h, tile, 4], ranges[b, h, tile, 5])
+    return lo, hi, same, gap
+
+
+def clip_gap(lo, hi, gap_lo, gap_hi):
+    """(lo, hi, `Gap`): a tile's visited blocks [lo, hi) and the ranges' gap [gap_lo, gap_hi) clipped to them; a gap
+    that reaches an edge of [lo, hi) (a band or segments ended the range inside it) narrows the range instead, and
+    one that covers it all is dropped (the range stays: nothing in it is visible, and its blocks are masked)."""
+    gap_lo = jnp.clip(gap_lo, lo, hi)
+    gap_hi = jnp.clip(gap_hi, gap_lo, hi)
+    leading, trailing = gap_lo == lo, gap_hi == hi
     lo, hi = jnp.where(leading & ~trailing, gap_hi, lo), jnp.where(trailing & ~leading, gap_lo, hi)
-    return lo, hi, same, Gap(gap_lo, jnp.where(leading | trailing, 0, gap_hi - gap_lo))
+    return lo, hi, Gap(gap_lo, jnp.where(leading | trailing, 0, gap_hi - gap_lo))
+
+
+# Under block ranges a tile that visits more than this many times the mean number of blocks launches first
+# (`long_tiles_first`): global keys' tile sees every query while a window's sees ~1k.
+LONG_TILE_FACTOR = 4.0
+
+
+def long_tiles_first(ranges, *, batch: int, heads: int, num_tiles: int, reverse_tiles: bool = False):
+    """int32 [batch * heads * num_tiles]: the CTA launch order of a grid (batch, heads, tiles) (row-major linear
+    ids of the items), from its tiles' block ranges (`mask_block_ranges`, [Bd, Hd, num_tiles, ...]; with
+    `reverse_tiles` grid tile i is range tile num_tiles - 1 - i): the tiles that visit over LONG_TILE_FACTOR times
+    the mean number of blocks first, longest first, the others in grid order. A grid launches its last axis
+    fastest, so a head's long tile would otherwise start only after every tile of the heads before it, and run on
+    alone after all others; uniform and causal-shaped sparsity keep their order (and their L2 reuse)."""
+    steps = jnp.broadcast_to(ranges[..., 1] - ranges[..., 0], (batch, heads, num_tiles))
+    steps = (steps[..., ::-1] if reverse_tiles else steps).reshape(-1)
+    long = steps > LONG_TILE_FACTOR * jnp.mean(steps.astype(jnp.float32))
+    return jnp.argsort(jnp.where(long, -steps, 1), stable=True).astype(jnp.int32)
+
+
+def launched_item(launch_ref, grid: tuple[int, int, int], names: tuple[str, str, str]):
+    """This CTA's (batch, head, tile) item of a (batch, heads, tiles) grid named `names`: its own grid position, or
+    with a launch order (`long_tiles_first`, None: none) the item at its linear position."""
+    position = tuple(lax.axis_index(name) for name in names)
+    if launch_ref is None:
+        return position
+    _, heads, tiles = grid
+    item = launch_ref[(position[0] * heads + position[1]) * tiles + position[2]]
+    return lax.div(item, heads * tiles), lax.rem(lax.div(item, tiles), heads), lax.rem(item, tiles)
 
 
 def coarsen_block_classes(anything, everything, rows: int, cols: int):
