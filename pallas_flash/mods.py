@@ -253,6 +253,17 @@ class Staged:
     def group(self, side: str, kind: str) -> list:
         return [s for s in self.staged if s.side == side and s.kind == kind]
 
+    @property
+    def ors_query_term(self) -> bool:
+        """Whether the program ORs in a term that reads the query position but not the key's (global queries, as
+        Longformer's): a key tile's visible queries may then form two runs, whose gap the dK/dV pass steps over."""
+
+        def query_only(atom):
+            deps = frozenset() if isinstance(atom, tuple) else self.flat.deps[atom]
+            return QUERY in deps and KEY not in deps and SCORE not in deps
+
+        return any(eqn.primitive.name == "or" and any(map(query_only, eqn.inputs)) for eqn in self.flat.eqns)
+
     def dims(self, side: str) -> tuple[bool, bool]:
         """(varies with batch, varies with head) of one side's stacks."""
         values = [s for s in self.staged if s.side == side]

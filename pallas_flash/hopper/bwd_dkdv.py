@@ -114,10 +114,14 @@ def _dkdv_kernel(
     launch_ref=None,
     dense: DenseMods = DenseMods(),
     split_products: bool = False,
+    query_gap: bool = False,
 ):
     """Grid (batch, kv_heads, kv_tiles) (with config.dq_ordered `ordered_launch`'s), 3 warpgroups ("wg"):
     0 and 1 consume, 2 produces (with config.dq_ordered its first warp loads, its second stores dQ).
     launch_ref: None, or int32 [batch * kv_heads * kv_tiles], the item each CTA takes (`common.long_tiles_first`).
+    query_gap: the steps skip the block ranges' gap of query blocks (`Gap`; a mask program that ORs in global
+    queries, `mods.Staged.ors_query_term`). Off otherwise: the remap spills in the loop (a global-keys call's pass
+    1.3x slower on the H100).
 
     `interpreting`: as in the forward (`hopper_fwd._kernel`), for JAX's Mosaic GPU interpreter on CPU: the
     wgmmas are plain dots on the same shared-memory tiles and registers (no `pl.run_state`, no transposed
@@ -183,14 +187,14 @@ def _dkdv_kernel(
         kv_pad=k_ref.shape[1],
         band=band,
     )
-    gap = None  # with block ranges, the `Gap` of query blocks the steps skip
+    gap = None  # the `Gap` of query blocks the steps skip (`query_gap`)
     if mask_ranges_ref is not None:  # and the query blocks the mask program leaves anything visible in
         b, h = stack_index(mask_ranges_ref, batch, kv_head)
         q_lo = jnp.maximum(q_lo, mask_ranges_ref[b, h, kv_tile, 0])
         q_hi = jnp.maximum(jnp.minimum(q_hi, mask_ranges_ref[b, h, kv_tile, 1]), q_lo)
         full = (mask_ranges_ref[b, h, kv_tile, 2], mask_ranges_ref[b, h, kv_tile, 3])
         same = full if same is None else (jnp.maximum(same[0], full[0]), jnp.minimum(same[1], full[1]))
-        if dq_order is None:  # the ordered adds count on each tile's blocks forming one run
+        if query_gap and dq_order is None:  # the ordered adds count on each tile's blocks forming one run
             gap_range = mask_ranges_ref[b, h, kv_tile, 4], mask_ranges_ref[b, h, kv_tile, 5]
             q_lo, q_hi, gap = clip_gap(q_lo, q_hi, *gap_range)
     # A block mask served by its ranges alone: a tile whose query blocks reach outside their hull hides them.
@@ -916,12 +920,12 @@ def dkdv_pass(
         dropout=dropout,
         dense=dense,
         split_products=shares_tiles,
+        query_gap=programs.mask is not None and programs.mask.ors_query_term,
     )
 
     num_q_blocks = q.shape[1] // block_q
     num_tiles = kv_pad // (tiles * block_kv)
-    # Under block ranges the two passes launch long key tiles first (`long_tiles_first`); the one pass keeps its
-    # own order.
+    # Under block ranges the two passes launch long key tiles first; the one pass keeps its own order.
     launch = None
     if mod_operands[2] is not None and not config.dq_atomic:
         launch = long_tiles_first(mod_operands[2], batch=batch, heads=kv_heads, num_tiles=num_tiles)

@@ -160,6 +160,43 @@ def test_backward_ctas_read_the_launch_order(monkeypatch):
         assert not np.allclose(np.asarray(ours[:, :128], np.float32), np.asarray(ref[:, :128]), atol=1e-2), name
 
 
+@pytest.mark.interpreter
+def test_dkdv_steps_over_the_gap_of_global_queries():
+    """Global queries (a query-only term ORed in) and a window, with queries 64-191 seeing nothing: the dK/dV pass's
+    key tiles past the window's reach step over those query blocks, so their NaN queries and output cotangents
+    leave dK and dV equal to the reference's (and dQ outside those rows)."""
+    params = _compat.mosaic_gpu_interpret_params(detect_races=True)
+    if params is None:
+        pytest.skip("this JAX has no Mosaic GPU interpreter")
+    shape = (1, 512, 512, 1, 1, 64)
+    q, k, v, d_out, d_lse = make_backward_inputs(shape, jnp.bfloat16, seed=44)
+    window = mods.or_masks(lambda b, h, q, k: q < 16, mods.sliding_window(20, 20))
+    mask, consts = mods.trace(mods.and_masks(window, lambda b, h, q, k: (q < 64) | (q >= 192)), "mask")
+    staged = mods.stage(mask)[0]
+    assert staged.ors_query_term
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    ref = lambda q, k, v: reference.attention_reference(q, k, v, scale=0.125, mask_mod=mask, mask_consts=consts)  # noqa: E731
+    (out, lse), vjp = jax.vjp(ref, *f32)
+    want = vjp((d_out.astype(jnp.float32), d_lse))
+    hidden = jnp.asarray((np.arange(512) >= 64) & (np.arange(512) < 192))
+    poison = lambda x: jnp.where(hidden[None, :, None, None], jnp.nan, x).astype(x.dtype)  # noqa: E731
+    dq, dk, dv, _, _ = interpreted_hopper_backward(
+        poison(q), k, v, out.astype(q.dtype), lse, poison(d_out), d_lse, scale=0.125, config=HopperBwdConfig(),
+        mask_mod=staged, mask_stacks=staged.stacks(consts, batch=1, heads=1, q_len=512, kv_len=512), interpret=params,
+    )  # fmt: skip
+    assert_gradients_close((dk, dv), want[1:], names=("dk", "dv"))
+    assert_close(dq[:, ~hidden], want[0][:, ~hidden], jnp.bfloat16, table=GRADIENT, what="dq")
+
+
+def test_ors_query_term():
+    """Which mask programs get the dK/dV pass's gap: those ORing in a term of the query position alone."""
+    staged = lambda fn: mods.stage(mods.trace(fn, "mask")[0])[0]  # noqa: E731
+    window = mods.sliding_window(64, 64)
+    assert staged(mods.or_masks(lambda b, h, q, k: q < 16, window)).ors_query_term
+    assert not staged(mods.or_masks(lambda b, h, q, k: k < 16, window)).ors_query_term
+    assert not staged(mods.document(jnp.zeros((1, 64), jnp.int32))).ors_query_term
+
+
 def test_long_tiles_first_order():
     """Tiles over LONG_TILE_FACTOR times the mean number of visited blocks launch first, longest first; the others
     keep their grid order (row-major over batch, head, tile), which may run a tile axis in reverse."""
