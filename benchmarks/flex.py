@@ -5,7 +5,8 @@ Cases (bf16, B*N = 16k tokens, H=16, D=128, N=8k by default): causal + soft cap 
 `mods.relative_position_bias` (indexed by both positions: not for the Hopper kernels); a dense bias `bias=` [1, 1, N,
 N] bf16 (with its gradient); a document mask of 8 equal documents (`mods.document`), and the same as a dense `mask=`
 [B, 1, N, N]; a causal sliding window of 1k keys (`mods.sliding_window`) at N = 2 x 8k, batch 1, and the same
-window with 64 global keys every query also sees (attention-sink tokens; `mods.or_masks`).
+window with 64 global keys every query also sees (attention-sink tokens; `mods.or_masks`); Longformer's pattern, 64
+global tokens that see and are seen by every token beside a non-causal window of 512 keys each side, at 2 x 8k.
 Each case and pass has one row per variant, every one timed in interleaved pairs with `mod` (`benchmarks.timing`):
   mod         flash_attention with the modifier, by the first of mosaic, pallas, xla_chunked that takes it (the
               refusals before it in the note): `impl` is what ran;
@@ -80,8 +81,17 @@ PEER_CASES = {
         "dense_mask",
         "sliding_window",
         "global_window",
+        "global_tokens",
     ),
-    "torch_flex": ("soft_cap_causal", "alibi", "alibi_causal", "document", "sliding_window", "global_window"),
+    "torch_flex": (
+        "soft_cap_causal",
+        "alibi",
+        "alibi_causal",
+        "document",
+        "sliding_window",
+        "global_window",
+        "global_tokens",
+    ),
 }
 
 
@@ -104,7 +114,8 @@ SMOKE_SEQ = 128
 class Case:
     """One modifier. `mod(arrays)`: flash_attention's keyword arguments with it, from the arrays it closes over
     (`arrays(point)` makes them, numpy; `mod` sees them on the device, or traced). `band` and `documents`: the
-    logits it keeps (with `global_keys`: the first keys, which every query sees too); `partners`: ours without it
+    logits it keeps (with `global_keys`: the first keys, which every query sees too, and with `global_queries` the
+    same first queries see every key); `partners`: ours without it
     ("plain", "band"); `seq_factor`: N is this times the suite's;
     `query_rows`: the [batch, heads, q_len, kv_len] arrays (cut to the reference's batch and rows)."""
 
@@ -114,6 +125,7 @@ class Case:
     band: tuple = FULL
     documents: int = 1
     global_keys: int = 0
+    global_queries: bool = False
     partners: tuple = ("plain",)
     seq_factor: int = 1
     query_rows: tuple = ()
@@ -123,20 +135,27 @@ class Case:
         return self.band[1] == 0
 
     def kept(self, seq: int) -> float:
-        return kept_fraction(seq, *self.band, documents=self.documents, global_keys=self.global_keys)
+        return kept_fraction(
+            seq, *self.band, documents=self.documents, global_keys=self.global_keys, global_queries=self.global_queries
+        )
 
 
-def kept_fraction(seq: int, left=None, right=None, *, documents: int = 1, global_keys: int = 0) -> float:
+def kept_fraction(
+    seq: int, left=None, right=None, *, documents: int = 1, global_keys: int = 0, global_queries: bool = False
+) -> float:
     """The fraction of the seq x seq logits that a band (query i sees keys i - left .. i + right) within
     `documents` equal documents keeps, with (one document) the first `global_keys` keys seen by every query as
-    well; exact, counted row by row."""
+    well, and with `global_queries` every key seen by those first queries; exact, counted row by row."""
     i = np.arange(seq)
     size = seq // documents
     start = i // size * size
     low = start if left is None else np.maximum(start, i - left)
     high = start + size - 1 if right is None else np.minimum(start + size - 1, i + right)
     global_before = np.clip(np.minimum(global_keys, low) - start, 0, None)  # global keys left of the band
-    return float((np.maximum(high - low + 1, 0) + global_before).sum()) / seq**2
+    seen = np.maximum(high - low + 1, 0) + global_before
+    if global_queries:
+        seen = np.where(i < global_keys, seq, seen)
+    return float(seen.sum()) / seq**2
 
 
 def key_bias(table):
@@ -216,6 +235,17 @@ def cases(window: int) -> list[Case]:
             seq_factor=2,
         ),
         Case(
+            "global_tokens",
+            lambda a: dict(
+                mask_mod=mods.or_masks(global_keys, global_queries, mods.sliding_window(window // 2, window // 2))
+            ),
+            band=(window // 2, window // 2),
+            global_keys=GLOBAL_KEYS,
+            global_queries=True,
+            partners=("plain", "band"),
+            seq_factor=2,
+        ),
+        Case(
             "global_window",
             lambda a: dict(is_causal=True, mask_mod=mods.or_masks(global_keys, mods.sliding_window(window, 0))),
             band=(window, 0),
@@ -229,6 +259,11 @@ def cases(window: int) -> list[Case]:
 def global_keys(b, h, q_idx, kv_idx):
     """mask_mod: the first GLOBAL_KEYS keys, seen by every query."""
     return kv_idx < GLOBAL_KEYS
+
+
+def global_queries(b, h, q_idx, kv_idx):
+    """mask_mod: the first GLOBAL_KEYS queries see every key."""
+    return q_idx < GLOBAL_KEYS
 
 
 def cudnn_kwargs(case: Case, a: dict, point: Point) -> dict:
@@ -247,9 +282,12 @@ def cudnn_kwargs(case: Case, a: dict, point: Point) -> dict:
         return {name: a[name] for name in case.query_rows}
     if case.name == "sliding_window":
         return dict(is_causal=True, local_window_size=case.band)
-    if case.name == "global_window":
+    if case.name in ("global_window", "global_tokens"):
         q, k = jnp.arange(point.seq_q)[:, None], jnp.arange(point.seq_k)[None, :]
-        return dict(mask=((q >= k) & ((q - k <= case.band[0]) | (k < case.global_keys)))[None, None])
+        g = case.global_keys
+        if case.name == "global_window":
+            return dict(mask=((q >= k) & ((q - k <= case.band[0]) | (k < g)))[None, None])
+        return dict(mask=((jnp.abs(q - k) <= case.band[0]) | (k < g) | (q < g))[None, None])
     raise ValueError(f"jax.nn cannot say the {case.name} case")
 
 
@@ -271,6 +309,10 @@ def torch_mods(case: Case, t: dict):
         "document": (None, lambda b, h, q, k: t["ids"][b, q] == t["ids"][b, k]),
         "sliding_window": (None, lambda b, h, q, k: (q >= k) & (q - k <= case.band[0])),
         "global_window": (None, lambda b, h, q, k: (q >= k) & ((q - k <= case.band[0]) | (k < case.global_keys))),
+        "global_tokens": (
+            None,
+            lambda b, h, q, k: ((q - k).abs() <= case.band[0]) | (k < case.global_keys) | (q < case.global_keys),
+        ),
     }[case.name]
 
 

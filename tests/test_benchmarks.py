@@ -322,9 +322,13 @@ def test_kept_fraction_counts_visible_logits(band, documents, visible):
 def test_kept_fraction_counts_global_keys_once():
     """A causal band of one key to the left with the first key global: rows 2 and 3 see key 0 besides their band."""
     assert flex.kept_fraction(4, 1, 0, global_keys=1) == (1 + 2 + 3 + 3) / 16
+    # and query 0 sees every key
+    assert flex.kept_fraction(4, 1, 0, global_keys=1, global_queries=True) == (4 + 2 + 3 + 3) / 16
 
 
-@pytest.mark.parametrize("name", ["alibi", "alibi_causal", "bias_table", "document", "sliding_window", "global_window"])
+@pytest.mark.parametrize(
+    "name", ["alibi", "alibi_causal", "bias_table", "document", "sliding_window", "global_window", "global_tokens"]
+)
 def test_cudnn_peer_says_what_the_modifier_does(name):
     """The bias, mask or window the cuDNN rows are given computes the modifier's attention (run here through
     jax.nn's XLA path, on the host)."""
