@@ -108,10 +108,7 @@ def _programs(case, shape=None):
 @pytest.mark.interpreter
 @pytest.mark.parametrize(
     "case",
-    [
-        pytest.param(c, marks=() if c in ("alibi_causal", "global_window_gap_overlap") else pytest.mark.slow)
-        for c in CASES
-    ],
+    [pytest.param(c, marks=() if c == "alibi_causal" else pytest.mark.slow) for c in CASES],
 )  # `slow` (CI's time): outside it the dropout backward with a score_mod (test_dropout) and attention_backward with
 # a mask_mod (test_api) run programs through both passes; the GPU test runs soft cap and the overlaps
 def test_backward_with_programs_in_mosaic_gpu_interpreter(case):
@@ -125,6 +122,7 @@ def test_backward_with_programs_in_mosaic_gpu_interpreter(case):
 
 
 @pytest.mark.interpreter
+@pytest.mark.slow  # CI's time: test_backward_ctas_read_the_launch_order covers the lookup
 def test_dkdv_ctas_take_items_in_launch_order_in_mosaic_gpu_interpreter(monkeypatch):
     """Under block ranges each dK/dV CTA takes its (batch, kv head, key tile) from the launch order
     (`long_tiles_first`): in reverse order the gradients are still the reference's."""

@@ -127,8 +127,9 @@ CASES = {
         HopperConfig(64, 64, 2, persistent=True, overlap=True),
     ),
 }
-# Covered on the GPU; no_key_rows's tiles that visit no block also run in test_interpreter's no_key case.
-SLOW = {"sliding_window", "prefix_lm", "document_causal", "softcap_alibi_gqa", "no_key_rows"}
+# Covered on the GPU (global_window_gap also by test_sparse's gap test); no_key_rows's tiles that visit no block also
+# run in test_interpreter's no_key case.
+SLOW = {"sliding_window", "prefix_lm", "document_causal", "softcap_alibi_gqa", "no_key_rows", "global_window_gap"}
 
 
 def program_args(shape, score_fn, mask_fn, config):

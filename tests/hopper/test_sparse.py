@@ -57,16 +57,11 @@ def _poisoned(x, hidden):
     return jnp.where(jnp.asarray(hidden)[None, :, None, None], jnp.nan, x).astype(x.dtype)
 
 
-@pytest.mark.interpreter
-def test_dense_mask_skips_the_blocks_it_hides():
-    """A document mask given as a dense mask: keys 128.. are hidden from every query, so no forward or dQ tile
-    visits their key blocks and no dK/dV tile their query blocks; they hold NaN keys and values, which poison any
-    result a kernel computes after loading them. Forward and gradients match the reference (computed on finite
-    keys) with GQA, ragged query rows and rows that see no key (zeros, lse = -inf, finite gradients)."""
-    shape = (1, 250, 250, 2, 1, 64)
-    q, k, v, d_out, d_lse = make_backward_inputs(shape, jnp.bfloat16, seed=41)
-    mask = _document_mask(250, 250, doc=50, keys_seen=128)
-    hidden = np.arange(250) >= 128
+def _check_poisoned_keys(shape, mask, hidden, *, seed: int):
+    """Forward and both backward passes (interpreter, race detection on) with NaN keys and values at `hidden` (bool
+    [kv_len]) under a dense `mask` that hides them from every query, against the reference on finite keys: the
+    outputs and gradients match only if no kernel loaded a block of theirs. Returns (lse, the reference's lse)."""
+    q, k, v, d_out, d_lse = make_backward_inputs(shape, jnp.bfloat16, seed=seed)
     params = _interpreter()
     out, lse = hopper_fwd.hopper_forward(
         q, _poisoned(k, hidden), _poisoned(v, hidden), scale=SCALE, config=HopperConfig(64, 64), mask=mask,
@@ -78,15 +73,26 @@ def test_dense_mask_skips_the_blocks_it_hides():
                                       *f32)  # fmt: skip
     assert_close(out, ref_out, jnp.bfloat16)
     empty = np.isneginf(np.asarray(ref_lse))
-    assert empty[:, :, 5].all() and empty[:, :, 150:].all()
-    np.testing.assert_array_equal(np.isneginf(lse), empty)
     np.testing.assert_array_equal(np.asarray(out, np.float32)[empty.transpose(0, 2, 1)], 0)
-
     dq, dk, dv, _, _ = interpreted_hopper_backward(
         q, _poisoned(k, hidden), _poisoned(v, hidden), ref_out.astype(q.dtype), ref_lse, d_out, d_lse,
         scale=SCALE, config=HopperBwdConfig(), mask=mask, interpret=params,
     )  # fmt: skip
     assert_gradients_close((dq, dk, dv), vjp((d_out.astype(jnp.float32), d_lse)))
+    return lse, ref_lse
+
+
+@pytest.mark.interpreter
+def test_dense_mask_skips_the_blocks_it_hides():
+    """A document mask given as a dense mask: keys 128.. are hidden from every query, so no forward or dQ tile
+    visits their key blocks and no dK/dV tile their query blocks; they hold NaN keys and values, which poison any
+    result a kernel computes after loading them. Forward and gradients match the reference (computed on finite
+    keys) with GQA, ragged query rows and rows that see no key (zeros, lse = -inf, finite gradients)."""
+    mask = _document_mask(250, 250, doc=50, keys_seen=128)
+    lse, ref_lse = _check_poisoned_keys((1, 250, 250, 2, 1, 64), mask, np.arange(250) >= 128, seed=41)
+    empty = np.isneginf(np.asarray(ref_lse))
+    assert empty[:, :, 5].all() and empty[:, :, 150:].all()
+    np.testing.assert_array_equal(np.isneginf(lse), empty)
 
 
 def test_dense_mask_ranges_leave_out_the_hidden_blocks():
@@ -113,8 +119,6 @@ def test_dense_mask_gap_is_never_loaded():
     forward and the dQ pass step over the gap, so its NaN keys and values (which poison anything a kernel computes
     after loading them, even masked) leave outputs and gradients equal to the reference's; ragged query rows and
     a ragged last key block."""
-    shape = (1, 200, 500, 1, 1, 64)
-    q, k, v, d_out, d_lse = make_backward_inputs(shape, jnp.bfloat16, seed=43)
     mask = _global_and_recent_mask(200, 500, global_keys=16, recent_from=384)
     (_, _, ranges) = hopper_fwd.sparse_operands(
         (None, None, None), mask, None, HopperConfig(64, 64), q_len=200, kv_len=500, q_pad=256, kv_pad=512
@@ -122,22 +126,8 @@ def test_dense_mask_gap_is_never_loaded():
     # blocks 1-5 hold no visible key: the gap; 6-7 are wholly visible (the ragged tail's padding counts as such)
     np.testing.assert_array_equal(np.asarray(ranges)[0, 0], [[0, 8, 6, 8, 1, 6]] * 2)
     hidden = (np.arange(500) >= 128) & (np.arange(500) < 384)  # the dK/dV pass's key tiles 1-2 see nothing
-    params = _interpreter()
-    out, lse = hopper_fwd.hopper_forward(
-        q, _poisoned(k, hidden), _poisoned(v, hidden), scale=SCALE, config=HopperConfig(64, 64), mask=mask,
-        interpret=params,
-    )  # fmt: skip
-    assert not _compat.mosaic_gpu_races_found()
-    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-    (ref_out, ref_lse), vjp = jax.vjp(lambda q, k, v: reference.attention_reference(q, k, v, scale=SCALE, mask=mask),
-                                      *f32)  # fmt: skip
-    assert_close(out, ref_out, jnp.bfloat16)
+    lse, ref_lse = _check_poisoned_keys((1, 200, 500, 1, 1, 64), mask, hidden, seed=43)
     assert_close(lse, ref_lse, jnp.float32, what="lse")
-    dq, dk, dv, _, _ = interpreted_hopper_backward(
-        q, _poisoned(k, hidden), _poisoned(v, hidden), ref_out.astype(q.dtype), ref_lse, d_out, d_lse,
-        scale=SCALE, config=HopperBwdConfig(), mask=mask, interpret=params,
-    )  # fmt: skip
-    assert_gradients_close((dq, dk, dv), vjp((d_out.astype(jnp.float32), d_lse)))
 
 
 def test_block_ranges_gap_is_the_longest_hidden_run():
