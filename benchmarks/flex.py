@@ -11,8 +11,8 @@ Each case and pass has one row per variant, every one timed in interleaved pairs
   mod         flash_attention with the modifier, by the first of mosaic, pallas, xla_chunked that takes it (the
               refusals before it in the note): `impl` is what ran;
   plain       the same call without the modifier (causal where the modifier keeps causal keys only);
-  band        the sliding window as `local_window_size=(1024, 0)`, the built-in band (for the global keys' case the
-              window alone: not the modifier's function, the work it keeps but for the global keys);
+  band        the sliding window as `local_window_size=(1024, 0)`, the built-in band (for the global cases their
+              window alone: not the modifier's function, the work it keeps but for the global keys and queries);
   cudnn       jax.nn.dot_product_attention(implementation="cudnn") with the modifier as an explicit bias ([1, H, N,
               N] bf16 for ALiBi, [1, H, 1, N] for the bias table), mask ([B, 1, N, N] bool for documents) or
               local_window_size; no row where jax.nn cannot say it (soft cap, sinks, relative positions);
@@ -61,7 +61,7 @@ from tests import tolerances
 
 CAP = 30.0  # Gemma 2's attention soft cap
 DOCUMENTS = 8
-GLOBAL_KEYS = 64  # the global_window case's keys every query sees
+GLOBAL_KEYS = 64  # the global cases' keys every query sees (and, for global_tokens, queries that see every key)
 RELATIVE_REACH = 128  # relative_position_bias's table covers kv_idx - q_idx in [-128, 128]
 CHECK_ROWS = 256  # queries of batch 0 checked against the dense reference (it holds rows x N logits per head)
 ROTATE = 3  # input sets each function rotates over while timed (so none stays in L2)
@@ -115,8 +115,8 @@ class Case:
     """One modifier. `mod(arrays)`: flash_attention's keyword arguments with it, from the arrays it closes over
     (`arrays(point)` makes them, numpy; `mod` sees them on the device, or traced). `band` and `documents`: the
     logits it keeps (with `global_keys`: the first keys, which every query sees too, and with `global_queries` the
-    same first queries see every key); `partners`: ours without it
-    ("plain", "band"); `seq_factor`: N is this times the suite's;
+    same first queries see every key); `partners`: ours without it ("plain", "band"); `seq_factor`: N is this
+    times the suite's;
     `query_rows`: the [batch, heads, q_len, kv_len] arrays (cut to the reference's batch and rows)."""
 
     name: str

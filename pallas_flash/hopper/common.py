@@ -555,8 +555,8 @@ def mask_block_ranges(anything, everything):
     [..., num_tiles, num_blocks], some / every position visible), int32 [..., num_tiles, RANGE_FIELDS]: the blocks
     [lo, hi) from the first to the last one with anything visible (lo = hi = 0 where none), the longest run
     [full_lo, full_hi) of wholly visible blocks: those need no mask, and the longest run [gap_lo, gap_hi) of
-    blocks with nothing visible inside [lo, hi) (empty: 0, 0), which the forward and the dQ pass skip (`Gap`). Other
-    blocks inside [lo, hi) with nothing visible are still visited, masked."""
+    blocks with nothing visible inside [lo, hi) (empty: 0, 0), which the kernels skip (`Gap`). Other blocks inside
+    [lo, hi) with nothing visible are still visited, masked."""
     n = anything.shape[-1]
     full = everything & anything  # a tile past q_len has nothing valid: it is not "full"
     index = jnp.arange(n, dtype=jnp.int32)
@@ -587,8 +587,9 @@ RANGE_FIELDS = 6  # lo, hi, full_lo, full_hi, gap_lo, gap_hi (`mask_block_ranges
 class Gap(typing.NamedTuple):
     """Blocks [start, start + length) inside a tile's visited range [lo, hi) that hold nothing visible: the tile's
     loops run over steps lo .. hi - length, step t visiting block `block(t)`, so the blocks are never loaded.
-    Length 0: none. Key blocks of a query tile (the forward, the dQ pass), from `narrow_to_mask_ranges`; the dK/dV
-    pass visits its query blocks' whole range, as the remap spills in its loop (docs/performance.md, section 4)."""
+    Length 0: none. Key blocks of a query tile (the forward, the dQ pass: `narrow_to_mask_ranges`), or query blocks
+    of a key tile in the dK/dV pass where the mask program ORs in global queries (`clip_gap`; elsewhere the remap
+    spills in that pass's loop)."""
 
     start: typing.Any
     length: typing.Any

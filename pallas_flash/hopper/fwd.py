@@ -602,9 +602,9 @@ def _kernel(
             The consumers take turns issuing their wgmmas (a "your turn" barrier each: wait for ours, issue,
             arrive on the other's), so one's softmax also runs under the other's wgmmas. Registers: O, S_j
             and P_{j-1} live at once. Steps [kv_lo, kv_hi) visit the blocks `gap` leaves (`Gap.block`). Block
-            kv_lo (no P V before it) is peeled off and always masked; the
-            steps after it keep the masked / unmasked split; every step, the peeled one and the last P V
-            each take one turn, the same count for both consumers."""
+            kv_lo (no P V before it) is peeled off and always masked; the steps after it keep the masked /
+            unmasked split; every step, the peeled one and the last P V each take one turn, the same count for
+            both consumers."""
 
             def my_turn():  # the tensor cores are ours: issue this step's wgmmas
                 plgpu.barrier_wait(turn.at[wg])
