@@ -56,12 +56,16 @@ from benchmarks.impls import Unsupported
 from benchmarks.inputs import DTYPES, FLOP_FACTOR, Point, compile_pass, random_inputs
 from benchmarks.timing import TorchSynced
 from pallas_flash import mods
+from pallas_flash.block_sparse import MASK_BLOCK_MULTIPLE
 from pallas_flash.device import on_nvidia_gpu
 from tests import tolerances
 
 CAP = 30.0  # Gemma 2's attention soft cap
 DOCUMENTS = 8
 GLOBAL_KEYS = 64  # the global cases' keys every query sees (and, for global_tokens, queries that see every key)
+# block_global_local's BlockMask: blocks of an eighth of the window (128 x 128), the first block global both ways,
+# a window of 4 blocks each side
+GLOBAL_BLOCKS, WINDOW_BLOCKS = 1, 4
 RELATIVE_REACH = 128  # relative_position_bias's table covers kv_idx - q_idx in [-128, 128]
 CHECK_ROWS = 256  # queries of batch 0 checked against the dense reference (it holds rows x N logits per head)
 ROTATE = 3  # input sets each function rotates over while timed (so none stays in L2)
@@ -82,6 +86,7 @@ PEER_CASES = {
         "sliding_window",
         "global_window",
         "global_tokens",
+        "block_global_local",
     ),
     "torch_flex": (
         "soft_cap_causal",
@@ -91,6 +96,7 @@ PEER_CASES = {
         "sliding_window",
         "global_window",
         "global_tokens",
+        "block_global_local",
     ),
 }
 
@@ -115,9 +121,10 @@ class Case:
     """One modifier. `mod(arrays)`: flash_attention's keyword arguments with it, from the arrays it closes over
     (`arrays(point)` makes them, numpy; `mod` sees them on the device, or traced). `band` and `documents`: the
     logits it keeps (with `global_keys`: the first keys, which every query sees too, and with `global_queries` the
-    same first queries see every key); `partners`: ours without it ("plain", "band"); `seq_factor`: N is this
-    times the suite's;
-    `query_rows`: the [batch, heads, q_len, kv_len] arrays (cut to the reference's batch and rows)."""
+    same first queries see every key); `block_mask`: None, or the `BlockMask` the case passes at N (its kept blocks
+    are the logits kept); `partners`: ours without it ("plain", "band") or with the block mask expanded into a
+    dense `mask=` ("as_mask"); `seq_factor`: N is this times the suite's; `query_rows`: the [batch, heads, q_len,
+    kv_len] arrays (cut to the reference's batch and rows)."""
 
     name: str
     mod: Callable[[dict], dict]
@@ -126,6 +133,7 @@ class Case:
     documents: int = 1
     global_keys: int = 0
     global_queries: bool = False
+    block_mask: Callable[[int], pf.BlockMask] | None = None
     partners: tuple = ("plain",)
     seq_factor: int = 1
     query_rows: tuple = ()
@@ -134,7 +142,16 @@ class Case:
     def causal(self) -> bool:
         return self.band[1] == 0
 
+    def at(self, seq: int) -> Case:
+        """This case at N = seq: its block mask (if any) passed by `mod`."""
+        if self.block_mask is None:
+            return self
+        block_mask = self.block_mask(seq)
+        return dataclasses.replace(self, mod=lambda a, mod=self.mod: dict(mod(a), block_mask=block_mask))
+
     def kept(self, seq: int) -> float:
+        if self.block_mask is not None:
+            return block_kept_fraction(self.block_mask(seq), seq)
         return kept_fraction(
             seq, *self.band, documents=self.documents, global_keys=self.global_keys, global_queries=self.global_queries
         )
@@ -156,6 +173,19 @@ def kept_fraction(
     if global_queries:
         seen = np.where(i < global_keys, seq, seen)
     return float(seen.sum()) / seq**2
+
+
+def block_kept_fraction(block_mask, seq: int) -> float:
+    """The fraction of the seq x seq logits a [1, 1, ...] block mask keeps (its ragged last blocks counted short)."""
+    rows = np.diff(np.minimum(np.arange(block_mask.shape[2] + 1) * block_mask.block_q, seq))
+    cols = np.diff(np.minimum(np.arange(block_mask.shape[3] + 1) * block_mask.block_kv, seq))
+    return float(rows @ block_mask.mask[0, 0] @ cols) / seq**2
+
+
+def global_local_blocks(block: int):
+    """block_global_local's block mask at N = seq (`BlockMask.global_local` of block x block blocks), as a function
+    of seq."""
+    return lambda seq: pf.BlockMask.global_local(seq, seq, GLOBAL_BLOCKS, WINDOW_BLOCKS, block_q=block, block_kv=block)
 
 
 def key_bias(table):
@@ -253,6 +283,13 @@ def cases(window: int) -> list[Case]:
             partners=("plain", "band"),
             seq_factor=2,
         ),
+        Case(
+            "block_global_local",
+            lambda a: {},
+            block_mask=global_local_blocks(max(MASK_BLOCK_MULTIPLE, window // 8)),
+            partners=("plain", "as_mask"),
+            seq_factor=2,
+        ),
     ]
 
 
@@ -270,6 +307,8 @@ def cudnn_kwargs(case: Case, a: dict, point: Point) -> dict:
     """jax.nn.dot_product_attention's keyword arguments that say what `case`'s modifier does (one of
     PEER_CASES["cudnn"]), from its arrays (on the device)."""
     dtype = DTYPES[point.dtype]
+    if case.block_mask is not None:
+        return dict(mask=jnp.asarray(case.block_mask(point.seq_q).expand(point.seq_q, point.seq_k)))
     if case.name in ("alibi", "alibi_causal"):
         pos = jnp.arange(point.seq_q)
         bias = -a["slopes"][:, None, None] * jnp.abs(pos[None, :] - pos[:, None]).astype(jnp.float32)
@@ -302,6 +341,9 @@ def torch_mods(case: Case, t: dict):
     def alibi(s, b, h, q, k):
         return s - t["slopes"][h] * (k - q).abs()
 
+    def block_mask(b, h, q, k):  # the case's BlockMask as a token mask (square blocks)
+        return t["blocks"][q // t["block"], k // t["block"]]
+
     return {
         "soft_cap_causal": (lambda s, b, h, q, k: CAP * torch.tanh(s / CAP), causal),
         "alibi": (alibi, None),
@@ -313,6 +355,7 @@ def torch_mods(case: Case, t: dict):
             None,
             lambda b, h, q, k: ((q - k).abs() <= case.band[0]) | (k < case.global_keys) | (q < case.global_keys),
         ),
+        "block_global_local": (None, block_mask),
     }[case.name]
 
 
@@ -384,6 +427,9 @@ def torch_flex(case, point, pass_, inputs, arrays_np):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     t = {name: torch.from_numpy(x).cuda() for name, x in arrays_np.items()}
+    if case.block_mask is not None:
+        blocks = case.block_mask(point.seq_q)
+        t.update(blocks=torch.from_numpy(blocks.mask[0, 0].copy()).cuda(), block=blocks.block_q)
     score_mod, mask_mod = torch_mods(case, t)
     block_mask = None
     if mask_mod is not None:
@@ -427,6 +473,7 @@ def _row_emitter(emit, case: str, point: Point, pass_: str):
 
 def measure_case(case, point, passes, settings, emit) -> None:
     """Every variant of one case at one point, each pass; `emit(fields)` receives each row."""
+    case = case.at(point.seq_q)
     arrays_np = case.arrays(point)
     arrays = {name: jnp.asarray(x) for name, x in arrays_np.items()}
     inputs = [random_inputs(point, seed) for seed in range(settings["rotate"])]
@@ -444,6 +491,13 @@ def measure_case(case, point, passes, settings, emit) -> None:
             kept_fraction(point.seq_q, *case.band),
             case.global_keys == 0,
             lambda p: ours(lambda a: dict(local_window_size=case.band), point, p, inputs, {}, settings["chain"]),
+        ),
+        "as_mask": (
+            kept,
+            True,
+            lambda p: ours(
+                lambda a: dict(mask=a["mask"]), point, p, inputs, cudnn_kwargs(case, {}, point), settings["chain"]
+            ),
         ),
         "cudnn": (kept, True, lambda p: cudnn(case, point, p, inputs, arrays)),
         "torch_flex": (kept, True, lambda p: torch_flex(case, point, p, inputs, arrays_np)),

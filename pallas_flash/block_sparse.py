@@ -346,29 +346,59 @@ def tile_classes(
     return count > 0, count == (r_hi - r_lo) * (c_hi - c_lo)
 
 
+# Block ranges carry one gap (`hopper.common.Gap`): a tile's kept blocks may form two runs, where the block mask's
+# gap is the only one the ranges must keep. A mask program or dense mask beside it may own the longer gap, so then
+# each tile's kept blocks must form one run.
+MAX_RUNS = 2
+
+
 def exact_by_ranges(
-    block_mask: BlockMask, *, q_len: int, kv_len: int, kv_heads: int, query_tiles=(), key_tiles=()
+    block_mask: BlockMask,
+    *,
+    q_len: int,
+    kv_len: int,
+    kv_heads: int,
+    query_tiles=(),
+    key_tiles=(),
+    max_runs: int = MAX_RUNS,
 ) -> str | None:
-    """None if kernels that visit only a contiguous run of blocks per tile (the Hopper kernels' block ranges) serve
-    the block mask exactly at these tiles without any token-level mask, else why not: each tile's kept blocks must
-    form one run (or none) and cover the tiles of that run wholly. query_tiles: (rows, cols) of query-major tiles
-    (rows queries by cols keys: the forward's and the dQ pass's); key_tiles: (rows, cols) of key-major ones (rows
-    keys by cols queries over every query head of a kv head's group: the dK/dV pass's)."""
+    """None if kernels that visit a contiguous range of blocks per tile, stepping over one gap inside it (the Hopper
+    kernels' block ranges), serve the block mask exactly at these tiles without any token-level mask, else why not:
+    each tile's kept blocks must form at most `max_runs` runs (MAX_RUNS, or 1 beside another mask whose gap the
+    ranges may keep instead) and cover the tiles of those runs wholly. query_tiles: (rows, cols) of query-major
+    tiles (rows queries by cols keys: the forward's and the dQ pass's); key_tiles: (rows, cols) of key-major ones
+    (rows keys by cols queries over every query head of a kv head's group: the dK/dV pass's)."""
     for major, tiles in (("query", query_tiles), ("key", key_tiles)):
         for rows, cols in tiles:
-            block_q, block_kv = (rows, cols) if major == "query" else (cols, rows)
-            q_pad, kv_pad = -(-q_len // block_q) * block_q, -(-kv_len // block_kv) * block_kv
-            anything, everything = tile_classes(
-                block_mask, q_len=q_len, kv_len=kv_len, block_q=block_q, block_kv=block_kv, q_pad=q_pad, kv_pad=kv_pad
-            )
-            if major == "key":  # [.., key tile, query tile], over the heads of each kv head's group
-                anything, everything = np.swapaxes(anything, 2, 3), np.swapaxes(everything, 2, 3)
-                if anything.shape[1] > 1:
-                    group = (anything.shape[0], kv_heads, -1, *anything.shape[2:])
-                    anything, everything = anything.reshape(group).any(2), everything.reshape(group).all(2)
-            if (anything & ~everything).any():
+            straddles, runs = _tile_runs(block_mask, q_len=q_len, kv_len=kv_len, kv_heads=kv_heads, major=major,
+                                         rows=rows, cols=cols)  # fmt: skip
+            if straddles:
                 return f"a {rows} x {cols} {major}-major tile straddles kept and dropped mask blocks"
-            starts = (anything[..., 1:] & ~anything[..., :-1]).sum(-1) + anything[..., 0]
-            if (starts > 1).any():
-                return f"a {major} tile's kept blocks of {rows} x {cols} tiles are not one contiguous run"
+            if runs > max_runs:
+                return (
+                    f"a {major} tile's kept blocks of {rows} x {cols} tiles form {runs} runs, over the {max_runs} "
+                    "block ranges serve"
+                )
     return None
+
+
+def most_runs(block_mask: BlockMask, *, q_len: int, kv_len: int, kv_heads: int, major: str, rows: int, cols: int):
+    """The most runs of kept blocks in any tile of rows x cols, `major` "query" or "key" (as `exact_by_ranges`'
+    tiles): above 1, the kernel must step over the gap between them."""
+    return _tile_runs(block_mask, q_len=q_len, kv_len=kv_len, kv_heads=kv_heads, major=major, rows=rows, cols=cols)[1]
+
+
+def _tile_runs(block_mask: BlockMask, *, q_len: int, kv_len: int, kv_heads: int, major: str, rows: int, cols: int):
+    """(whether a tile straddles kept and dropped mask blocks, the most runs of kept tiles along any tile row)."""
+    block_q, block_kv = (rows, cols) if major == "query" else (cols, rows)
+    q_pad, kv_pad = -(-q_len // block_q) * block_q, -(-kv_len // block_kv) * block_kv
+    anything, everything = tile_classes(
+        block_mask, q_len=q_len, kv_len=kv_len, block_q=block_q, block_kv=block_kv, q_pad=q_pad, kv_pad=kv_pad
+    )
+    if major == "key":  # [.., key tile, query tile], over the heads of each kv head's group
+        anything, everything = np.swapaxes(anything, 2, 3), np.swapaxes(everything, 2, 3)
+        if anything.shape[1] > 1:
+            group = (anything.shape[0], kv_heads, -1, *anything.shape[2:])
+            anything, everything = anything.reshape(group).any(2), everything.reshape(group).all(2)
+    starts = (anything[..., 1:] & ~anything[..., :-1]).sum(-1) + anything[..., 0]
+    return bool((anything & ~everything).any()), int(starts.max(initial=0))

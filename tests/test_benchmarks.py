@@ -327,7 +327,17 @@ def test_kept_fraction_counts_global_keys_once():
 
 
 @pytest.mark.parametrize(
-    "name", ["alibi", "alibi_causal", "bias_table", "document", "sliding_window", "global_window", "global_tokens"]
+    "name",
+    [
+        "alibi",
+        "alibi_causal",
+        "bias_table",
+        "document",
+        "sliding_window",
+        "global_window",
+        "global_tokens",
+        "block_global_local",
+    ],
 )
 def test_cudnn_peer_says_what_the_modifier_does(name):
     """The bias, mask or window the cuDNN rows are given computes the modifier's attention (run here through
@@ -340,7 +350,7 @@ def test_cudnn_peer_says_what_the_modifier_does(name):
     from benchmarks.inputs import Point, random_inputs
     from tests import tolerances
 
-    case = {c.name: c for c in flex.cases(window=8)}[name]
+    case = {c.name: c for c in flex.cases(window=8)}[name].at(192)
     point = Point("flex", 2, 192, 192, 2, 2, 32, case.causal, "float32")  # past the global keys and the window
     q, k, v, _ = random_inputs(point, seed=0)
     arrays = {key: jnp.asarray(x) for key, x in case.arrays(point).items()}

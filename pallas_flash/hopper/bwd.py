@@ -356,14 +356,21 @@ def hopper_backward(
             f"{config}: the one-pass dq_atomic backward takes no score_mod, mask_mod, block_mask, soft cap or dense "
             "bias or mask; use dq_atomic=False (`default_config(..., programs=True)`)"
         )
+    # The dK/dV pass steps over a gap of query blocks where a key tile's may form two runs.
+    query_gap = mask_mod is not None and mask_mod.ors_query_term
     if block_mask is not None:
         block_mask.check(batch, heads, q_len, kv_len)
         dq_tiles, dkdv_tiles, _ = pass_tiles(config)
+        sizes = dict(q_len=q_len, kv_len=kv_len, kv_heads=kv_heads)
+        alone = mask_mod is None and mask is None  # else another mask's gap may be the one the ranges keep
         reason = block_sparse.exact_by_ranges(
-            block_mask, q_len=q_len, kv_len=kv_len, kv_heads=kv_heads, query_tiles=(dq_tiles,), key_tiles=(dkdv_tiles,)
-        )
+            block_mask, **sizes, query_tiles=(dq_tiles,), key_tiles=(dkdv_tiles,),
+            max_runs=block_sparse.MAX_RUNS if alone else 1
+        )  # fmt: skip
         if reason is not None:
             raise ValueError(f"block_mask is not served by block ranges at {config}: {reason}; pass it as mask=")
+        query_gap = query_gap or block_sparse.most_runs(block_mask, **sizes, major="key", rows=dkdv_tiles[0],
+                                                        cols=dkdv_tiles[1]) > 1  # fmt: skip
     for name, program, stacks in (("score", score_mod, score_stacks), ("mask", mask_mod, mask_stacks)):
         if len(stacks) != 4 or (program is None and any(x is not None for x in stacks)):
             raise ValueError(f"{name}_stacks must be (rows_int, rows_float, cols_int, cols_float) of a {name}_mod")
@@ -428,6 +435,7 @@ def hopper_backward(
             (rows, cols, dkdv_ranges),
             programs=programs,
             dense_arrays=dense_operands(bias, mask, q_pad, kv_pad, transpose=True),
+            query_gap=query_gap,
             **common,
         )
         dq = dq_pass(

@@ -119,9 +119,10 @@ def _dkdv_kernel(
     """Grid (batch, kv_heads, kv_tiles) (with config.dq_ordered `ordered_launch`'s), 3 warpgroups ("wg"):
     0 and 1 consume, 2 produces (with config.dq_ordered its first warp loads, its second stores dQ).
     launch_ref: None, or int32 [batch * kv_heads * kv_tiles], the item each CTA takes (`common.long_tiles_first`).
-    query_gap: the steps skip the block ranges' gap of query blocks (`Gap`; a mask program that ORs in global
-    queries, `mods.Staged.ors_query_term`). Off otherwise: the remap spills in the loop (a global-keys call's pass
-    1.3x slower on the H100).
+    query_gap: the steps skip the block ranges' gap of query blocks (`Gap`): on where a key tile's visible query
+    blocks may form two runs (a mask program that ORs in global queries, `mods.Staged.ors_query_term`; a block
+    mask's global query blocks). Off otherwise: the remap spills in the loop (a global-keys call's pass 1.3x
+    slower on the H100).
 
     `interpreting`: as in the forward (`hopper_fwd._kernel`), for JAX's Mosaic GPU interpreter on CPU: the
     wgmmas are plain dots on the same shared-memory tiles and registers (no `pl.run_state`, no transposed
@@ -819,6 +820,7 @@ def dkdv_pass(
     dropout_seed=None,
     dense_arrays=(None, None),
     dense: DenseMods = DenseMods(),
+    query_gap: bool = False,
     interpret,
 ):
     """(dk, dv), and with config.dq_atomic also dq (float32, unscaled, [batch, q_pad, heads, d]). With a score
@@ -827,7 +829,8 @@ def dkdv_pass(
     (summed over queries). mod_operands: the programs' packed row and column values and the mask program's
     query blocks per (batch, kv head, key tile) (`mask_block_ranges`), each None where absent; dropout_seed:
     `dropout`'s seed table (`fwd.kernel_dropout`); dense_arrays: `dense`'s (bias, mask) key-major
-    (`common.dense_operands(..., transpose=True)`), each None where absent (two passes only)."""
+    (`common.dense_operands(..., transpose=True)`), each None where absent (two passes only). query_gap: the
+    steps skip each key tile's gap of query blocks (`_dkdv_kernel`'s; two passes with block ranges only)."""
     batch, kv_pad, kv_heads, head_dim = k.shape
     head_dim_v = v.shape[3]
     block_q, block_kv, num_stages = config.block_q_dkv, config.block_kv_dkv, config.num_stages_dkv
@@ -920,7 +923,7 @@ def dkdv_pass(
         dropout=dropout,
         dense=dense,
         split_products=shares_tiles,
-        query_gap=programs.mask is not None and programs.mask.ors_query_term,
+        query_gap=query_gap,
     )
 
     num_q_blocks = q.shape[1] // block_q

@@ -1171,7 +1171,8 @@ def hopper_forward(
     default's ring shrinks until the dense tiles fit shared memory (`HopperConfig.fit`). A query tile visits only
     the key blocks the mask leaves something visible in, and reads no mask tile in those it leaves wholly visible.
     block_mask: None, or a `BlockMask` that the block ranges serve exactly at these tiles
-    (`block_sparse.exact_by_ranges`; expand any other into `mask`): a tile visits only its kept blocks.
+    (`block_sparse.exact_by_ranges`: two runs of kept blocks per tile, one beside a mask program or dense mask;
+    expand any other into `mask`): a tile visits only its kept blocks.
     `interpret`: None compiles for the GPU; an `InterpretGPUParams` (private in JAX 0.10-0.11:
     jax._src.pallas.mosaic_gpu.interpret.params) runs the kernel in the Mosaic GPU interpreter on CPU."""
     band = masks.Band.of(is_causal, local_window_size)
@@ -1201,6 +1202,7 @@ def hopper_forward(
             kv_len=kv_len,
             kv_heads=key.shape[2],
             query_tiles=((NUM_CONSUMERS * config.block_q, config.block_kv),),
+            max_runs=block_sparse.MAX_RUNS if mask_mod is None and mask is None else 1,  # one gap in the ranges
         )
         if reason is not None:
             raise ValueError(f"block_mask is not served by block ranges at {config}: {reason}; pass it as mask=")

@@ -12,9 +12,10 @@ the portable backward runs, it takes the programs and their arrays themselves an
 cotangents directly.
 
 A dense mask and a `BlockMask` narrow the blocks each kernel tile visits to those they leave something visible in
-(their block classes, as a mask program's). A block mask whose kept blocks form one run per kernel tile, covering
-its tiles wholly, is served by those ranges alone (`block_sparse.exact_by_ranges`); any other is expanded into the
-dense mask, whose tiles then hide its dropped blocks inside a tile's run (`_serve_block_mask`).
+(their block classes, as a mask program's). A block mask whose kept blocks form at most two runs per kernel tile
+(one beside a mask program or dense mask), covering its tiles wholly, is served by those ranges and their gap alone
+(`block_sparse.exact_by_ranges`: a sliding window with global blocks); any other is expanded into the dense mask,
+whose tiles then hide its dropped blocks inside a tile's run (`_serve_block_mask`).
 """
 
 from __future__ import annotations
@@ -532,9 +533,10 @@ def _ranges_reason(block_mask: BlockMask, query, key, head_dim_v: int, *, band: 
         dq_tiles, dkdv_tiles, _ = hopper_bwd.pass_tiles(bwd)
         query_tiles.append(dq_tiles)
         key_tiles.append(dkdv_tiles)
+    alone = mods.mask_mod is None and mods.mask_dims is None  # else another mask's gap may be the ranges' one
     return block_sparse.exact_by_ranges(
         block_mask, q_len=query.shape[1], kv_len=kv_len, kv_heads=key.shape[2], query_tiles=query_tiles,
-        key_tiles=key_tiles
+        key_tiles=key_tiles, max_runs=block_sparse.MAX_RUNS if alone else 1
     )  # fmt: skip
 
 

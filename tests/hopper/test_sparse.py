@@ -196,25 +196,28 @@ def test_tile_classes_match_the_expanded_mask(block_q, block_kv):
     [
         ("local", None),
         ("causal", None),
-        ("strided", "not one contiguous run"),
-        ("global_local", "not one contiguous run"),
+        ("strided", "form 3 runs"),
+        ("global_local", None),
+        ("global_local_beside_a_mask", "form 2 runs"),
         ("local_64", "straddles"),
     ],
 )
 def test_which_block_masks_the_ranges_alone_serve(pattern, words):
-    """Ranges serve a block mask exactly where each kernel tile's kept blocks form one run of wholly kept tiles
-    (local windows, causal); strided and global + local patterns, or mask blocks smaller than a kernel tile with
-    a ragged edge inside it, are not (the API expands those into the dense mask)."""
+    """Ranges serve a block mask exactly where each kernel tile's kept blocks form at most two runs of wholly kept
+    tiles (local windows, causal, global + local), one beside another mask; strided patterns, or mask blocks
+    smaller than a kernel tile with a ragged edge inside it, are not (the API expands those into the dense mask)."""
     n = 1024
     block_mask = {
         "local": lambda: BlockMask.local(n, n, 1, block_q=128, block_kv=128),
         "causal": lambda: BlockMask.causal(n, n, block_q=128, block_kv=128),
         "strided": lambda: BlockMask.strided(n, n, 3, block_q=128, block_kv=128),
         "global_local": lambda: BlockMask.global_local(n, n, 1, 1, block_q=128, block_kv=128),
+        "global_local_beside_a_mask": lambda: BlockMask.global_local(n, n, 1, 1, block_q=128, block_kv=128),
         "local_64": lambda: BlockMask.local(n, n, 1, block_q=64, block_kv=64),
     }[pattern]()
     tiles = dict(query_tiles=((128, 64), (128, 128)), key_tiles=((128, 64),))
-    reason = exact_by_ranges(block_mask, q_len=n, kv_len=n, kv_heads=1, **tiles)
+    max_runs = 1 if pattern.endswith("_beside_a_mask") else 2
+    reason = exact_by_ranges(block_mask, q_len=n, kv_len=n, kv_heads=1, **tiles, max_runs=max_runs)
     assert reason is None if words is None else words in reason, reason
 
 
@@ -236,6 +239,13 @@ API_CASES = {
     ),
     # a strided pattern with GQA: not one run per tile, so expanded into the dense mask, ANDed with a dense mask
     "strided_gqa_mask": ((1, 192, 200, 2, 1, 64), BlockMask.strided(192, 200, 2, block_q=64, block_kv=64), {}, False),
+    # global + local with GQA, causal, ragged: two runs per tile, the ranges and their gaps alone
+    "global_local_causal_gqa": (
+        (1, 450, 450, 4, 2, 64),
+        BlockMask.global_local(450, 450, 1, (1, 0), block_q=128, block_kv=128),
+        dict(is_causal=True),
+        True,
+    ),
 }
 
 
@@ -269,18 +279,72 @@ def test_flash_attention_serves_a_block_mask_on_hopper(case, monkeypatch):
         assert_close(got, ref, jnp.bfloat16, table=GRADIENT, what=name)
 
 
+@pytest.mark.interpreter
+def test_block_mask_gaps_are_never_loaded():
+    """A global + local block mask (global block 0 both ways, each block seeing itself) served by its ranges alone:
+    the last query tile keeps key blocks 0 and 3, the last key tile query blocks 0 and 3, and each kernel steps
+    over blocks 1-2 between them. NaN keys and values there leave the last query tile's output and lse equal to
+    the reference's, NaN queries and output cotangents there the last key tile's dK and dV; ragged lengths (the
+    tiles that load those blocks do differ)."""
+    params = _interpreter()
+    n = 500
+    block_mask = BlockMask.global_local(n, n, 1, 0, block_q=128, block_kv=128)
+    assert exact_by_ranges(block_mask, q_len=n, kv_len=n, kv_heads=1, query_tiles=((128, 64),),
+                           key_tiles=((128, 64),)) is None  # fmt: skip
+    q, k, v, d_out, d_lse = make_backward_inputs((1, n, n, 1, 1, 64), jnp.bfloat16, seed=45)
+    hidden = jnp.asarray((np.arange(n) >= 128) & (np.arange(n) < 384))
+    poison = lambda x: jnp.where(hidden[None, :, None, None], jnp.nan, x).astype(x.dtype)  # noqa: E731
+    mask = jnp.asarray(block_mask.expand(n, n))
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    (ref_out, ref_lse), vjp = jax.vjp(lambda q, k, v: reference.attention_reference(q, k, v, scale=SCALE, mask=mask),
+                                      *f32)  # fmt: skip
+    want_dq, want_dk, want_dv = vjp((d_out.astype(jnp.float32), d_lse))
+    out, lse = hopper_fwd.hopper_forward(
+        q, poison(k), poison(v), scale=SCALE, config=HopperConfig(64, 64), block_mask=block_mask, interpret=params
+    )
+    assert not _compat.mosaic_gpu_races_found()
+    last = slice(384, n)
+    assert_close(out[:, last], ref_out[:, last], jnp.bfloat16)
+    assert_close(lse[:, :, last], ref_lse[:, :, last], jnp.float32, what="lse")
+    assert np.isnan(np.asarray(out[:, 128:384], np.float32)).all()
+    _, dk, dv, _, _ = interpreted_hopper_backward(
+        poison(q), k, v, ref_out.astype(q.dtype), ref_lse, poison(d_out), d_lse, scale=SCALE,
+        config=HopperBwdConfig(), block_mask=block_mask, interpret=params,
+    )  # fmt: skip
+    assert_gradients_close((dk[:, last], dv[:, last]), (want_dk[:, last], want_dv[:, last]), names=("dk", "dv"))
+    assert np.isnan(np.asarray(dk[:, 128:384], np.float32)).all()
+    # and on finite inputs, everywhere, both passes' gaps (the dQ pass's like the forward's)
+    dq, dk, dv, _, _ = interpreted_hopper_backward(
+        q, k, v, ref_out.astype(q.dtype), ref_lse, d_out, d_lse, scale=SCALE, config=HopperBwdConfig(),
+        block_mask=block_mask, interpret=params,
+    )  # fmt: skip
+    assert_gradients_close((dq, dk, dv), (want_dq, want_dk, want_dv))
+
+
 def test_kernels_refuse_a_block_mask_their_ranges_cannot_serve():
-    """The kernels' entry points take a block mask only where its ranges alone serve it, and say to pass it as a
-    dense mask otherwise."""
-    q, k, lse, _ = abstract_inputs((1, 512, 512, 2, 2, 64), False)
-    strided = BlockMask.strided(512, 512, 2, block_q=128, block_kv=128)
-    with pytest.raises(ValueError, match="not one contiguous run.*mask="):
+    """The kernels' entry points take a block mask only where its ranges alone serve it (strided with stride 2: four
+    runs in the last query tile), and say to pass it as a dense mask otherwise."""
+    q, k, lse, _ = abstract_inputs((1, 1024, 1024, 2, 2, 64), False)
+    strided = BlockMask.strided(1024, 1024, 2, block_q=128, block_kv=128)
+    with pytest.raises(ValueError, match="form 4 runs.*mask="):
         forward = functools.partial(hopper_fwd.hopper_forward, config=HopperConfig(64, 128), block_mask=strided)
         jax.eval_shape(functools.partial(forward, scale=0.1), q, k, k)
-    with pytest.raises(ValueError, match="not one contiguous run.*mask="):
+    with pytest.raises(ValueError, match="form 4 runs.*mask="):
         jax.eval_shape(
             functools.partial(hopper_bwd.hopper_backward, scale=0.1, block_mask=strided), q, k, k, q, lse, q, None
         )
+    # two runs (global + local) only where no other mask's gap may take the ranges' one
+    global_local = BlockMask.global_local(1024, 1024, 1, 1, block_q=128, block_kv=128)
+    dense = jax.ShapeDtypeStruct((1, 1, 1024, 1024), jnp.bool_)
+    with pytest.raises(ValueError, match="form 2 runs.*mask="):
+        forward = functools.partial(hopper_fwd.hopper_forward, config=HopperConfig(64, 128), block_mask=global_local)
+        jax.eval_shape(functools.partial(forward, scale=0.1, mask=dense), q, k, k)
+    reason = functools.partial(
+        hopper_vjp._ranges_reason, global_local, q, k, 64, band=masks.Band.of(False, None),
+        config=pf.KernelConfig.default(64)
+    )  # fmt: skip
+    assert reason(mods=masks.ScoreMods()) is None
+    assert "form 2 runs" in reason(mods=masks.ScoreMods(mask_dims=(False, False, True, True)))
 
 
 # ---- lowering -----------------------------------------------------------------------------------------------
@@ -350,6 +414,7 @@ GPU_CASES = {
         BlockMask.global_local(1000, 1000, 1, 1, block_q=256, block_kv=128),
         dict(segments=(300, 700)),
     ),
+    "global_local_causal": (BlockMask.global_local(1000, 1000, 1, 2, block_q=128, block_kv=128), dict(is_causal=True)),
     "local_window_gqa": (BlockMask.local(1000, 1000, 1, block_q=256, block_kv=256), dict(local_window_size=200)),
 }
 
