@@ -97,12 +97,7 @@ class HopperConfig:
 
     @classmethod
     def default(
-        cls,
-        head_dim: int,
-        kv_len: int | None = None,
-        is_causal: bool = False,
-        sparse: bool = False,
-        long_rows: bool = False,
+        cls, head_dim: int, kv_len: int | None = None, is_causal: bool = False, sparse: bool = False
     ) -> HopperConfig:
         """The fastest tiles measured on the H100 per padded head_dim (docs/performance.md; the persistent
         thresholds at head_dim 64 and 128 on an H200, the H100's bar at 2k agreeing).
@@ -118,12 +113,7 @@ class HopperConfig:
         17%; a mask that hides nothing costs 0-1%, causal at 16k 6%). Wider heads: 64-key blocks (the only size
         that fits) and the overlap (S of block j on the tensor cores under block j-1's softmax: 9-11% faster at
         head_dim 256); up to head_dim 192 persistent for causal rows up to 8k (7-11% faster at 2k-8k, 4% slower
-        at 16k; no gain at 256). Windows take the same tiles. `long_rows` (a few tiles visit many times the
-        blocks of the others: global queries) takes one CTA per tile at every head_dim, launched long tiles first
-        (`common.long_tiles_first`): a persistent CTA's static share would hold a long tile and its share of short
-        ones, and run on alone at the end."""
-        if long_rows:
-            return dataclasses.replace(cls.default(head_dim, kv_len, is_causal, sparse), persistent=False)
+        at 16k; no gain at 256). Windows take the same tiles."""
         known = kv_len is not None
         short = known and kv_len <= 1024
         if head_dim <= 64:

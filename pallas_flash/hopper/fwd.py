@@ -73,7 +73,6 @@ from pallas_flash.block_sparse import BlockMask
 from pallas_flash.blocks import LOG2E
 from pallas_flash.hopper.common import (
     KERNEL_STATIC_ARGNAMES,
-    LONG_TILE_FACTOR,
     RANGE_FIELDS,
     DenseMods,
     biased_logits,
@@ -87,8 +86,6 @@ from pallas_flash.hopper.common import (
     forward_head_dim,
     head_dim_transforms,
     intersect_ranges,
-    launched_item,
-    long_tiles_first,
     mask_block_ranges,
     masked_edge_loops,
     mod_values,
@@ -279,12 +276,10 @@ def _kernel(
     dropout: KernelDropout | None = None,
     seed_ref=None,
     dense: DenseMods = DenseMods(),
-    launch_ref=None,
 ):
     """3 warpgroups ("wg"): 0 and 1 consume, 2 produces. Each CTA runs the query tiles `tiles_of_cta` gives it
     (one per CTA, or, persistent, a strided share of all of them); the K/V ring's slots, the barriers'
-    phases and the consumers' ping-pong continue from one tile to the next. launch_ref: None, or (one CTA per
-    tile) int32 [batch * heads * q_tiles], the tile each CTA takes (`common.long_tiles_first`).
+    phases and the consumers' ping-pong continue from one tile to the next.
 
     `interpreting`: JAX's Mosaic GPU interpreter (CPU) has no `pl.run_state`, no CPU rule for register
     layouts (`layout_cast`, `plgpu.broadcasted_iota`), and no wgmma on a transposed shared-memory ref or a
@@ -325,7 +320,7 @@ def _kernel(
     def schedule(i):
         """(batch, head, first row, key blocks [lo, hi), unmasked run (same segment, wholly visible to the
         mask program) or None, the `Gap` its steps skip or None) of this CTA's i-th tile."""
-        batch, head, tile = tile_of(i, launch_ref)
+        batch, head, tile = tile_of(i)
         tile_start, kv_lo, kv_hi, same = query_tile_schedule(
             num_q_tiles,
             block_q=block_q,
@@ -852,26 +847,23 @@ def for_each_tile(num_tiles, body, carry):
 def grid_tiles(batch: int, heads: int, num_q_tiles: int, *, persistent_ctas: int | None, kv_bytes_per_head: int):
     """(grid, grid_names, tiles_of_cta) for `num_q_tiles` query tiles of each (batch, head).
 
-    One CTA per tile: grid (batch, heads, q_tiles), tiles_of_cta = (1, its grid indices, or given a launch order
-    the item at its linear position: `launched_item`). Persistent: grid
+    One CTA per tile: grid (batch, heads, q_tiles), tiles_of_cta = (1, its grid indices). Persistent: grid
     (ctas,), CTA c runs the tiles `persistent_order` puts at positions 2 (c + k ctas) and 2 (c + k ctas) + 1
     for k = 0, 1, ...: each CTA takes whole (long, short) pairs, so the static split stays balanced under a
     causal band, where the hardware's dynamic assignment of one-tile CTAs used to do it."""
     if persistent_ctas is None:
-        grid, names = (batch, heads, num_q_tiles), ("batch", "heads", "q_tiles")
 
-        def own_tile(i, launch_ref=None):
+        def own_tile(i):
             del i
-            return launched_item(launch_ref, grid, names)
+            return lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_tiles")
 
-        return grid, names, (1, own_tile)
+        return (batch, heads, num_q_tiles), ("batch", "heads", "q_tiles"), (1, own_tile)
 
     pairs = batch * heads
     chunk = max(1, min(pairs, L2_SHARE_BYTES // max(kv_bytes_per_head, 1)))
     ctas, num_tiles_of = persistent_split(pairs * num_q_tiles, persistent_ctas)
 
-    def tile_of(i, launch_ref=None):
-        del launch_ref  # a static order
+    def tile_of(i):
         position = 2 * (lax.axis_index("sm") + lax.div(i, 2) * ctas) + lax.rem(i, 2)
         pair, rank = persistent_order(position, pairs=pairs, chunk=chunk, num_q_tiles=num_q_tiles)
         return lax.div(pair, heads), lax.rem(pair, heads), rank
@@ -958,13 +950,6 @@ def _forward_padded(
     )
     q_tile = plgpu.SMEM((NUM_CONSUMERS, config.block_q, head_dim), q.dtype, transforms=transforms)
     out_tile = plgpu.SMEM((NUM_CONSUMERS, config.block_q, head_dim_v), q.dtype, transforms=transforms_v)
-    # One CTA per tile under block ranges: long tiles launch first (`long_tiles_first`; a causal band's grid runs
-    # its tiles in reverse, `query_tile_schedule`).
-    launch = None
-    if persistent_ctas is None and mod_operands[2] is not None:
-        reverse = band.right is not None and band.left is None
-        launch = long_tiles_first(mod_operands[2], batch=batch, heads=heads, num_tiles=num_q_tiles,
-                                  reverse_tiles=reverse)  # fmt: skip
 
     # Named for profiles and traces (Mosaic GPU calls the kernel `<name>_mosaic_gpu_kernel`).
     def flash_forward_sm90(q_ref, k_ref, v_ref, *refs):
@@ -973,7 +958,6 @@ def _forward_padded(
         mod_refs = [None if x is None else refs.pop(0) for x in mod_operands]
         dense_refs = [None if x is None else refs.pop(0) for x in dense_arrays]
         seed_ref = None if dropout is None else refs.pop(0)
-        launch_ref = None if launch is None else refs.pop(0)
         out_ref, lse_ref = refs
         smem = (
             q_tile,
@@ -1003,7 +987,6 @@ def _forward_padded(
             dropout=dropout,
             seed_ref=seed_ref,
             dense=dense,
-            launch_ref=launch_ref,
         )
         pl.run_scoped(
             lambda *scoped: body(q_ref, k_ref, v_ref, *segment_refs, *mod_refs, *dense_refs, out_ref, lse_ref, scoped),
@@ -1036,8 +1019,6 @@ def _forward_padded(
     operands += tuple(x for x in dense_arrays if x is not None)
     if dropout is not None:
         operands += (dropout_seed,)
-    if launch is not None:
-        operands += (launch,)
     return plgpu.kernel(
         flash_forward_sm90,
         out_type=(
@@ -1060,18 +1041,16 @@ def default_config(
     tile_bytes: int = 0,
     head_dim_v: int | None = None,
     sparse: bool = False,
-    long_rows: bool = False,
 ) -> HopperConfig | None:
     """`HopperConfig.default` for a call with this (padded) head_dim, key length and band (a window counts
     as not causal, and its rows as long as its size, left + right: a query tile of a 1k window in 16k keys visits
     about the blocks of a 1k row, whose CTA's fixed cost the short rows' tiles amortise), at the larger of query's
     and value's (padded) `head_dim_v` (None: head_dim); with dense tiles (`tile_bytes` per logit,
     `dense_tile_bytes`) or a value head_dim of its own shrunk until its ring holds them (`HopperConfig.fit`),
-    None where no tiles fit. `sparse`: the rows may visit only some key blocks; `long_rows`: a few rows many times
-    the blocks of the others (`HopperConfig.default`)."""
+    None where no tiles fit. `sparse`: the rows may visit only some key blocks (`HopperConfig.default`)."""
     if band.left is not None and band.right is not None:
         kv_len = min(kv_len, band.left + band.right)
-    config = HopperConfig.default(max(head_dim, head_dim_v or head_dim), kv_len, band.is_causal, sparse, long_rows)
+    config = HopperConfig.default(max(head_dim, head_dim_v or head_dim), kv_len, band.is_causal, sparse)
     if tile_bytes or (head_dim_v or head_dim) != head_dim:
         return config.fit(head_dim, 2, tile_bytes, head_dim_v)
     return config
@@ -1081,19 +1060,6 @@ def sparse_rows(segment_ids, mask_program, mask, block_mask) -> bool:
     """Whether a call's rows may visit only some key blocks (`default_config`'s `sparse`): it has segment ids, a
     mask program, a dense mask or a block mask (each None where absent)."""
     return any(x is not None for x in (segment_ids, mask_program, mask, block_mask))
-
-
-def long_rows(mask_program, block_mask) -> bool:
-    """Whether a few query tiles of a call may visit many times the key blocks of the others (`default_config`'s
-    `long_rows`): global queries, from a mask program (`mods.Staged`) that ORs in a term of the query position alone
-    (`ors_query_term`), or a `BlockMask` with a row of blocks that keeps over LONG_TILE_FACTOR times the mean
-    (each None where absent)."""
-    if mask_program is not None and mask_program.ors_query_term:
-        return True
-    if block_mask is None:
-        return False
-    kept = block_mask.mask.sum(axis=-1)
-    return bool(kept.max() > LONG_TILE_FACTOR * kept.mean())
 
 
 def dense_tile_bytes(bias_dtype, mask: bool) -> int:
@@ -1215,9 +1181,7 @@ def hopper_forward(
     dense = DenseMods(bias is not None, mask is not None, logits_soft_cap, hide_outside_hull=block_mask is not None)
     tile_bytes = dense_tile_bytes(None if bias is None else bias.dtype, mask is not None)
     sparse = sparse_rows(q_segment_ids, mask_mod, mask, block_mask)
-    config = config or default_config(
-        padded_dim, kv_len, band, tile_bytes, padded_dim_v, sparse, long_rows(mask_mod, block_mask)
-    )
+    config = config or default_config(padded_dim, kv_len, band, tile_bytes, padded_dim_v, sparse)
     own_tiles = tile_bytes or padded_dim_v != padded_dim  # the defaults fit shared memory without either
     if own_tiles and (
         config is None or config.smem_bytes(padded_dim, 2, tile_bytes, padded_dim_v) > H100_SHARED_MEMORY

@@ -7,7 +7,6 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_flash import masks, mods
-from pallas_flash.block_sparse import BlockMask
 from pallas_flash.config import KernelConfig
 from pallas_flash.hopper import bwd as hopper_bwd
 from pallas_flash.hopper import fwd as hopper_fwd
@@ -73,24 +72,6 @@ def test_hopper_default_persists_sparse_rows_at_head_dim_128():
     assert not hopper_vjp._sparse_rows(masks.ScoreMods(score_mod=lambda s, b, h, q, k: s), None)
     full = hopper_fwd.default_config(128, 8192, masks.Band())
     assert hopper_fwd.default_config(128, 8192, masks.Band(), sparse=True) == dataclasses.replace(full, persistent=True)
-
-
-def test_hopper_default_takes_one_cta_per_tile_for_long_rows():
-    """Where a few query tiles visit many times the key blocks of the others (global queries: a mask program ORing
-    in a query-only term, a block mask with a long row of blocks), every head_dim takes one CTA per tile (launched
-    long tiles first), keeping its tiles; other sparse calls keep theirs."""
-    for head_dim, kv_len in ((64, 2048), (128, 16384), (192, 4096)):
-        for is_causal in (False, True):
-            kept = HopperConfig.default(head_dim, kv_len, is_causal, sparse=True)
-            long = HopperConfig.default(head_dim, kv_len, is_causal, sparse=True, long_rows=True)
-            assert long == dataclasses.replace(kept, persistent=False)
-    global_queries, _ = mods.trace(mods.or_masks(lambda b, h, q, k: q < 64, mods.sliding_window(256, 256)), "mask")
-    window, _ = mods.trace(mods.sliding_window(256, 256), "mask")
-    assert hopper_vjp._rows(masks.ScoreMods(mask_mod=global_queries), None) == dict(sparse=True, long_rows=True)
-    assert hopper_vjp._rows(masks.ScoreMods(mask_mod=window), None) == dict(sparse=True, long_rows=False)
-    global_local = BlockMask.global_local(4096, 4096, 1, 1)
-    assert hopper_vjp._rows(masks.ScoreMods(), global_local)["long_rows"]
-    assert not hopper_vjp._rows(masks.ScoreMods(), BlockMask.local(4096, 4096, 1))["long_rows"]
 
 
 def test_hopper_default_persists_causal_rows_up_to_8k_up_to_head_dim_192():
