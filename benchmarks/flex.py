@@ -6,19 +6,23 @@ Cases (bf16, B*N = 16k tokens, H=16, D=128, N=8k by default): causal + soft cap 
 N] bf16 (with its gradient); a document mask of 8 equal documents (`mods.document`), and the same as a dense `mask=`
 [B, 1, N, N]; a causal sliding window of 1k keys (`mods.sliding_window`) at N = 2 x 8k, batch 1, and the same
 window with 64 global keys every query also sees (attention-sink tokens; `mods.or_masks`); Longformer's pattern, 64
-global tokens that see and are seen by every token beside a non-causal window of 512 keys each side, at 2 x 8k.
+global tokens that see and are seen by every token beside a non-causal window of 512 keys each side, at 2 x 8k;
+the same pattern as a `BlockMask` (`BlockMask.global_local`: 128-blocks, the first global both ways, a window of 4
+blocks each side), at 2 x 8k.
 Each case and pass has one row per variant, every one timed in interleaved pairs with `mod` (`benchmarks.timing`):
   mod         flash_attention with the modifier, by the first of mosaic, pallas, xla_chunked that takes it (the
               refusals before it in the note): `impl` is what ran;
   plain       the same call without the modifier (causal where the modifier keeps causal keys only);
   band        the sliding window as `local_window_size=(1024, 0)`, the built-in band (for the global cases their
               window alone: not the modifier's function, the work it keeps but for the global keys and queries);
+  as_mask     a block mask case's mask expanded into a dense `mask=` [1, 1, N, N] (the block mask's function);
   cudnn       jax.nn.dot_product_attention(implementation="cudnn") with the modifier as an explicit bias ([1, H, N,
               N] bf16 for ALiBi, [1, H, 1, N] for the bias table), mask ([B, 1, N, N] bool for documents) or
               local_window_size; no row where jax.nn cannot say it (soft cap, sinks, relative positions);
   torch_flex  torch.compile(flex_attention) on [B, H, N, D] with its own create_block_mask, on causal + soft cap,
-              ALiBi, documents and the window; compile time excluded (the warm-up calls compile), each sample
-              ended by torch.cuda.synchronize; skipped without torch or CUDA.
+              ALiBi, documents, the windows and the block mask (a mask_mod reading it per token); compile time
+              excluded (the warm-up calls compile), each sample ended by torch.cuda.synchronize; skipped without
+              torch or CUDA.
   mod@TILES   with `--hopper`: mod on the given Hopper forward tiles (the bar's syntax, e.g. "64,128,2,persistent"),
               one row per tile set, to try a default against the case (< 1: those tiles are faster).
   mod@bwd:..  with `--bwd`: mod on the plain call's default Hopper backward with the given field overrides (the

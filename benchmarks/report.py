@@ -329,7 +329,8 @@ def flex_row(r) -> str:
 def _flex_table(records):
     """The flex records in the order they were measured, each case's mod row first."""
     order = {key: i for i, key in enumerate(dict.fromkeys((r["case"], r["point"]) for r in records))}
-    variants = ("mod", "plain", "band", "cudnn", "torch_flex")  # then mod@ rows (--hopper, --bwd), as measured
+    # then mod@ rows (--hopper, --bwd), as measured
+    variants = ("mod", "plain", "band", "as_mask", "cudnn", "torch_flex")
     rank = lambda v: variants.index(v) if v in variants else len(variants)
     rows = sorted(records, key=lambda r: (order[(r["case"], r["point"])], r["pass"], rank(r["variant"])))
     return [
