@@ -73,6 +73,7 @@ from pallas_flash.block_sparse import BlockMask
 from pallas_flash.blocks import LOG2E
 from pallas_flash.hopper.common import (
     KERNEL_STATIC_ARGNAMES,
+    LONG_TILE_FACTOR,
     RANGE_FIELDS,
     DenseMods,
     biased_logits,
@@ -276,10 +277,12 @@ def _kernel(
     dropout: KernelDropout | None = None,
     seed_ref=None,
     dense: DenseMods = DenseMods(),
+    deal_ref=None,
 ):
     """3 warpgroups ("wg"): 0 and 1 consume, 2 produces. Each CTA runs the query tiles `tiles_of_cta` gives it
-    (one per CTA, or, persistent, a strided share of all of them); the K/V ring's slots, the barriers'
-    phases and the consumers' ping-pong continue from one tile to the next.
+    (one per CTA, or, persistent, a strided share of all of them, or the share deal_ref deals it:
+    `long_rows_deal`); the K/V ring's slots, the barriers' phases and the consumers' ping-pong continue from one
+    tile to the next.
 
     `interpreting`: JAX's Mosaic GPU interpreter (CPU) has no `pl.run_state`, no CPU rule for register
     layouts (`layout_cast`, `plgpu.broadcasted_iota`), and no wgmma on a transposed shared-memory ref or a
@@ -313,14 +316,14 @@ def _kernel(
     num_q_tiles = q_ref.shape[1] // (NUM_CONSUMERS * block_q)
     dtype = q_ref.dtype
     num_tiles, tile_of = tiles_of_cta
-    num_tiles = num_tiles() if callable(num_tiles) else num_tiles
+    num_tiles = num_tiles(deal_ref)
     separate_out = o_smem2 is not None
     max_position = max(q_ref.shape[1], k_ref.shape[1])  # positions the programs see are below it
 
     def schedule(i):
         """(batch, head, first row, key blocks [lo, hi), unmasked run (same segment, wholly visible to the
         mask program) or None, the `Gap` its steps skip or None) of this CTA's i-th tile."""
-        batch, head, tile = tile_of(i)
+        batch, head, tile = tile_of(i, deal_ref)
         tile_start, kv_lo, kv_hi, same = query_tile_schedule(
             num_q_tiles,
             block_q=block_q,
@@ -844,31 +847,131 @@ def for_each_tile(num_tiles, body, carry):
     return lax.fori_loop(0, num_tiles, body, carry)
 
 
-def grid_tiles(batch: int, heads: int, num_q_tiles: int, *, persistent_ctas: int | None, kv_bytes_per_head: int):
-    """(grid, grid_names, tiles_of_cta) for `num_q_tiles` query tiles of each (batch, head).
+def persistent_chunk(batch: int, heads: int, kv_bytes_per_head: int) -> int:
+    """The (batch, head) pairs a persistent forward takes at once (`persistent_order`'s chunk): as many as fit
+    L2_SHARE_BYTES of keys and values."""
+    return max(1, min(batch * heads, L2_SHARE_BYTES // max(kv_bytes_per_head, 1)))
 
-    One CTA per tile: grid (batch, heads, q_tiles), tiles_of_cta = (1, its grid indices). Persistent: grid
+
+def grid_tiles(
+    batch: int, heads: int, num_q_tiles: int, *, persistent_ctas: int | None, kv_bytes_per_head: int, dealt=False
+):
+    """(grid, grid_names, tiles_of_cta) for `num_q_tiles` query tiles of each (batch, head); tiles_of_cta is
+    (num_tiles(deal_ref), tile_of(i, deal_ref)), deal_ref the kernel's `long_rows_deal` (None without one).
+
+    One CTA per tile: grid (batch, heads, q_tiles), num_tiles 1, tile_of its grid indices. Persistent: grid
     (ctas,), CTA c runs the tiles `persistent_order` puts at positions 2 (c + k ctas) and 2 (c + k ctas) + 1
     for k = 0, 1, ...: each CTA takes whole (long, short) pairs, so the static split stays balanced under a
-    causal band, where the hardware's dynamic assignment of one-tile CTAs used to do it."""
+    causal band, where the hardware's dynamic assignment of one-tile CTAs used to do it. `dealt`: the pairs
+    (units) are taken as `long_rows_deal` says instead."""
     if persistent_ctas is None:
 
-        def own_tile(i):
-            del i
+        def own_tile(i, deal_ref=None):
+            del i, deal_ref
             return lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_tiles")
 
-        return (batch, heads, num_q_tiles), ("batch", "heads", "q_tiles"), (1, own_tile)
+        return (batch, heads, num_q_tiles), ("batch", "heads", "q_tiles"), (lambda deal_ref=None: 1, own_tile)
 
     pairs = batch * heads
-    chunk = max(1, min(pairs, L2_SHARE_BYTES // max(kv_bytes_per_head, 1)))
-    ctas, num_tiles_of = persistent_split(pairs * num_q_tiles, persistent_ctas)
+    chunk = persistent_chunk(batch, heads, kv_bytes_per_head)
+    total = pairs * num_q_tiles
+    ctas, num_tiles_of = persistent_split(total, persistent_ctas)
 
-    def tile_of(i):
-        position = 2 * (lax.axis_index("sm") + lax.div(i, 2) * ctas) + lax.rem(i, 2)
+    def tile_of(i, deal_ref=None):
+        cta = lax.axis_index("sm")
+        if dealt:
+            num_long, rounds, num_units = (deal_ref[j] for j in range(DEAL_HEADER))
+            index = deal_index(cta, lax.div(i, 2), ctas=ctas, num_long=num_long, rounds=rounds)
+            position = 2 * deal_ref[DEAL_HEADER + index] + lax.rem(i, 2)
+        else:
+            position = 2 * (cta + lax.div(i, 2) * ctas) + lax.rem(i, 2)
         pair, rank = persistent_order(position, pairs=pairs, chunk=chunk, num_q_tiles=num_q_tiles)
         return lax.div(pair, heads), lax.rem(pair, heads), rank
 
-    return (ctas,), ("sm",), (lambda: num_tiles_of(lax.axis_index("sm")), tile_of)
+    def num_tiles(deal_ref=None):
+        cta = lax.axis_index("sm")
+        if not dealt:
+            return num_tiles_of(cta)
+        num_long, rounds, num_units = (deal_ref[j] for j in range(DEAL_HEADER))
+        return deal_tiles(cta, ctas=ctas, num_long=num_long, rounds=rounds, num_units=num_units, odd=total % 2 == 1)
+
+    return (ctas,), ("sm",), (num_tiles, tile_of)
+
+
+# ---- the long-rows deal: a persistent forward's units where a few tiles see many times the keys of the rest -------
+
+DEAL_HEADER = 3  # num_long, rounds, num_units: the deal's scalars before its unit order
+# A tile's fixed cost (Q load, ring fill, epilogue) in block-steps, for the deal's cost model.
+TILE_OVERHEAD_STEPS = 2
+
+
+def long_rows(mask_program, block_mask) -> bool:
+    """Whether a few query tiles of a call may visit many times the key blocks of the others: global queries, from a
+    mask program (`mods.Staged`) that ORs in a term of the query position alone (`ors_query_term`), or a `BlockMask`
+    with a row of blocks that keeps over LONG_TILE_FACTOR times the mean (each None where absent). A persistent
+    forward then deals its tiles by `long_rows_deal`."""
+    if mask_program is not None and mask_program.ors_query_term:
+        return True
+    if block_mask is None:
+        return False
+    kept = block_mask.mask.sum(axis=-1)
+    return bool(kept.max() > LONG_TILE_FACTOR * kept.mean())
+
+
+def long_rows_deal(ranges, *, batch: int, heads: int, num_q_tiles: int, band: masks.Band, ctas: int, chunk: int):
+    """int32 [DEAL_HEADER + units]: how a persistent forward's CTAs take its units (`persistent_order`'s pairs of
+    positions) from the tiles' block ranges ([Bd, Hd, num_q_tiles, RANGE_FIELDS]), computed in XLA: (num_long,
+    rounds, units), then the units' order, long units first. A unit is long past LONG_TILE_FACTOR times the mean
+    cost (its tiles' visited blocks plus TILE_OVERHEAD_STEPS each). The first num_long CTAs take one long unit
+    each while the other CTAs take `rounds` short units each (about a long unit's cost), then every CTA takes the
+    rest in turn (`deal_index`); the order keeps the short units' `persistent_order`, so the CTAs running at once
+    share keys and values in L2. Without long units, or with more than half as many as CTAs, or too few short
+    units for a round: num_long = rounds = 0, the usual strided deal over the order."""
+    total = batch * heads * num_q_tiles
+    units = -(-total // 2)
+    position = jnp.arange(2 * units, dtype=jnp.int32)
+    pair, rank = persistent_order(jnp.minimum(position, total - 1), pairs=batch * heads, chunk=chunk,
+                                  num_q_tiles=num_q_tiles)  # fmt: skip
+    causal = band.right is not None and band.left is None  # `query_tile_schedule` runs its tiles in reverse
+    tile = num_q_tiles - 1 - rank if causal else rank
+    r = jnp.broadcast_to(ranges, (batch, heads, num_q_tiles, RANGE_FIELDS))[pair // heads, pair % heads, tile]
+    steps = r[:, 1] - r[:, 0] - (r[:, 5] - r[:, 4]) + TILE_OVERHEAD_STEPS
+    cost = jnp.where(position < total, steps, 0).reshape(units, 2).sum(axis=1).astype(jnp.float32)
+    long = cost > LONG_TILE_FACTOR * jnp.mean(cost)
+    if total % 2:  # the last unit holds one tile: kept short, so it ends the order (`deal_tiles`)
+        long = long.at[-1].set(False)
+    num_long = jnp.sum(long)
+    long_cost = jnp.sum(jnp.where(long, cost, 0)) / jnp.maximum(num_long, 1)
+    short_cost = jnp.sum(jnp.where(long, 0, cost)) / jnp.maximum(units - num_long, 1)
+    others = jnp.maximum(ctas - num_long, 1)
+    rounds = jnp.minimum(
+        jnp.round(long_cost / jnp.maximum(short_cost, 1)).astype(jnp.int32), (units - num_long) // others
+    )
+    dealt = (num_long > 0) & (2 * num_long <= ctas) & (rounds > 0)
+    slot = jnp.where(long, jnp.cumsum(long) - 1, num_long + jnp.cumsum(~long) - 1)
+    order = jnp.zeros((units,), jnp.int32).at[slot].set(jnp.arange(units, dtype=jnp.int32))
+    header = jnp.stack([jnp.where(dealt, num_long, 0), jnp.where(dealt, rounds, 0), jnp.asarray(units)])
+    return jnp.concatenate([header.astype(jnp.int32), order])
+
+
+def deal_index(cta, k, *, ctas: int, num_long, rounds):
+    """The index into `long_rows_deal`'s order of CTA `cta`'s k-th unit (works on traced and on NumPy ints)."""
+    others = ctas - num_long
+    shared = num_long + rounds * others + (k - jnp.where(cta < num_long, 1, rounds)) * ctas + cta
+    own = jnp.where(k == 0, cta, shared)
+    return jnp.where(cta < num_long, own, jnp.where(k < rounds, num_long + k * others + cta - num_long, shared))
+
+
+def deal_tiles(cta, *, ctas: int, num_long, rounds, num_units, odd: bool):
+    """How many tiles CTA `cta` runs under `long_rows_deal` (two per unit; the holder of the order's last unit one
+    fewer where the tiles are `odd` in number)."""
+    others = ctas - num_long
+    start = num_long + rounds * others  # the first index every CTA takes part in
+    shared = jnp.maximum(num_units - start - cta + ctas - 1, 0) // ctas
+    count = jnp.where(cta < num_long, 1, rounds) + shared
+    last = num_units - 1
+    holder = jnp.where(last >= start, (last - start) % ctas, num_long + (last - num_long) % jnp.maximum(others, 1))
+    return 2 * count - (odd & (cta == holder)).astype(jnp.int32)
 
 
 def persistent_split(total: int, max_ctas: int):
@@ -922,12 +1025,14 @@ def _forward_padded(
     dropout_seed=None,
     dense_arrays=(None, None),
     dense: DenseMods = DenseMods(),
+    long_rows: bool = False,
     interpret,
 ):
     """`hopper_forward` on padded operands (value's head_dim may differ from query's); mod_operands: the
     programs' packed row and column values and the mask program's block ranges (`_mod_operands`), each None where
     absent; dropout_seed: `dropout`'s seed table (`kernel_dropout`); dense_arrays: `dense`'s (bias, mask)
-    (`dense_operands`), each None where absent."""
+    (`dense_operands`), each None where absent. `long_rows` (`long_rows`): persistent CTAs take their tiles by
+    `long_rows_deal`."""
     batch, q_pad, heads, head_dim = q.shape
     kv_heads, head_dim_v = k.shape[2], v.shape[3]
     num_q_tiles = q_pad // (NUM_CONSUMERS * config.block_q)
@@ -941,13 +1046,22 @@ def _forward_padded(
     persistent_ctas = None
     if config.persistent:  # one CTA per SM (a few in the interpreter, so that each runs several tiles)
         persistent_ctas = 2 if interpret is not None else getattr(jax.devices()[0], "core_count", 132)
+    kv_bytes_per_head = k.shape[1] * (head_dim + head_dim_v) * k.dtype.itemsize * kv_heads // heads
+    dealt = persistent_ctas is not None and long_rows and mod_operands[2] is not None
     grid, grid_names, tiles_of_cta = grid_tiles(
         batch,
         heads,
         num_q_tiles,
         persistent_ctas=persistent_ctas,
-        kv_bytes_per_head=k.shape[1] * (head_dim + head_dim_v) * k.dtype.itemsize * kv_heads // heads,
+        kv_bytes_per_head=kv_bytes_per_head,
+        dealt=dealt,
     )
+    deal = None
+    if dealt:
+        deal = long_rows_deal(
+            mod_operands[2], batch=batch, heads=heads, num_q_tiles=num_q_tiles, band=band, ctas=grid[0],
+            chunk=persistent_chunk(batch, heads, kv_bytes_per_head),
+        )  # fmt: skip
     q_tile = plgpu.SMEM((NUM_CONSUMERS, config.block_q, head_dim), q.dtype, transforms=transforms)
     out_tile = plgpu.SMEM((NUM_CONSUMERS, config.block_q, head_dim_v), q.dtype, transforms=transforms_v)
 
@@ -958,6 +1072,7 @@ def _forward_padded(
         mod_refs = [None if x is None else refs.pop(0) for x in mod_operands]
         dense_refs = [None if x is None else refs.pop(0) for x in dense_arrays]
         seed_ref = None if dropout is None else refs.pop(0)
+        deal_ref = None if deal is None else refs.pop(0)
         out_ref, lse_ref = refs
         smem = (
             q_tile,
@@ -987,6 +1102,7 @@ def _forward_padded(
             dropout=dropout,
             seed_ref=seed_ref,
             dense=dense,
+            deal_ref=deal_ref,
         )
         pl.run_scoped(
             lambda *scoped: body(q_ref, k_ref, v_ref, *segment_refs, *mod_refs, *dense_refs, out_ref, lse_ref, scoped),
@@ -1019,6 +1135,8 @@ def _forward_padded(
     operands += tuple(x for x in dense_arrays if x is not None)
     if dropout is not None:
         operands += (dropout_seed,)
+    if deal is not None:
+        operands += (deal,)
     return plgpu.kernel(
         flash_forward_sm90,
         out_type=(
@@ -1237,6 +1355,7 @@ def hopper_forward(
         dropout_seed=seed,
         dense_arrays=dense_operands(bias, mask, q_pad, kv_pad),
         dense=dense,
+        long_rows=long_rows(mask_mod, block_mask),
         interpret=interpret,
     )
     return out[:, :q_len, :, :head_dim_v], lse[:, :, :q_len]

@@ -14,7 +14,14 @@ from pallas_flash import device, masks
 from pallas_flash.config import KernelConfig
 from pallas_flash.hopper.common import padded_head_dim, segment_block_ranges
 from pallas_flash.hopper.config import HopperConfig
-from pallas_flash.hopper.fwd import persistent_order, persistent_split
+from pallas_flash.hopper.fwd import (
+    DEAL_HEADER,
+    deal_index,
+    deal_tiles,
+    long_rows_deal,
+    persistent_order,
+    persistent_split,
+)
 from tests.helpers import check_against_reference, shape_id
 
 GPU_SHAPES = [
@@ -43,6 +50,53 @@ def test_persistent_order_runs_every_tile_once_in_balanced_pairs(pairs, num_q_ti
         blocks.append(int(np.sum(num_q_tiles - np.asarray(rank))))
     assert sorted(seen) == [(p, r) for p in range(pairs) for r in range(num_q_tiles)]
     assert max(blocks) <= np.mean(blocks) + num_q_tiles + 1
+
+
+def _dealt_positions(deal, ctas: int, total: int):
+    """Each CTA's positions (`persistent_order`'s) under a `long_rows_deal`, as the kernel walks them."""
+    deal = np.asarray(deal)
+    num_long, rounds, units = (int(x) for x in deal[:DEAL_HEADER])
+    owned = []
+    for cta in range(ctas):
+        count = int(deal_tiles(np.int32(cta), ctas=ctas, num_long=num_long, rounds=rounds, num_units=units,
+                               odd=total % 2 == 1))  # fmt: skip
+        tiles = np.arange(count)
+        index = np.asarray(deal_index(np.int32(cta), tiles // 2, ctas=ctas, num_long=num_long, rounds=rounds))
+        owned.append((2 * deal[DEAL_HEADER + index] + tiles % 2).tolist())
+    return owned
+
+
+@pytest.mark.parametrize(
+    "pairs, num_q_tiles, ctas, long_tiles",
+    [(16, 128, 132, [0]), (2, 12, 2, [0]), (3, 7, 4, [0]), (1, 9, 3, [4]), (16, 16, 132, []), (40, 64, 8, [0])],
+)
+def test_long_rows_deal_runs_every_tile_once_and_balances(pairs, num_q_tiles, ctas, long_tiles):
+    """The persistent forward's long-rows deal: every position exactly once over all CTAs (odd totals too), each
+    CTA with at least one tile; where a few long units stand out, they go to CTAs of their own, which take fewer
+    short ones, so the busiest CTA holds at most two short units over the larger of a long unit and the mean (the
+    strided deal: a long unit over its share of short ones); without long units, or with too many for CTAs of
+    their own, the strided deal over the order."""
+    steps = np.full((1, pairs, num_q_tiles), 8)
+    steps[:, :, long_tiles] = 10 * num_q_tiles
+    ranges = jnp.asarray(np.stack([np.zeros_like(steps), steps, steps, steps, steps * 0, steps * 0], axis=-1))
+    total = pairs * num_q_tiles
+    units = -(-total // 2)
+    ctas = min(ctas, units)
+    deal = long_rows_deal(ranges, batch=1, heads=pairs, num_q_tiles=num_q_tiles, band=masks.Band(), ctas=ctas,
+                          chunk=2)  # fmt: skip
+    owned = _dealt_positions(deal, ctas, total)
+    assert sorted(sum(owned, [])) == list(range(total)) and min(map(len, owned)) >= 1
+    pair, rank = persistent_order(np.arange(total, dtype=np.int32), pairs=pairs, chunk=2, num_q_tiles=num_q_tiles)
+    cost = steps[0][np.asarray(pair), np.asarray(rank)] + 2
+    loads = [int(cost[o].sum()) for o in owned]
+    strided = [[p for k in range(c, units, ctas) for p in (2 * k, 2 * k + 1) if p < total] for c in range(ctas)]
+    if int(deal[0]):
+        assert int(deal[0]) == pairs * len(long_tiles)
+        unit_cost = np.add.reduceat(np.append(cost, [0] * (2 * units - total)), np.arange(0, 2 * units, 2))
+        assert max(loads) <= max(unit_cost.max(), np.mean(loads)) + 2 * unit_cost.min()
+        assert max(loads) < max(int(cost[s].sum()) for s in strided)
+    else:
+        assert owned == [[2 * int(deal[DEAL_HEADER + p // 2]) + p % 2 for p in s] for s in strided]
 
 
 @pytest.mark.parametrize("sort", [True, False])

@@ -188,6 +188,48 @@ def test_mods_forward_in_mosaic_gpu_interpreter(case):
         assert (~finite).any(), "this case is meant to contain rows that see no key"
 
 
+def _global_queries_forward(monkeypatch=None, deal=None):
+    """(out, the reference's out, the call's deal) of the persistent forward (2 CTAs in the interpreter) on global
+    queries beside a block diagonal: 24 tiles of 128 rows, the first seeing all 29 key blocks, each other one; with
+    `deal`, a function of the real deal that replaces it in the kernel."""
+    shape = (1, 3072, 3712, 1, 1, 64)
+    program, consts = mods.trace(mods.or_masks(lambda b, h, q, k: q < 16, lambda b, h, q, k: q // 128 == k // 128),
+                                 "mask")  # fmt: skip
+    staged, _ = mods.stage(program)
+    config = HopperConfig(64, 128, 2, persistent=True)
+    ranges = hopper_fwd.mask_ranges(staged, consts, batch=1, heads=1, q_len=3072, kv_len=3712, config=config)
+    dealt = hopper_fwd.long_rows_deal(ranges, batch=1, heads=1, num_q_tiles=24, band=masks.Band(), ctas=2, chunk=1)
+    if deal is not None:
+        monkeypatch.setattr(hopper_fwd, "long_rows_deal", lambda *args, **kwargs: deal(dealt))
+    q, k, v, _ = make_inputs(shape, jnp.bfloat16, seed=22)
+    out, _ = hopper_fwd.hopper_forward(
+        q, k, v, scale=SCALE, config=config, mask_mod=staged, mask_stacks=staged.stacks(consts, 1, 1, 3072, 3712),
+        mask_ranges=ranges, interpret=interpret_params(detect_races=deal is None),
+    )  # fmt: skip
+    ref, _ = reference.attention_reference(
+        *(x.astype(jnp.float32) for x in (q, k, v)), scale=SCALE, mask_mod=program, mask_consts=consts
+    )
+    return out, ref, np.asarray(dealt)
+
+
+@pytest.mark.interpreter
+def test_persistent_forward_deals_long_rows(monkeypatch):
+    """Global queries (a mask program ORing in a query-only term): the persistent forward takes its tiles by the
+    long-rows deal, the long unit on a CTA of its own while the other takes short units: the reference's output.
+    A deal whose order names only the last unit leaves every other tile unwritten (the kernel reads the deal)."""
+    out, ref, dealt = _global_queries_forward()
+    assert list(dealt[:3]) == [1, 6, 12]  # one long unit (34 block-steps), 6 rounds of short ones (6 each), 12 units
+    assert_close(out, ref, jnp.bfloat16)
+    units = int(dealt[2])
+    only_last = lambda d: d.at[:3].set(jnp.asarray([0, 0, units])).at[3:].set(units - 1)  # noqa: E731
+    out, ref, _ = _global_queries_forward(monkeypatch, only_last)
+    last = hopper_fwd.persistent_order(np.arange(2 * units - 2, 2 * units), pairs=1, chunk=1, num_q_tiles=24)[1]
+    rows = np.concatenate([np.arange(128 * t, 128 * t + 128) for t in np.asarray(last)])
+    assert_close(out[:, rows], ref[:, rows], jnp.bfloat16)
+    others = np.setdiff1d(np.arange(3072), rows)
+    assert not np.allclose(np.asarray(out[:, others], np.float32), np.asarray(ref[:, others]), atol=1e-2)
+
+
 def test_mask_ranges_skip_and_unmask_blocks():
     """`mask_ranges` of a causal mask program: each 128-row tile visits the key blocks up to its diagonal,
     the ones below the diagonal unmasked."""
@@ -285,6 +327,52 @@ def test_mosaic_mods_forward_matches_reference(shape):
     np.testing.assert_array_equal(np.isneginf(lse), ~finite)
     assert_close(np.where(finite, lse, 0.0), np.where(finite, ref_lse, 0.0), jnp.float32, what="lse")
     assert jax.numpy.isfinite(out.astype(jnp.float32)).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_mosaic_forward_with_global_tokens_matches_reference(head_dim):
+    """Longformer's global tokens at 16k (64 tokens that see and are seen by all, a window of 256 each side): the
+    persistent forward deals its long units to CTAs of their own (`long_rows_deal`): output and LSE against the
+    reference."""
+    shape = (1, 16384, 16384, 2, 2, head_dim)
+    q, k, v, _ = make_inputs(shape, jnp.bfloat16, seed=9)
+    mask = mods.or_masks(lambda b, h, q, k: (q < 64) | (k < 64), mods.sliding_window(256, 256))
+    program, consts = mods.trace(mask, "mask")
+    staged, _ = mods.stage(program)
+    config = hopper_fwd.default_config(head_dim, 16384, masks.Band(), sparse=True)
+    ranges = hopper_fwd.mask_ranges(staged, consts, batch=1, heads=2, q_len=16384, kv_len=16384, config=config)
+    if config.persistent:
+        deal = hopper_fwd.long_rows_deal(ranges, batch=1, heads=2, num_q_tiles=ranges.shape[2], band=masks.Band(),
+                                         ctas=132, chunk=1)  # fmt: skip
+        assert int(deal[0]) == 2  # each head's first unit, dealt to a CTA of its own
+    out, lse = pf.flash_attention(q, k, v, mask_mod=mask, implementation="mosaic", return_lse=True)
+    ref_out, ref_lse = reference.attention_reference(
+        *(x.astype(jnp.float32) for x in (q, k, v)), scale=1.0 / np.sqrt(head_dim), mask_mod=program,
+        mask_consts=consts,
+    )  # fmt: skip
+    assert_close(out, ref_out, jnp.bfloat16)
+    assert_close(lse, ref_lse, jnp.float32, what="lse")
+
+
+@pytest.mark.lowering
+def test_dealt_persistent_forward_lowers_for_gpu():
+    """The persistent forward on global queries, taking its tiles by the long-rows deal (scalars and the unit
+    order read from global memory), goes through Mosaic GPU's lowering."""
+    shape = (1, 1024, 1024, 2, 2, 128)
+    q, k, _, _ = abstract_inputs(shape, False)
+    program, consts = mods.trace(mods.or_masks(lambda b, h, q, k: q < 16, mods.sliding_window(64, 64)), "mask")
+    staged, _ = mods.stage(program)
+    config = HopperConfig(64, 128, 2, persistent=True, overlap=True)
+
+    def forward(q, k, v):
+        stacks = staged.stacks(consts, 1, 2, 1024, 1024)
+        ranges = hopper_fwd.mask_ranges(staged, consts, batch=1, heads=2, q_len=1024, kv_len=1024, config=config)
+        return hopper_fwd.hopper_forward(q, k, v, scale=0.1, config=config, mask_mod=staged, mask_stacks=stacks,
+                                         mask_ranges=ranges)  # fmt: skip
+
+    text = lower_for_cuda(forward, q, k, k)
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
 
 
 @pytest.mark.lowering
