@@ -903,6 +903,10 @@ def grid_tiles(
 DEAL_HEADER = 3  # num_long, rounds, num_units: the deal's scalars before its unit order
 # A tile's fixed cost (Q load, ring fill, epilogue) in block-steps, for the deal's cost model.
 TILE_OVERHEAD_STEPS = 2
+# The deal's XLA ops take ~0.03-0.05 ms per call on the H100; the long rows' CTAs cost more than that where a row
+# spans 128 key blocks (16 heads at 16k: forward kernel 0.327 / 0.423 ms dealt against 0.438 / 0.552 strided), not
+# at 64 (8k: 0.198 / 0.251 against 0.195 / 0.246).
+DEAL_MIN_KV_BLOCKS = 128
 
 
 def long_rows(mask_program, block_mask) -> bool:
@@ -1048,6 +1052,7 @@ def _forward_padded(
         persistent_ctas = 2 if interpret is not None else getattr(jax.devices()[0], "core_count", 132)
     kv_bytes_per_head = k.shape[1] * (head_dim + head_dim_v) * k.dtype.itemsize * kv_heads // heads
     dealt = persistent_ctas is not None and long_rows and mod_operands[2] is not None
+    dealt = dealt and k.shape[1] // config.block_kv >= DEAL_MIN_KV_BLOCKS
     grid, grid_names, tiles_of_cta = grid_tiles(
         batch,
         heads,

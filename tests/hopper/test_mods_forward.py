@@ -188,10 +188,12 @@ def test_mods_forward_in_mosaic_gpu_interpreter(case):
         assert (~finite).any(), "this case is meant to contain rows that see no key"
 
 
-def _global_queries_forward(monkeypatch=None, deal=None):
+def _global_queries_forward(monkeypatch, deal=None):
     """(out, the reference's out, the call's deal) of the persistent forward (2 CTAs in the interpreter) on global
-    queries beside a block diagonal: 24 tiles of 128 rows, the first seeing all 29 key blocks, each other one; with
-    `deal`, a function of the real deal that replaces it in the kernel."""
+    queries beside a block diagonal: 24 tiles of 128 rows, the first seeing all 29 key blocks (dealt below
+    DEAL_MIN_KV_BLOCKS here), each other one; with `deal`, a function of the real deal that replaces it in the
+    kernel."""
+    monkeypatch.setattr(hopper_fwd, "DEAL_MIN_KV_BLOCKS", 1)
     shape = (1, 3072, 3712, 1, 1, 64)
     program, consts = mods.trace(mods.or_masks(lambda b, h, q, k: q < 16, lambda b, h, q, k: q // 128 == k // 128),
                                  "mask")  # fmt: skip
@@ -217,7 +219,7 @@ def test_persistent_forward_deals_long_rows(monkeypatch):
     """Global queries (a mask program ORing in a query-only term): the persistent forward takes its tiles by the
     long-rows deal, the long unit on a CTA of its own while the other takes short units: the reference's output.
     A deal whose order names only the last unit leaves every other tile unwritten (the kernel reads the deal)."""
-    out, ref, dealt = _global_queries_forward()
+    out, ref, dealt = _global_queries_forward(monkeypatch)
     assert list(dealt[:3]) == [1, 6, 12]  # one long unit (34 block-steps), 6 rounds of short ones (6 each), 12 units
     assert_close(out, ref, jnp.bfloat16)
     units = int(dealt[2])
@@ -344,8 +346,8 @@ def test_mosaic_forward_with_global_tokens_matches_reference(head_dim):
     ranges = hopper_fwd.mask_ranges(staged, consts, batch=1, heads=2, q_len=16384, kv_len=16384, config=config)
     if config.persistent:
         deal = hopper_fwd.long_rows_deal(ranges, batch=1, heads=2, num_q_tiles=ranges.shape[2], band=masks.Band(),
-                                         ctas=132, chunk=1)  # fmt: skip
-        assert int(deal[0]) == 2  # each head's first unit, dealt to a CTA of its own
+                                         ctas=ranges.shape[2], chunk=1)  # fmt: skip
+        assert int(deal[0]) == 2  # each head's first unit, dealt to a CTA of its own (one CTA per unit here)
     out, lse = pf.flash_attention(q, k, v, mask_mod=mask, implementation="mosaic", return_lse=True)
     ref_out, ref_lse = reference.attention_reference(
         *(x.astype(jnp.float32) for x in (q, k, v)), scale=1.0 / np.sqrt(head_dim), mask_mod=program,
@@ -356,9 +358,10 @@ def test_mosaic_forward_with_global_tokens_matches_reference(head_dim):
 
 
 @pytest.mark.lowering
-def test_dealt_persistent_forward_lowers_for_gpu():
+def test_dealt_persistent_forward_lowers_for_gpu(monkeypatch):
     """The persistent forward on global queries, taking its tiles by the long-rows deal (scalars and the unit
     order read from global memory), goes through Mosaic GPU's lowering."""
+    monkeypatch.setattr(hopper_fwd, "DEAL_MIN_KV_BLOCKS", 1)
     shape = (1, 1024, 1024, 2, 2, 128)
     q, k, _, _ = abstract_inputs(shape, False)
     program, consts = mods.trace(mods.or_masks(lambda b, h, q, k: q < 16, mods.sliding_window(64, 64)), "mask")
