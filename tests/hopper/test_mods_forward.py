@@ -215,16 +215,26 @@ def _global_queries_forward(monkeypatch, deal=None):
 
 
 @pytest.mark.interpreter
+@pytest.mark.slow  # CI's time: the deal's tiling is tested on the CPU, the kernel's reading of it below, both on a GPU
 def test_persistent_forward_deals_long_rows(monkeypatch):
     """Global queries (a mask program ORing in a query-only term): the persistent forward takes its tiles by the
-    long-rows deal, the long unit on a CTA of its own while the other takes short units: the reference's output.
-    A deal whose order names only the last unit leaves every other tile unwritten (the kernel reads the deal)."""
+    long-rows deal, the long unit on a CTA of its own while the other takes short units: the reference's output."""
     out, ref, dealt = _global_queries_forward(monkeypatch)
     assert list(dealt[:3]) == [1, 6, 12]  # one long unit (34 block-steps), 6 rounds of short ones (6 each), 12 units
     assert_close(out, ref, jnp.bfloat16)
+
+
+@pytest.mark.interpreter
+def test_persistent_forward_reads_the_deal(monkeypatch):
+    """A long-rows deal whose order names only the last unit: that unit's rows are the reference's and every other
+    tile stays unwritten (a kernel that ignored the deal would compute them)."""
+
+    def only_last(dealt):
+        units = dealt.shape[0] - 3
+        return dealt.at[:3].set(jnp.asarray([0, 0, units])).at[3:].set(units - 1)
+
+    out, ref, dealt = _global_queries_forward(monkeypatch, only_last)
     units = int(dealt[2])
-    only_last = lambda d: d.at[:3].set(jnp.asarray([0, 0, units])).at[3:].set(units - 1)  # noqa: E731
-    out, ref, _ = _global_queries_forward(monkeypatch, only_last)
     last = hopper_fwd.persistent_order(np.arange(2 * units - 2, 2 * units), pairs=1, chunk=1, num_q_tiles=24)[1]
     rows = np.concatenate([np.arange(128 * t, 128 * t + 128) for t in np.asarray(last)])
     assert_close(out[:, rows], ref[:, rows], jnp.bfloat16)
