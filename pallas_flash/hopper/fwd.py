@@ -880,7 +880,7 @@ def grid_tiles(
     def tile_of(i, deal_ref=None):
         cta = lax.axis_index("sm")
         if dealt:
-            num_long, rounds, num_units = (deal_ref[j] for j in range(DEAL_HEADER))
+            num_long, rounds = deal_ref[0], deal_ref[1]
             index = deal_index(cta, lax.div(i, 2), ctas=ctas, num_long=num_long, rounds=rounds)
             position = 2 * deal_ref[DEAL_HEADER + index] + lax.rem(i, 2)
         else:
