@@ -252,15 +252,17 @@ def _mask_ranges(mask_mod, mask_stacks, config: HopperBwdConfig, *, batch, heads
         pad = ((0, 0), (0, 0), (0, q_pad // block_q - anything.shape[2]), (0, kv_pad // block_kv - anything.shape[3]))
         program = jnp.pad(anything, pad), jnp.pad(everything, pad, constant_values=True)
     sizes = dict(q_len=q_len, kv_len=kv_len, block_q=block_q, block_kv=block_kv, q_pad=q_pad, kv_pad=kv_pad)
-    anything, everything = and_classes(program, sparse_classes(mask, block_mask, **sizes))
-    dq_ranges = mask_block_ranges(*coarsen_block_classes(anything, everything, dq_rows // block_q, dq_cols // block_kv))
-    anything, everything = (jnp.swapaxes(x, 2, 3) for x in (anything, everything))  # [.., key, query] blocks
-    if anything.shape[1] > 1:  # a dK/dV CTA visits the query blocks of every head of its group
-        group = (anything.shape[0], kv_heads, heads // kv_heads, *anything.shape[2:])
-        anything, everything = anything.reshape(group).any(axis=2), everything.reshape(group).all(axis=2)
-    dkdv_ranges = mask_block_ranges(
-        *coarsen_block_classes(anything, everything, dkdv_rows // block_kv, dkdv_cols // block_q)
-    )
+    with jax.ensure_compile_time_eval():  # a block mask's alone are constants: no XLA ops at run time
+        anything, everything = and_classes(program, sparse_classes(mask, block_mask, **sizes))
+        coarse = coarsen_block_classes(anything, everything, dq_rows // block_q, dq_cols // block_kv)
+        dq_ranges = mask_block_ranges(*coarse)
+        anything, everything = (jnp.swapaxes(x, 2, 3) for x in (anything, everything))  # [.., key, query] blocks
+        if anything.shape[1] > 1:  # a dK/dV CTA visits the query blocks of every head of its group
+            group = (anything.shape[0], kv_heads, heads // kv_heads, *anything.shape[2:])
+            anything, everything = anything.reshape(group).any(axis=2), everything.reshape(group).all(axis=2)
+        dkdv_ranges = mask_block_ranges(
+            *coarsen_block_classes(anything, everything, dkdv_rows // block_kv, dkdv_cols // block_q)
+        )
     return dq_ranges, dkdv_ranges
 
 

@@ -931,7 +931,8 @@ def dkdv_pass(
     # Under block ranges the two passes launch long key tiles first; the one pass keeps its own order.
     launch = None
     if mod_operands[2] is not None and not config.dq_atomic:
-        launch = long_tiles_first(mod_operands[2], batch=batch, heads=kv_heads, num_tiles=num_tiles)
+        with jax.ensure_compile_time_eval():  # a constant for a block mask's ranges
+            launch = long_tiles_first(mod_operands[2], batch=batch, heads=kv_heads, num_tiles=num_tiles)
     # dq_ordered: a pair's float32 dQ covers its kv head's group of query heads
     launch_group = pairs_per_group(batch * kv_heads, q.shape[1] * q.shape[2] // kv_heads * head_dim * 4)
 

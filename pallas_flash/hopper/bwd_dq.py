@@ -588,7 +588,8 @@ def dq_pass(
     launch = None
     if ranges is not None:
         reverse = band.right is not None and band.left is None
-        launch = long_tiles_first(ranges, batch=batch, heads=heads, num_tiles=num_q_tiles, reverse_tiles=reverse)
+        with jax.ensure_compile_time_eval():  # a constant for a block mask's ranges
+            launch = long_tiles_first(ranges, batch=batch, heads=heads, num_tiles=num_q_tiles, reverse_tiles=reverse)
     # dq_split_products where it serves the call (the others run split_columns' way, without its scratch).
     shares_ds = config.dq_split_products and serves_split_products(mod_operands, dense_arrays, dropout, programs, dense)
     num_d_rows = len(score_mod.group("row", "float")) if score_mod is not None and score_mod.needs_grad else 0

@@ -1063,10 +1063,11 @@ def _forward_padded(
     )
     deal = None
     if dealt:
-        deal = long_rows_deal(
-            mod_operands[2], batch=batch, heads=heads, num_q_tiles=num_q_tiles, band=band, ctas=grid[0],
-            chunk=persistent_chunk(batch, heads, kv_bytes_per_head),
-        )  # fmt: skip
+        with jax.ensure_compile_time_eval():  # a constant for a block mask's ranges
+            deal = long_rows_deal(
+                mod_operands[2], batch=batch, heads=heads, num_q_tiles=num_q_tiles, band=band, ctas=grid[0],
+                chunk=persistent_chunk(batch, heads, kv_bytes_per_head),
+            )  # fmt: skip
     q_tile = plgpu.SMEM((NUM_CONSUMERS, config.block_q, head_dim), q.dtype, transforms=transforms)
     out_tile = plgpu.SMEM((NUM_CONSUMERS, config.block_q, head_dim_v), q.dtype, transforms=transforms_v)
 
@@ -1229,7 +1230,8 @@ def sparse_operands(
     if classes is None:
         return mod_operands
     rows, cols, ranges = mod_operands
-    return rows, cols, intersect_ranges(ranges, mask_block_ranges(*classes))
+    with jax.ensure_compile_time_eval():  # a block mask's alone are constants: no XLA ops at run time
+        return rows, cols, intersect_ranges(ranges, mask_block_ranges(*classes))
 
 
 def _mod_operands(score_mod, score_stacks, mask_mod, mask_stacks, ranges, *, q_pad: int, kv_pad: int):
