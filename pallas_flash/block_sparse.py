@@ -360,14 +360,15 @@ def exact_by_ranges(
     kv_heads: int,
     query_tiles=(),
     key_tiles=(),
-    max_runs: int = MAX_RUNS,
+    beside_other_masks: bool = False,
 ) -> str | None:
     """None if kernels that visit a contiguous range of blocks per tile, stepping over one gap inside it (the Hopper
     kernels' block ranges), serve the block mask exactly at these tiles without any token-level mask, else why not:
-    each tile's kept blocks must form at most `max_runs` runs (MAX_RUNS, or 1 beside another mask whose gap the
-    ranges may keep instead) and cover the tiles of those runs wholly. query_tiles: (rows, cols) of query-major
-    tiles (rows queries by cols keys: the forward's and the dQ pass's); key_tiles: (rows, cols) of key-major ones
-    (rows keys by cols queries over every query head of a kv head's group: the dK/dV pass's)."""
+    each tile's kept blocks must form at most MAX_RUNS runs (1 `beside_other_masks`, a mask program or dense mask
+    whose gap the ranges may keep instead) and cover the tiles of those runs wholly. query_tiles: (rows, cols) of
+    query-major tiles (rows queries by cols keys: the forward's and the dQ pass's); key_tiles: (rows, cols) of
+    key-major ones (rows keys by cols queries over every query head of a kv head's group: the dK/dV pass's)."""
+    max_runs = 1 if beside_other_masks else MAX_RUNS
     for major, tiles in (("query", query_tiles), ("key", key_tiles)):
         for rows, cols in tiles:
             straddles, runs = _tile_runs(block_mask, q_len=q_len, kv_len=kv_len, kv_heads=kv_heads, major=major,

@@ -364,10 +364,9 @@ def hopper_backward(
         block_mask.check(batch, heads, q_len, kv_len)
         dq_tiles, dkdv_tiles, _ = pass_tiles(config)
         sizes = dict(q_len=q_len, kv_len=kv_len, kv_heads=kv_heads)
-        alone = mask_mod is None and mask is None  # else another mask's gap may be the one the ranges keep
         reason = block_sparse.exact_by_ranges(
             block_mask, **sizes, query_tiles=(dq_tiles,), key_tiles=(dkdv_tiles,),
-            max_runs=block_sparse.MAX_RUNS if alone else 1
+            beside_other_masks=mask_mod is not None or mask is not None
         )  # fmt: skip
         if reason is not None:
             raise ValueError(f"block_mask is not served by block ranges at {config}: {reason}; pass it as mask=")

@@ -644,6 +644,12 @@ def clip_gap(lo, hi, gap_lo, gap_hi):
 LONG_TILE_FACTOR = 4.0
 
 
+def long_items(cost):
+    """Which of the items `cost` (a NumPy or JAX array of visited blocks or their cost) are long: over
+    LONG_TILE_FACTOR times the mean of all of them."""
+    return cost > LONG_TILE_FACTOR * cost.mean()
+
+
 def long_tiles_first(ranges, *, batch: int, heads: int, num_tiles: int, reverse_tiles: bool = False):
     """int32 [batch * heads * num_tiles]: the CTA launch order of a grid (batch, heads, tiles) (row-major linear
     ids of the items), from its tiles' block ranges (`mask_block_ranges`, [Bd, Hd, num_tiles, ...]; with
@@ -653,7 +659,7 @@ def long_tiles_first(ranges, *, batch: int, heads: int, num_tiles: int, reverse_
     alone after all others; uniform and causal-shaped sparsity keep their order (and their L2 reuse)."""
     steps = jnp.broadcast_to(ranges[..., 1] - ranges[..., 0], (batch, heads, num_tiles))
     steps = (steps[..., ::-1] if reverse_tiles else steps).reshape(-1)
-    long = steps > LONG_TILE_FACTOR * jnp.mean(steps.astype(jnp.float32))
+    long = long_items(steps.astype(jnp.float32))
     return jnp.argsort(jnp.where(long, -steps, 1), stable=True).astype(jnp.int32)
 
 

@@ -73,7 +73,6 @@ from pallas_flash.block_sparse import BlockMask
 from pallas_flash.blocks import LOG2E
 from pallas_flash.hopper.common import (
     KERNEL_STATIC_ARGNAMES,
-    LONG_TILE_FACTOR,
     RANGE_FIELDS,
     DenseMods,
     biased_logits,
@@ -87,6 +86,7 @@ from pallas_flash.hopper.common import (
     forward_head_dim,
     head_dim_transforms,
     intersect_ranges,
+    long_items,
     mask_block_ranges,
     masked_edge_loops,
     mod_values,
@@ -918,8 +918,7 @@ def long_rows(mask_program, block_mask) -> bool:
         return True
     if block_mask is None:
         return False
-    kept = block_mask.mask.sum(axis=-1)
-    return bool(kept.max() > LONG_TILE_FACTOR * kept.mean())
+    return bool(long_items(block_mask.mask.sum(axis=-1)).any())
 
 
 def long_rows_deal(ranges, *, batch: int, heads: int, num_q_tiles: int, band: masks.Band, ctas: int, chunk: int):
@@ -941,7 +940,7 @@ def long_rows_deal(ranges, *, batch: int, heads: int, num_q_tiles: int, band: ma
     r = jnp.broadcast_to(ranges, (batch, heads, num_q_tiles, RANGE_FIELDS))[pair // heads, pair % heads, tile]
     steps = r[:, 1] - r[:, 0] - (r[:, 5] - r[:, 4]) + TILE_OVERHEAD_STEPS
     cost = jnp.where(position < total, steps, 0).reshape(units, 2).sum(axis=1).astype(jnp.float32)
-    long = cost > LONG_TILE_FACTOR * jnp.mean(cost)
+    long = long_items(cost)
     if total % 2:  # the last unit holds one tile: kept short, so it ends the order (`deal_tiles`)
         long = long.at[-1].set(False)
     num_long = jnp.sum(long)
@@ -1327,7 +1326,7 @@ def hopper_forward(
             kv_len=kv_len,
             kv_heads=key.shape[2],
             query_tiles=((NUM_CONSUMERS * config.block_q, config.block_kv),),
-            max_runs=block_sparse.MAX_RUNS if mask_mod is None and mask is None else 1,  # one gap in the ranges
+            beside_other_masks=mask_mod is not None or mask is not None,
         )
         if reason is not None:
             raise ValueError(f"block_mask is not served by block ranges at {config}: {reason}; pass it as mask=")

@@ -533,10 +533,9 @@ def _ranges_reason(block_mask: BlockMask, query, key, head_dim_v: int, *, band: 
         dq_tiles, dkdv_tiles, _ = hopper_bwd.pass_tiles(bwd)
         query_tiles.append(dq_tiles)
         key_tiles.append(dkdv_tiles)
-    alone = mods.mask_mod is None and mods.mask_dims is None  # else another mask's gap may be the ranges' one
     return block_sparse.exact_by_ranges(
         block_mask, q_len=query.shape[1], kv_len=kv_len, kv_heads=key.shape[2], query_tiles=query_tiles,
-        key_tiles=key_tiles, max_runs=block_sparse.MAX_RUNS if alone else 1
+        key_tiles=key_tiles, beside_other_masks=mods.mask_mod is not None or mods.mask_dims is not None
     )  # fmt: skip
 
 

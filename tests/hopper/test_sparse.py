@@ -216,8 +216,8 @@ def test_which_block_masks_the_ranges_alone_serve(pattern, words):
         "local_64": lambda: BlockMask.local(n, n, 1, block_q=64, block_kv=64),
     }[pattern]()
     tiles = dict(query_tiles=((128, 64), (128, 128)), key_tiles=((128, 64),))
-    max_runs = 1 if pattern.endswith("_beside_a_mask") else 2
-    reason = exact_by_ranges(block_mask, q_len=n, kv_len=n, kv_heads=1, **tiles, max_runs=max_runs)
+    beside = pattern.endswith("_beside_a_mask")
+    reason = exact_by_ranges(block_mask, q_len=n, kv_len=n, kv_heads=1, **tiles, beside_other_masks=beside)
     assert reason is None if words is None else words in reason, reason
 
 
