@@ -224,21 +224,6 @@ class TileRows(typing.NamedTuple):
     hull: typing.Any = None
 
 
-class Pending(typing.NamedTuple):
-    """A chained tile whose last P V is not yet issued: its O before that P V, the P (input dtype), the row
-    maximum and sum, the V ring slot, and where its output goes (batch, head, this consumer's first row over
-    block_q: a multiple the lowering can see, which a carried row index hides)."""
-
-    acc: typing.Any
-    p: typing.Any
-    m: typing.Any
-    l: typing.Any
-    slot: typing.Any
-    batch: typing.Any
-    head: typing.Any
-    q_block: typing.Any
-
-
 def _mod_scratch(rows, cols, config: HopperConfig):
     """Shared memory and barriers for the programs' values: () without any, else one (row values per consumer,
     their barriers, column values ring, its barriers), None where a side has none. Rows: [consumers, n,
@@ -407,7 +392,6 @@ def _kernel(
         # spilled 40% more and ran 9-17% slower); there it loads once the tile's loop is done.
         per_element = programs.active or has_segments or dense.active or dropout is not None
         q_in_step = separate_out and prefetching and not config.overlap and (block_kv <= 128 or not per_element)
-        chained = chains_tiles(config, separate_out=separate_out, several_tiles=prefetching)
 
         def q_read(i, last, next_tile=None):
             """This tile's Q has been read for the last time where `last` (a traced bool): load the next one
@@ -614,74 +598,7 @@ def _kernel(
                 return acc
             return pl.run_state(update)(plgpu.ACC.init(acc))
 
-        def my_turn():  # overlap: the tensor cores are ours, issue this step's wgmmas
-            plgpu.barrier_wait(turn.at[wg])
-
-        def pass_turn():  # overlap: issued, the other consumer may issue its own
-            plgpu.barrier_arrive(turn.at[1 - wg])
-
-        def store_output(acc, m, l, batch, head, q_start):
-            """A tile's epilogue: O / l and its LSE to shared memory, then TMA copies to out_ref and lse_ref."""
-            if separate_out:
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store has read o_smem
-            inv_l = (1.0 if dropout is None else dropout.scale) / l  # the kept probabilities' 1 / (1 - rate)
-            log_l = m + jnp.log2(l)
-            if rows_may_be_empty:  # rows that saw no key: zeros and lse = -inf, never NaN
-                inv_l = jnp.where(l == 0.0, 0.0, inv_l)
-                log_l = jnp.where(l == 0.0, -jnp.inf, log_l)
-            o_smem[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(dtype)
-            lse_smem[...] = log_l * blocks.LN2
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, out_ref.at[batch, pl.ds(q_start, block_q), head])
-            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(q_start, block_q)])
-
-        def no_pending():
-            """The `Pending` the first tile starts from: P of zeros, so its P V adds nothing to an O it drops."""
-            zeros = lambda shape, dtype: layout(jnp.zeros(shape, dtype), plgpu.Layout.WGMMA)
-            vector = lambda x: layout(jnp.full((block_q,), x, jnp.float32), row)
-            acc = zeros((block_q, v_smem.shape[-1]), jnp.float32)
-            p = zeros((block_q, block_kv), dtype)
-            return Pending(acc, p, vector(-jnp.inf), vector(0.0), *(jnp.int32(0),) * 4)
-
-        def beside_last_pv(pending, tile, slot, offset, softmax):
-            """Issue S = offset + Q K[slot]^T and then the previous tile's last P V; `softmax(S)` runs while that P
-            V does. In the first tile (`tile` 0) the P V is of zeros and reads whatever the slot holds: its O is
-            dropped, and every tile issues the same wgmmas. Returns (softmax(S), the previous tile's O)."""
-            has_prev = tile > 0
-            pl.when(has_prev)(lambda: plgpu.barrier_wait(v_ready.at[pending.slot]))
-            my_turn()
-            if interpreting:  # one product at a time; the first tile reads no unready slot
-                out = softmax(qk(slot, after_issue=pass_turn, offset=offset))
-                acc = lax.cond(
-                    has_prev,
-                    lambda: pv(pending.acc, pending.p, pending.slot, after_issue=lambda: None),
-                    lambda: pending.acc,
-                )
-                return out, acc
-
-            def both(s_ref, o_ref):
-                o_ref[...] = pending.acc
-                issue_qk(s_ref, slot, offset)
-                plgpu.wgmma(o_ref, pending.p, v_smem.at[pending.slot])
-                pass_turn()
-                out = softmax(plgpu.wgmma_accumulator_load(s_ref, wait_n=1))  # S done, P V may run on
-                return out, o_ref[...]
-
-            return pl.run_scoped(
-                both, plgpu.ACC((block_q, block_kv), jnp.float32), plgpu.ACC(pending.acc.shape, jnp.float32)
-            )
-
-        def finish_pending(pending, has_prev):
-            """The previous tile's last P V is done (`pending.acc` holds its O): free its V slot, store its output."""
-
-            def finish():
-                plgpu.barrier_arrive(v_free.at[pending.slot])
-                q_start = pending.q_block * block_q
-                store_output(pending.acc, pending.m, pending.l, pending.batch, pending.head, q_start)
-
-            pl.when(has_prev)(finish)
-
-        def overlapped_blocks(acc, m, l, *, tile, rows, kv_lo, kv_hi, unmasked, slot_of, gap, pending=None):
+        def overlapped_blocks(acc, m, l, *, tile, rows, kv_lo, kv_hi, unmasked, slot_of, gap):
             """`config.overlap`, FlashAttention-3's intra-warpgroup pipelining on top of the ping-pong: step j
             issues S_j = Q K_j^T and then O += P_{j-1} V_{j-1}, waits for S_j alone (wgmma groups complete in
             order: at most one, the P V, left in flight) and computes P_j's softmax while that P V runs.
@@ -690,29 +607,23 @@ def _kernel(
             and P_{j-1} live at once. Steps [kv_lo, kv_hi) visit the blocks `gap` leaves (`Gap.block`). Block
             kv_lo (no P V before it) is peeled off and always masked; the steps after it keep the masked /
             unmasked split; every step, the peeled one and the last P V each take one turn, the same count for
-            both consumers.
+            both consumers."""
 
-            `pending` (`chained`): the previous tile's `Pending`, whose last P V is issued beside this tile's
-            first S and whose output is stored once this tile's first softmax is done; the tile then returns its
-            own `Pending` instead of issuing its last P V, so no tile's first S or last P V runs alone."""
+            def my_turn():  # the tensor cores are ours: issue this step's wgmmas
+                plgpu.barrier_wait(turn.at[wg])
+
+            def pass_turn():  # issued: the other consumer may issue its own
+                plgpu.barrier_arrive(turn.at[1 - wg])
+
             slot = slot_of(kv_lo)
             cols = block_values(slot, masked=True)
             offset, row2 = score_offsets(rows, cols, kv_lo)
-
-            def softmax(s):  # K_{kv_lo} was waited for at the tile's start
-                tiles = block_tiles(slot, masked=True)
-                plgpu.barrier_arrive(k_free.at[slot])
-                return probabilities(s, m, masked=True, rows=rows, cols=cols, kv_step=kv_lo, tiles=tiles, row2=row2)
-
-            if pending is None:
-                my_turn()
-                p, alpha, m = softmax(qk(slot, after_issue=pass_turn, offset=offset))
-            else:
-                (p, alpha, m), pending_acc = beside_last_pv(pending, tile, slot, offset, softmax)
+            my_turn()
+            s = qk(slot, after_issue=pass_turn, offset=offset)  # K_{kv_lo} was waited for at the tile's start
+            tiles = block_tiles(slot, masked=True)
+            plgpu.barrier_arrive(k_free.at[slot])
+            p, alpha, m = probabilities(s, m, masked=True, rows=rows, cols=cols, kv_step=kv_lo, tiles=tiles, row2=row2)
             l = l * alpha + p.sum(axis=1)  # O is still zero: nothing to rescale
-            p = dropped(p, rows, kv_lo)
-            if pending is not None:  # the previous tile's last P V ran under this softmax
-                finish_pending(pending._replace(acc=pending_acc), tile > 0)
 
             def step(t, carry, *, masked: bool):
                 acc, m, l, p_prev = carry
@@ -750,25 +661,22 @@ def _kernel(
                 # O holds blocks < kv_step in the old scale: rescale it to the new maximum.
                 return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), m, l, dropped(p, rows, kv_step)
 
-            carry = (acc, m, l, p)
+            carry = (acc, m, l, dropped(p, rows, kv_lo))
             unmasked_lo, unmasked_hi = (jnp.maximum(edge, kv_lo + 1) for edge in unmasked)
             acc, m, l, p_last = masked_edge_loops(
                 step, carry, kv_lo + 1 if leading else None, unmasked_lo, unmasked_hi, kv_hi
             )
             q_read(tile, True)  # every S is done; the last P V is not
             last = slot_of(kv_hi - 1)
-            if pending is not None:
-                return Pending(acc, p_last, m, l, last, rows.batch, rows.head, lax.div(rows.q_start, block_q))
             plgpu.barrier_wait(v_ready.at[last])
             my_turn()
             acc = pv(acc, p_last, last, after_issue=pass_turn)
             plgpu.barrier_arrive(v_free.at[last])
             return acc, m, l
 
-        def run_tile(i, carry):
-            """Tile i; `carry`: K/V blocks this consumer took from the ring before it (slot = count %
-            num_stages), and where `chained` the previous tile's `Pending`. Returns them after it."""
-            ring_steps, pending = carry if chained else (carry, None)
+        def run_tile(i, ring_steps):
+            """Tile i; `ring_steps`: K/V blocks this consumer took from the ring before it (slot = count %
+            num_stages). Returns the count after it."""
             batch, head, tile_start, kv_lo, kv_hi, same, gap = schedule(i)
             q_start = tile_start + wg * block_q
             if not separate_out:  # the output reuses Q's tile: the last tile's store must have read it
@@ -840,7 +748,7 @@ def _kernel(
             # From here on, ranges count steps (`Gap.step`): the gap's blocks are never visited.
             unmasked_lo, unmasked_hi, steps_hi = (step_of(gap, b) for b in (unmasked_lo, unmasked_hi, kv_hi))
             if config.overlap:
-                result = overlapped_blocks(
+                acc, m, l = overlapped_blocks(
                     acc,
                     m,
                     l,
@@ -851,22 +759,27 @@ def _kernel(
                     unmasked=(unmasked_lo, unmasked_hi),
                     slot_of=slot_of,
                     gap=gap,
-                    pending=pending,
                 )
             else:  # without a left band edge, segment ids or a mask program, unmasked_lo == kv_lo: no leading edge
                 acc, m, l = masked_edge_loops(
                     step, (acc, m, l), kv_lo if leading else None, unmasked_lo, unmasked_hi, steps_hi
                 )
 
-            ring_steps = ring_steps + steps_hi - kv_lo
-            if chained:  # the last P V and the store wait for the next tile's first step
-                return ring_steps, result
-            if config.overlap:
-                acc, m, l = result
             if not config.overlap and not q_in_step:
                 q_read(i, True)
-            store_output(acc, m, l, batch, head, q_start)
-            return ring_steps
+            if separate_out:
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store has read o_smem
+            inv_l = (1.0 if dropout is None else dropout.scale) / l  # the kept probabilities' 1 / (1 - rate)
+            log_l = m + jnp.log2(l)
+            if rows_may_be_empty:  # rows that saw no key: zeros and lse = -inf, never NaN
+                inv_l = jnp.where(l == 0.0, 0.0, inv_l)
+                log_l = jnp.where(l == 0.0, -jnp.inf, log_l)
+            o_smem[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(dtype)
+            lse_smem[...] = log_l * blocks.LN2
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, out_ref.at[batch, pl.ds(q_start, block_q), head])
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(q_start, block_q)])
+            return ring_steps + steps_hi - kv_lo
 
         if separate_out:
             load_q(0)
@@ -878,14 +791,7 @@ def _kernel(
             pl.when(wg == 1)(lambda: plgpu.barrier_arrive(turn.at[0]))
         else:
             pl.when(wg == 1)(take_turn)
-        if chained:
-            _, pending = for_each_tile(num_tiles, run_tile, (0, no_pending()))
-            plgpu.barrier_wait(v_ready.at[pending.slot])  # the last tile's last P V
-            my_turn()
-            acc = pv(pending.acc, pending.p, pending.slot, after_issue=pass_turn)
-            finish_pending(pending._replace(acc=acc), True)
-        else:
-            for_each_tile(num_tiles, run_tile, 0)
+        for_each_tile(num_tiles, run_tile, 0)
         if config.overlap:
             pl.when(wg == 0)(lambda: plgpu.barrier_wait(turn.at[0]))
         else:
@@ -932,13 +838,6 @@ def _kernel(
         ring_steps = for_each_tile(num_tiles, stream_tile, 0)
         if interpreting:
             drain_ring((k_free, v_free), num_stages=num_stages, steps=ring_steps)
-
-
-def chains_tiles(config: HopperConfig, *, separate_out: bool, several_tiles: bool) -> bool:
-    """Whether a CTA's overlapped tiles chain: each tile's last P V runs beside the next tile's first S and its
-    output is stored under the next tile's first softmax, so no tile starts or ends with the tensor cores idle
-    (the next Q loads before the output is stored: it needs a tile of its own)."""
-    return config.overlap and separate_out and several_tiles
 
 
 def for_each_tile(num_tiles, body, carry):
