@@ -97,7 +97,12 @@ class HopperConfig:
 
     @classmethod
     def default(
-        cls, head_dim: int, kv_len: int | None = None, is_causal: bool = False, sparse: bool = False
+        cls,
+        head_dim: int,
+        kv_len: int | None = None,
+        is_causal: bool = False,
+        sparse: bool = False,
+        window: bool = False,
     ) -> HopperConfig:
         """The fastest tiles measured on the H100 per padded head_dim (docs/performance.md; the persistent
         thresholds at head_dim 64 and 128 on an H200, the H100's bar at 2k agreeing).
@@ -107,13 +112,14 @@ class HopperConfig:
         weighs on short rows: non-causal 2k 8% faster, 4k 3%; the folded order balances causal tiles), one CTA
         per tile elsewhere (non-causal 8k 2% slower persistent).
         head_dim 128: 128-key blocks, 2 stages (3 do not fit); rows up to 1k persistent unless causal; longer
-        rows the overlap, persistent for rows up to 4k (non-causal 2k 5% faster, 4k 2%, causal 4k 4%; a tie at
+        rows and a `window` of any span (`kv_len`; 256 to 1k keys 2-6% faster than on the short rows' tiles) the
+        overlap, persistent for rows up to 4k (non-causal 2k 5% faster, 4k 2%, causal 4k 4%; a tie at
         8k, causal 16k 6% slower) and for `sparse` rows (segment ids, a mask program or a dense or block mask may
         leave a tile a few key blocks: 8 documents in 8k keys ran 9% faster persistent, 16 causal ones in 16k
         17%; a mask that hides nothing costs 0-1%, causal at 16k 6%). Wider heads: 64-key blocks (the only size
         that fits) and the overlap (S of block j on the tensor cores under block j-1's softmax: 9-11% faster at
         head_dim 256); up to head_dim 192 persistent for causal rows up to 8k (7-11% faster at 2k-8k, 4% slower
-        at 16k; no gain at 256). Windows take the same tiles."""
+        at 16k; no gain at 256). Windows otherwise take the tiles of rows as long as their span."""
         known = kv_len is not None
         short = known and kv_len <= 1024
         if head_dim <= 64:
@@ -122,7 +128,7 @@ class HopperConfig:
             persistent = known and (kv_len <= 4096 or (is_causal and kv_len <= 8192))
             return cls(block_q=64, block_kv=256, num_stages=2, persistent=persistent)
         if head_dim <= 128:
-            if short:
+            if short and not window:
                 return cls(block_q=64, block_kv=128, num_stages=2, persistent=not is_causal)
             persistent = (known and kv_len <= 4096) or sparse
             return cls(block_q=64, block_kv=128, num_stages=2, persistent=persistent, overlap=True)

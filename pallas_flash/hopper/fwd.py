@@ -605,9 +605,9 @@ def _kernel(
             The consumers take turns issuing their wgmmas (a "your turn" barrier each: wait for ours, issue,
             arrive on the other's), so one's softmax also runs under the other's wgmmas. Registers: O, S_j
             and P_{j-1} live at once. Steps [kv_lo, kv_hi) visit the blocks `gap` leaves (`Gap.block`). Block
-            kv_lo (no P V before it) is peeled off and always masked; the steps after it keep the masked /
-            unmasked split; every step, the peeled one and the last P V each take one turn, the same count for
-            both consumers."""
+            kv_lo (no P V before it) is peeled off, masked outside the unmasked run; the steps after it keep the
+            masked / unmasked split; every step, the peeled one and the last P V each take one turn, the same count
+            for both consumers."""
 
             def my_turn():  # the tensor cores are ours: issue this step's wgmmas
                 plgpu.barrier_wait(turn.at[wg])
@@ -620,9 +620,20 @@ def _kernel(
             offset, row2 = score_offsets(rows, cols, kv_lo)
             my_turn()
             s = qk(slot, after_issue=pass_turn, offset=offset)  # K_{kv_lo} was waited for at the tile's start
-            tiles = block_tiles(slot, masked=True)
-            plgpu.barrier_arrive(k_free.at[slot])
-            p, alpha, m = probabilities(s, m, masked=True, rows=rows, cols=cols, kv_step=kv_lo, tiles=tiles, row2=row2)
+
+            def first_block(masked: bool):
+                def softmax():
+                    tiles = block_tiles(slot, masked=masked)
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    block = dict(rows=rows, cols=cols, kv_step=kv_lo, tiles=tiles, row2=row2)
+                    return probabilities(s, m, masked=masked, **block)
+
+                return softmax
+
+            # The first block pays for the mask only outside the unmasked run (most of a short row's tiles
+            # start inside it: a document's, a block mask's).
+            inside = jnp.logical_and(unmasked[0] <= kv_lo, kv_lo < unmasked[1])
+            p, alpha, m = lax.cond(inside, first_block(False), first_block(True))
             l = l * alpha + p.sum(axis=1)  # O is still zero: nothing to rescale
 
             def step(t, carry, *, masked: bool):
@@ -1171,9 +1182,10 @@ def default_config(
     and value's (padded) `head_dim_v` (None: head_dim); with dense tiles (`tile_bytes` per logit,
     `dense_tile_bytes`) or a value head_dim of its own shrunk until its ring holds them (`HopperConfig.fit`),
     None where no tiles fit. `sparse`: the rows may visit only some key blocks (`HopperConfig.default`)."""
-    if band.left is not None and band.right is not None:
+    window = band.left is not None and band.right is not None
+    if window:
         kv_len = min(kv_len, band.left + band.right)
-    config = HopperConfig.default(max(head_dim, head_dim_v or head_dim), kv_len, band.is_causal, sparse)
+    config = HopperConfig.default(max(head_dim, head_dim_v or head_dim), kv_len, band.is_causal, sparse, window)
     if tile_bytes or (head_dim_v or head_dim) != head_dim:
         return config.fit(head_dim, 2, tile_bytes, head_dim_v)
     return config

@@ -26,8 +26,8 @@ from pallas_flash.hopper.config import H100_SHARED_MEMORY, HopperBwdConfig, Hopp
         (128, 16384, True, None, True, False),
         (128, None, False, None, True, False),
         (128, 1024, False, None, False, True),  # short rows: no overlap (unmeasured with it)
-        (128, 2048, False, (300, 77), False, True),  # a window's rows are as long as its size (377 keys): short
-        (128, 16384, True, (1024, None), False, True),  # a 1k causal window
+        (128, 2048, False, (300, 77), True, True),  # a window's rows are as long as its size (377 keys), overlapped
+        (128, 16384, True, (1024, None), True, True),  # a 1k causal window
         (128, 16384, True, (2048, None), True, True),  # 2k: long, but not past 4k
         (128, 16384, True, (8192, None), True, False),
         (128, 4096, False, (None, 0), True, True),  # causal: as unmasked calls
@@ -38,9 +38,9 @@ from pallas_flash.hopper.config import H100_SHARED_MEMORY, HopperBwdConfig, Hopp
     ],
 )
 def test_hopper_default_overlaps_only_where_measured(head_dim, kv_len, is_causal, window, overlap, persistent):
-    """The forward default turns FA3's overlap on at head_dim 128 past 1k keys, a window's rows counting as long
-    as its span, and at wider heads always; it keeps head_dim 64 (slower with it) on the ping-pong; rows up to
-    4k keys at head_dim 64 and 128 take persistent CTAs."""
+    """The forward default turns FA3's overlap on at head_dim 128 past 1k keys and for windows of any span (whose
+    rows count as long as the span), and at wider heads always; it keeps head_dim 64 (slower with it) on the
+    ping-pong; rows up to 4k keys at head_dim 64 and 128 take persistent CTAs."""
     config = hopper_fwd.default_config(head_dim, kv_len, masks.Band.of(is_causal, window))
     assert (config.overlap, config.persistent) == (overlap, persistent)
     if overlap:
