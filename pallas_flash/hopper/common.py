@@ -73,57 +73,6 @@ def register_ops(interpreting: bool):
     )
 
 
-# How far (base 2) a block's row maximum may exceed the running maximum before the running one moves: P then
-# reaches at most 2^8, which bfloat16 and float16 hold exactly as well as 1, and between moves alpha is exactly 1.
-RESCALE_SLACK = 8.0
-
-
-def lagging_max(m, block_max):
-    """The running row maximum (base 2) after a block whose row maximum is block_max: it moves only where the
-    block's exceeds it by more than `RESCALE_SLACK` (always from -inf), so after a row's first blocks the output's
-    rescale by alpha = exp2(m - m_new) is mostly by exactly 1 and `rescaled` skips it."""
-    return jnp.where(block_max > m + RESCALE_SLACK, block_max, m)
-
-
-def rescaled(acc, alpha, *, interpreting: bool):
-    """acc [rows, d] (wgmma layout) times alpha [rows] row by row. On the GPU each thread branches over its
-    multiplies when its rows' alphas are all exactly 1 (`lagging_max`): a warp skips them unless one of its 16
-    rows moved its maximum. Bitwise the product either way (x * 1 == x)."""
-    if interpreting:
-        return acc * alpha[:, None]
-    row = plgpu.Layout.WGMMA.reduce(1)
-
-    @plgpu.inline_mgpu(
-        arg_types=(plgpu.Layout.WGMMA, row),
-        return_type=plgpu.ShapeDtypeStruct(acc.shape, jnp.float32, layout=plgpu.Layout.WGMMA),
-    )
-    def branch(_, acc, alpha):
-        from jax._src.lib.mlir import ir
-        from jax._src.lib.mlir.dialects import arith, scf, vector
-        from jax.experimental.mosaic import gpu as mgpu
-
-        moved = None
-        for reg in alpha.registers.flat:  # any of this thread's alphas != 1
-            vec = isinstance(reg.type, ir.VectorType)
-            one = ir.FloatAttr.get_f32(1.0)
-            one = arith.constant(reg.type, ir.DenseElementsAttr.get_splat(reg.type, one) if vec else one)
-            ne = arith.cmpf(arith.CmpFPredicate.UNE, reg, one)
-            if vec:
-                ne = vector.reduction(ir.IntegerType.get_signless(1), vector.CombiningKind.OR, ne)
-            moved = ne if moved is None else arith.ori(moved, ne)
-        registers = list(acc.registers.flat)
-        choice = scf.IfOp(moved, [r.type for r in registers], has_else=True)
-        with ir.InsertionPoint(choice.then_block):
-            product = acc * alpha.broadcast_in_dim(acc.shape, (0,), mgpu.WGMMA_LAYOUT)
-            scf.yield_(list(product.registers.flat))
-        with ir.InsertionPoint(choice.else_block):
-            scf.yield_(registers)
-        out = np.asarray(list(choice.results), dtype=object).reshape(acc.registers.shape)
-        return mgpu.FragmentedArray(_registers=out, _layout=acc.layout, _is_signed=None)
-
-    return branch(acc, alpha)
-
-
 def column_half(tile, wg):
     """Consumer `wg`'s half of the columns of a [rows, head_dim] shared-memory tile (`HopperBwdConfig.split_columns`;
     whole swizzle tiles under `head_dim_transforms(..., split=True)`): a `pl.ds`."""

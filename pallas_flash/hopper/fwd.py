@@ -86,7 +86,6 @@ from pallas_flash.hopper.common import (
     forward_head_dim,
     head_dim_transforms,
     intersect_ranges,
-    lagging_max,
     long_items,
     mask_block_ranges,
     masked_edge_loops,
@@ -101,7 +100,6 @@ from pallas_flash.hopper.common import (
     program_offsets,
     query_tile_schedule,
     register_ops,
-    rescaled,
     round_up,
     segment_block_ranges,
     sparse_classes,
@@ -551,7 +549,7 @@ def _kernel(
                 s = jnp.where(dense_visible, s, -jnp.inf)
             # c > 0, so max(c * s + row2) = c * max(s) + row2.
             block_max = s.max(axis=1) * c
-            m_new = lagging_max(m, block_max if row2 is None else block_max + row2)
+            m_new = jnp.maximum(m, block_max if row2 is None else block_max + row2)
             # A row that has seen no key yet has m_new = -inf: shift by 0 so exp2 gives 0, not NaN. (An
             # unmasked block always has a visible key, so only masked steps need this, unless a score program
             # or a dense bias or mask may hide every key of a row.)
@@ -672,7 +670,7 @@ def _kernel(
                 l = l * alpha + p.sum(axis=1)
                 plgpu.barrier_arrive(v_free.at[prev])
                 # O holds blocks < kv_step in the old scale: rescale it to the new maximum.
-                return rescaled(acc, alpha, interpreting=interpreting), m, l, dropped(p, rows, kv_step)
+                return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), m, l, dropped(p, rows, kv_step)
 
             carry = (acc, m, l, dropped(p, rows, kv_lo))
             unmasked_lo, unmasked_hi = (jnp.maximum(edge, kv_lo + 1) for edge in unmasked)
@@ -731,7 +729,7 @@ def _kernel(
                 p, alpha, m_new = probabilities(
                     s, m, masked=masked, rows=rows, cols=cols, kv_step=kv_step, tiles=tiles, row2=row2
                 )
-                acc = rescaled(acc, alpha, interpreting=interpreting)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 l = l * alpha + p.sum(axis=1)
                 p16 = dropped(p, rows, kv_step)
                 acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
