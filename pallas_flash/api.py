@@ -899,6 +899,7 @@ def attention_backward(
     d_out,
     d_lse=None,
     *,
+    delta=None,
     scale=None,
     is_causal=False,
     segment_ids=None,
@@ -930,6 +931,10 @@ def attention_backward(
       out: [batch, q_len, heads, head_dim_v] in query's dtype; lse: float32 [batch, heads, q_len], natural log,
         -inf for a query that sees no key.
       d_out: like out; d_lse: like lse, or None (zeros).
+      delta: None, or float32 [batch, heads, q_len]: rowsum(d_out * out) - d_lse, all the backward reads of out
+        and d_lse, for a caller that runs several backwards on the same rows (ring attention's steps form it
+        once); given, out and d_lse must be None. Not served by the "xla" implementation, which recomputes its
+        forward.
       scale: a Python float, or None for 1 / sqrt(head_dim).
       The other options as `flash_attention`'s: those without a gradient of their own (no bias, score_mod,
       dropout or sinks).
@@ -939,16 +944,19 @@ def attention_backward(
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         raise TypeError(f"attention_backward's scale must be a Python float or None, got {scale!r}")
     out_shape = (*query.shape[:3], value.shape[3])
-    for name, x, shape in (
-        ("out", out, out_shape),
-        ("d_out", d_out, out_shape),
-        ("lse", lse, (query.shape[0], query.shape[2], query.shape[1])),
-        ("d_lse", d_lse, (query.shape[0], query.shape[2], query.shape[1])),
-    ):
+    rows = (query.shape[0], query.shape[2], query.shape[1])
+    for name, x, shape in (("out", out, out_shape), ("d_out", d_out, out_shape), ("lse", lse, rows),
+                           ("d_lse", d_lse, rows), ("delta", delta, rows)):  # fmt: skip
         if x is not None and tuple(x.shape) != tuple(shape):
             raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
-    if d_lse is None:
-        d_lse = jnp.zeros(lse.shape, jnp.float32)
+    if delta is None:
+        if out is None:
+            raise ValueError("attention_backward needs out (or delta)")
+        d_lse = jnp.zeros(lse.shape, jnp.float32) if d_lse is None else d_lse
+    elif out is not None or d_lse is not None:
+        raise ValueError("attention_backward takes delta in place of out and d_lse: pass out=None, d_lse=None")
+    else:  # the backwards read out only for delta: out None tells them d_lse holds -delta
+        d_lse = -jnp.asarray(delta, jnp.float32)
     if isinstance(local_window_size, list):
         local_window_size = tuple(local_window_size)
     mask_mod, is_causal, local_window_size = _fold_band_mod(mask_mod, is_causal, local_window_size)
@@ -1056,6 +1064,11 @@ def _attention_backward(
         return _portable_backward(call, key, value, out, lse, d_out, d_lse)
     if call.impl == "xla_chunked":
         return _chunked_backward(call, key, value, out, lse, d_out, d_lse)
+    if out is None:
+        raise ValueError(
+            'attention_backward\'s delta is not served by the "xla" implementation (it recomputes its forward and '
+            "needs d_lse): pass out and d_lse, or choose another implementation"
+        )
     primal, vjp = jax.vjp(lambda q, k, v: _reference(call._replace(query=q), k, v, None), call.query, key, value)
     return vjp((d_out.astype(primal[0].dtype), d_lse))
 
@@ -1117,7 +1130,8 @@ def _chunked_backward(call: _Prepared, key, value, out, lse, d_out, d_lse):
         return x.reshape(batch, kv_heads, group, q_len)
 
     q = call.query.reshape(batch, q_len, kv_heads, group, head_dim)
-    residuals = (q, key, value, call.q_ids, call.kv_ids, call.mod_arrays, by_group(out), rows(lse))
+    out = None if out is None else by_group(out)
+    residuals = (q, key, value, call.q_ids, call.kv_ids, call.mod_arrays, out, rows(lse))
     dq, dk, dv, *_ = xla_chunked._chunked_bwd(
         call.scale,
         call.band,

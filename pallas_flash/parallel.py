@@ -226,13 +226,13 @@ def _merge_foreign(pairs, acc, part):
     return _merge(acc, rows_b, rows_2)
 
 
-def _foreign_backward(plan, pairs, q, k, v, q_ids, kv_ids, out, lse, d_out, d_lse):
+def _foreign_backward(plan, pairs, q, k, v, q_ids, kv_ids, lse, d_out, delta):
     """dq (float32, zero where the layout hides) and the pieces' dk, dv of a causal step against another
-    shard's K/V cut into `pairs`' key pieces, from the ring's merged out / lse and their cotangents
-    (`_Pairs.key_rows` lays dk, dv over the held rows)."""
+    shard's K/V cut into `pairs`' key pieces, from the ring's merged lse, d out and delta (`_Pairs.key_rows` lays
+    dk, dv over the held rows)."""
     options = _options(plan, FULL, pairs.rows(q_ids), kv_ids)
-    rows = (pairs.rows(out), pairs.rows(lse, axis=2), pairs.rows(d_out), pairs.rows(d_lse, axis=2))
-    dq, dk, dv = attention_backward(pairs.rows(q), k, v, *rows, **options)
+    lse, d_out, delta = pairs.rows(lse, axis=2), pairs.rows(d_out), pairs.rows(delta, axis=2)
+    dq, dk, dv = attention_backward(pairs.rows(q), k, v, None, lse, d_out, delta=delta, **options)
     if not pairs.zigzag:
         return jnp.where(pairs.seen, dq.astype(jnp.float32), jnp.zeros(dq.shape, jnp.float32)), dk, dv
     dq_bc, dq_2 = (x.astype(jnp.float32) for x in pairs.unstack(dq))
@@ -347,6 +347,8 @@ def _ring_bwd(plan, axis_name, residuals, cotangents):
     then added to the home part in float32."""
     q, k, v, q_ids, kv_ids, out, lse = residuals
     d_out, d_lse = cotangents
+    # Every step's backward reads out and d lse only through delta: formed once here for all of them.
+    delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32)) - d_lse
     held = _sent(plan, axis_name, k, v, kv_ids)
     travelling, travel_dtype = None, _accumulator_dtype(plan.num_shards, k.dtype)
     for t in range(plan.num_shards):
@@ -355,18 +357,18 @@ def _ring_bwd(plan, axis_name, residuals, cotangents):
         shard, source, q_pos, kv_pos = _positions(plan, axis_name, q.shape[1], k.shape[1], t)
         if t == 0:
             options = _options(plan, plan.own_case(), q_ids, kv_ids, q_pos, kv_pos)
-            dq, dk_home, dv_home = attention_backward(q, k, v, out, lse, d_out, d_lse, **options)
+            dq, dk_home, dv_home = attention_backward(q, k, v, None, lse, d_out, delta=delta, **options)
             dq = dq.astype(jnp.float32)
         else:
             if plan.band.is_causal:
                 pairs = _pairs(plan, shard, source)
                 k_cut, v_cut, ids_cut = _cut(plan, pairs, held)
-                parts = _foreign_backward(plan, pairs, q, k_cut, v_cut, q_ids, ids_cut, out, lse, d_out, d_lse)
+                parts = _foreign_backward(plan, pairs, q, k_cut, v_cut, q_ids, ids_cut, lse, d_out, delta)
                 if not _sends_pieces(plan):  # laid over the held rows here; else by the K/V's owner
                     parts = (parts[0], pairs.key_rows(parts[1]), pairs.key_rows(parts[2]))
             else:
                 options = _options(plan, plan.own_case(), q_ids, held[2], q_pos, kv_pos)
-                parts = attention_backward(q, held[0], held[1], out, lse, d_out, d_lse, **options)
+                parts = attention_backward(q, held[0], held[1], None, lse, d_out, delta=delta, **options)
                 parts = tuple(g.astype(jnp.float32) for g in parts)
             dq = dq + parts[0]
             if travelling is None:

@@ -235,8 +235,9 @@ def _chunked_bwd(scale, band, block_kv, mods, block_mask, residuals, cotangents)
     d_out, d_lse = cotangents
     kv_heads, kv_len = k.shape[2], k.shape[1]
     block_kv = min(block_kv, kv_len)
-    # dL/ds = p * (dp - delta) with delta = rowsum(dO * O); a cotangent on lse adds p * d_lse.
-    delta = jnp.sum(d_out * out, axis=-1) - d_lse
+    # dL/ds = p * (dp - delta) with delta = rowsum(dO * O); a cotangent on lse adds p * d_lse. (out None: d_lse
+    # holds -delta, `attention_backward`'s delta.)
+    delta = -d_lse if out is None else jnp.sum(d_out * out, axis=-1) - d_lse
     # A row that saw no key has lse = -inf; +inf there makes every recomputed p exactly 0.
     lse2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * LOG2E)
     d_out_lowp = d_out.astype(q.dtype)

@@ -360,10 +360,12 @@ def test_attention_backward_on_own_residuals_equals_the_vjp(impl, case):
         assert_close(g, w, jnp.float32, table=GRADIENT, what=f"d{name}")
 
 
+@pytest.mark.parametrize("given_delta", [False, True])
 @pytest.mark.parametrize("impl", ["xla_chunked", "pallas"])
-def test_attention_backward_of_a_key_split_adds_up_to_the_whole(impl):
+def test_attention_backward_of_a_key_split_adds_up_to_the_whole(impl, given_delta):
     """With the residuals of attention over all keys, attention_backward on each part of a key split gives that
-    part's dk, dv and its share of dq: the parts add up to the whole call's gradient (ring attention's steps)."""
+    part's dk, dv and its share of dq: the parts add up to the whole call's gradient (ring attention's steps),
+    from (out, d_lse) or from the delta they make."""
     q, k, v, d_out = make_inputs(SHAPE, jnp.float32, seed=22)
     d_lse = 0.1 * make_inputs(SHAPE, jnp.float32, seed=23)[0][..., 0].swapaxes(1, 2)
     options = _backward_options("window_segments", SHAPE[0], SHAPE[1], SHAPE[2])
@@ -376,9 +378,12 @@ def test_attention_backward_of_a_key_split_adds_up_to_the_whole(impl):
         (out, lse), vjp = jax.vjp(
             lambda *x: pf.flash_attention(*x, kv_segment_ids=kv_ids, return_lse=True, **options), q, k, v
         )
+        rows, delta = (
+            ((None, lse, d_out, None), _delta(out, d_out, d_lse)) if given_delta else ((out, lse, d_out, d_lse), None)
+        )
         parts = [
             api.attention_backward(
-                q, k[:, keys], v[:, keys], out, lse, d_out, d_lse, kv_segment_ids=kv_ids[:, keys], **options
+                q, k[:, keys], v[:, keys], *rows, delta=delta, kv_segment_ids=kv_ids[:, keys], **options
             )
             for keys in (slice(0, split), slice(split, None))
         ]
@@ -390,11 +395,23 @@ def test_attention_backward_of_a_key_split_adds_up_to_the_whole(impl):
     assert_close(jnp.concatenate([parts[0][2], parts[1][2]], axis=1), dv, jnp.float32, table=GRADIENT, what="dv")
 
 
+def _delta(out, d_out, d_lse):
+    return jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32)) - d_lse
+
+
 def test_attention_backward_checks_its_residuals():
     q, k, v, d_out = make_inputs(SHAPE, jnp.float32, seed=24)
     lse = jnp.zeros((SHAPE[0], SHAPE[3], SHAPE[1]), jnp.float32)
     with pytest.raises(ValueError, match="lse must have shape"):
         api.attention_backward(q, k, v, d_out, lse[:, :, :5], d_out)
+    with pytest.raises(ValueError, match="delta must have shape"):
+        api.attention_backward(q, k, v, None, lse, d_out, delta=lse[:, :, :5])
+    with pytest.raises(ValueError, match="delta in place of out and d_lse"):
+        api.attention_backward(q, k, v, d_out, lse, d_out, delta=lse)
+    with pytest.raises(ValueError, match="needs out"):
+        api.attention_backward(q, k, v, None, lse, d_out)
+    with pytest.raises(ValueError, match='not served by the "xla" implementation'):
+        api.attention_backward(q, k, v, None, lse, d_out, delta=lse, implementation="xla")
     with pytest.raises(TypeError, match="scale must be a Python float"):
         api.attention_backward(q, k, v, d_out, lse, d_out, scale=jnp.float32(0.5))
 
@@ -427,7 +444,8 @@ def test_attention_backward_runs_the_hopper_backward(case, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", BACKWARD_CASES)
 def test_attention_backward_on_hopper_equals_the_vjp(case):
-    """On sm90, attention_backward(implementation="mosaic") on a call's own residuals equals that call's vjp."""
+    """On sm90, attention_backward(implementation="mosaic") on a call's own residuals (or on the delta they make)
+    equals that call's vjp."""
     if not device.on_hopper_gpu():
         pytest.skip("needs an sm90 GPU")
     shape = (2, 256, 384, 4, 2, 64)
@@ -438,8 +456,13 @@ def test_attention_backward_on_hopper_equals_the_vjp(case):
     @jax.jit
     def both(q, k, v):
         (out, lse), vjp = jax.vjp(lambda *x: pf.flash_attention(*x, return_lse=True, **options), q, k, v)
-        return vjp((d_out, d_lse)), api.attention_backward(q, k, v, out, lse, d_out, d_lse, **options)
+        delta = _delta(out, d_out, d_lse)
+        return vjp((d_out, d_lse)), [
+            api.attention_backward(q, k, v, out, lse, d_out, d_lse, **options),
+            api.attention_backward(q, k, v, None, lse, d_out, delta=delta, **options),
+        ]
 
-    want, got = both(q, k, v)
-    for name, g, w in zip("qkv", got, want):
-        assert_close(g, w, jnp.float32, table=GRADIENT, what=f"d{name}")
+    want, gots = both(q, k, v)
+    for got in gots:
+        for name, g, w in zip("qkv", got, want):
+            assert_close(g, w, jnp.float32, table=GRADIENT, what=f"d{name}")

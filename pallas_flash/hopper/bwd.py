@@ -381,10 +381,14 @@ def hopper_backward(
             "has no mutable-array kernel argument nor TMA reduce-add there); use dq_atomic=False"
         )
 
-    # dL/dS = P * (dP - delta); a cotangent on the LSE output adds P * d_lse, i.e. delta -= d_lse.
-    delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32))
-    if d_lse is not None:
-        delta = delta - d_lse.astype(jnp.float32)
+    # dL/dS = P * (dP - delta); a cotangent on the LSE output adds P * d_lse, i.e. delta -= d_lse. (out None: d_lse
+    # holds -delta, `attention_backward`'s delta.)
+    if out is None:
+        delta = -d_lse.astype(jnp.float32)
+    else:
+        delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32))
+        if d_lse is not None:
+            delta = delta - d_lse.astype(jnp.float32)
     lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse.astype(jnp.float32) * LOG2E)
 
     q_pad = round_up(q_len, math.lcm(config.block_q_dkv, config.row_tiles * config.block_q_dq))

@@ -302,8 +302,12 @@ def backward(
     `mods` and `mod_arrays`."""
     d_out, d_lse = cotangents
     q_len, kv_len, head_dim, head_dim_v = q.shape[1], k.shape[1], q.shape[3], v.shape[3]
-    # dL/dS = P * (dP - delta); a cotangent on the LSE output adds P * d_lse, i.e. delta -= d_lse.
-    delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32)) - d_lse
+    # dL/dS = P * (dP - delta); a cotangent on the LSE output adds P * d_lse, i.e. delta -= d_lse. (out None: d_lse
+    # holds -delta, `attention_backward`'s delta.)
+    if out is None:
+        delta = -d_lse
+    else:
+        delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32)) - d_lse
     # +inf makes every recomputed P of a row exactly 0: rows that saw no key, and padded rows.
     lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * blocks.LOG2E)
 
