@@ -47,6 +47,23 @@ os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_fast_cpu_compile
 import jax  # noqa: E402  (after NPROC and XLA_FLAGS, which JAX reads when its CPU client starts)
 import pytest  # noqa: E402
 
+
+def _keep_compiled_programs() -> None:
+    """On the CPU, keep XLA's compiled programs between runs of the suite (JAX's persistent compilation cache,
+    under the user's cache folder, one per JAX version): most of the suite's time is compiling, and a second run
+    takes about 40% of the first. JAX still traces and lowers every program, and a program's cache key is its
+    HLO, compiler version and flags, so a hit is the executable a compile would give. Not on a GPU (the GPU tests
+    read ptxas's notes, which a cached kernel never prints) nor where the user set JAX_COMPILATION_CACHE_DIR."""
+    if jax.default_backend() != "cpu" or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return
+    cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    jax.config.update("jax_compilation_cache_dir", os.path.join(cache_home, "pallas_flash", f"jax-{jax.__version__}"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+_keep_compiled_programs()
+
 # Float32 oracles (the dense reference, Flax's own attention, jax.nn) must multiply in float32: XLA's default
 # on GPU rounds float32 matmul operands to tf32 (~1e-3 relative error), which would hide or fake a kernel error.
 # The library itself asks for full precision explicitly wherever its inputs are float32.
